@@ -1,0 +1,143 @@
+"""The one small protocol every backend implements.
+
+The daemon speaks only these types to a backend: it renders the chat template itself
+(``localrun/chat_template.py``), hands the backend a prompt string plus sampling
+options, and reads back a stream of :class:`Chunk` objects. It never asks which
+backend it holds, except to show :class:`BackendInfo` to users.
+
+Concurrency: ``generate`` is an async generator. The daemon admits at most
+``info.slots`` generations at once per loaded model (it owns the bounded wait queue).
+Closing the generator early (client gone, ``aclose()``, task cancelled) must abort
+the request inside the backend and free its memory (KV slots / pages) promptly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingOptions:
+    """Sampling and stopping options; Ollama's option names map 1:1 onto these."""
+
+    max_tokens: int | None = None  # None: until EOS or the context window is full
+    temperature: float = 0.8  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0  # 1.0 = off (llama.cpp-style multiplicative penalty)
+    repeat_last_n: int = 64  # window for repeat/presence/frequency penalties; -1 = whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+    # Structured output: a JSON schema (dict) constrains generation; json_mode alone
+    # means "any valid JSON object". Backends that cannot constrain raise BackendError.
+    json_schema: dict[str, Any] | None = None
+    json_mode: bool = False
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str  # fully rendered (chat template already applied)
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+    request_id: str = ""
+    add_special: bool = False  # add BOS etc. when tokenizing (rendered templates carry their own)
+    prompt_token_ids: list[int] | None = None  # when set, used instead of tokenizing `prompt`
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+    prompt_eval_seconds: float = 0.0  # time to first token, backend side
+    eval_seconds: float = 0.0  # first token to last token
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Chunk:
+    """A piece of a generation. The last chunk has finish_reason and usage set."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None
+
+
+@dataclass
+class BackendInfo:
+    name: str  # "llama.cpp" | "native"
+    device: str  # "CPU", "CUDA", "Metal"
+    processor: str  # what `ps` shows, e.g. "100% GPU", "100% CPU", "48%/52% CPU/GPU"
+    reason: str  # why this backend/device was chosen, in words
+    context_length: int  # the window this load was made with (num_ctx)
+    slots: int  # generations the daemon may run at once on this model
+    size_bytes: int = 0  # memory held: weights + KV/context
+    size_vram_bytes: int = 0
+    supports_embeddings: bool = True
+    supports_logprobs: bool = True
+    supports_json_schema: bool = True
+
+
+@dataclass
+class LoadSpec:
+    """What the daemon asks a backend to load (from the library's resolved model)."""
+
+    name: str  # library name, e.g. "smollm2:135m"
+    weights: Path  # a .gguf file, or a safetensors directory
+    format: str  # "gguf" | "safetensors"
+    num_ctx: int
+    num_parallel: int = 1
+    embedding: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific knobs (n_gpu_layers, dtype, ...)
+
+
+@dataclass
+class MemoryEstimate:
+    weights_bytes: int
+    kv_bytes: int  # for num_ctx x slots
+    overhead_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A loaded model. Create one with the backend module's ``load(spec) -> Backend``."""
+
+    info: BackendInfo
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
+
+    def detokenize(self, token_ids: list[int]) -> str: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Async generator of chunks; closing it early aborts the request."""
+        ...
+
+    async def embed(self, texts: list[str]) -> list[list[float]]: ...
+
+    def close(self) -> None:
+        """Free everything. Called once, after in-flight generations ended or were aborted."""
+        ...

@@ -1,0 +1,215 @@
+"""All of localrun's settings, in one place.
+
+Every ``LOCALRUN_*`` environment variable is read here and nowhere else.  Other
+modules call :func:`settings` (a fresh read of the environment each call, so tests
+and ``localrun serve`` flags that set variables take effect) and never touch
+``os.environ`` for a ``LOCALRUN_*`` name themselves.
+
+This module imports nothing beyond the standard library (platformdirs is optional),
+so the engine, the kernels and ``localrun bench throughput`` stay importable on a
+machine that has torch but none of the server dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PORT = 11480  # not Ollama's 11434, so both can run side by side
+DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
+
+# name -> (default, help). The order here is the order `localrun serve --help` shows.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs and chats live"),
+    "LOCALRUN_HOST": (DEFAULT_HOST, "host:port the daemon binds and the CLI/TUI talk to"),
+    "LOCALRUN_KEEP_ALIVE": ("5m", "how long an idle model stays loaded (duration, seconds, -1 = forever, 0 = unload at once)"),
+    "LOCALRUN_NUM_PARALLEL": ("1", "parallel request slots per loaded llama.cpp model (the native engine batches up to max(NUM_PARALLEL, 64))"),
+    "LOCALRUN_MAX_LOADED_MODELS": ("3", "models kept loaded at once; the least recently used is evicted beyond this"),
+    "LOCALRUN_MAX_QUEUE": ("512", "requests allowed to wait for a slot; beyond this the daemon answers 503 with Retry-After"),
+    "LOCALRUN_ORIGINS": ("(none)", "comma-separated CORS origins allowed to call the API from a browser"),
+    "LOCALRUN_API_KEY": ("(none)", "when set, every API route requires 'Authorization: Bearer <key>'"),
+    "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
+    "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
+    "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
+    "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
+}
+
+_DURATION_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: str | int | float | None, default: float | None = None) -> float | None:
+    """Ollama-style keep_alive: '5m', '1h30m', '300', 300, '-1' (forever -> None), '0'.
+
+    Returns seconds as a float, or None for "forever". Raises ValueError on junk.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise ValueError(f"invalid duration {value!r}")
+    if isinstance(value, (int, float)):
+        return None if value < 0 else float(value)
+    text = str(value).strip()
+    if not text:
+        return default
+    m = _DURATION_RE.match(text)
+    if m:
+        num = float(m.group(1))
+        if num < 0:
+            return None
+        return num * _UNIT_SECONDS[m.group(2) or "s"]
+    parts = _DURATION_PART_RE.findall(text)
+    if parts and "".join(n + u for n, u in parts) == text.replace(" ", ""):
+        return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    raise ValueError(f"invalid duration {value!r}: use e.g. '5m', '1h', '300' (seconds), '-1' (forever) or '0'")
+
+
+def _default_home() -> Path:
+    try:
+        import platformdirs
+
+        return Path(platformdirs.user_data_dir("localrun", appauthor=False))
+    except ImportError:  # engine-only machines (e.g. a bare GPU box) lack platformdirs
+        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        return Path(base) / "localrun"
+
+
+def _int(name: str, raw: str | None, default: int, minimum: int) -> int:
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """'127.0.0.1:11480', 'localhost', ':8080', 'http://0.0.0.0:9000', '[::1]:80'."""
+    t = text.strip()
+    for prefix in ("http://", "https://"):
+        if t.startswith(prefix):
+            t = t[len(prefix):]
+    t = t.rstrip("/")
+    if t.startswith("["):  # IPv6 literal
+        host, _, rest = t[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif t.count(":") == 1:
+        host, port = t.split(":")
+    else:
+        host, port = t, ""
+    host = host or "127.0.0.1"
+    try:
+        p = int(port) if port else DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"LOCALRUN_HOST: bad port in {text!r}") from None
+    if not 0 < p < 65536:
+        raise ValueError(f"LOCALRUN_HOST: port out of range in {text!r}")
+    return host, p
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    host: str
+    port: int
+    keep_alive: float | None  # seconds; None = forever
+    num_parallel: int
+    max_loaded_models: int
+    max_queue: int
+    origins: tuple[str, ...]
+    api_key: str | None
+    backend: str
+    context_length: int
+    gpu_memory_fraction: float
+    log_level: str
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def chats_dir(self) -> Path:
+        return self.home / "chats"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def base_url(self) -> str:
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(variable, current value) pairs for `localrun serve --help` and logs."""
+        values = {
+            "LOCALRUN_HOME": str(self.home),
+            "LOCALRUN_HOST": f"{self.host}:{self.port}",
+            "LOCALRUN_KEEP_ALIVE": "forever" if self.keep_alive is None else f"{self.keep_alive:g}s",
+            "LOCALRUN_NUM_PARALLEL": str(self.num_parallel),
+            "LOCALRUN_MAX_LOADED_MODELS": str(self.max_loaded_models),
+            "LOCALRUN_MAX_QUEUE": str(self.max_queue),
+            "LOCALRUN_ORIGINS": ",".join(self.origins) or "(none)",
+            "LOCALRUN_API_KEY": "(set)" if self.api_key else "(none)",
+            "LOCALRUN_BACKEND": self.backend,
+            "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
+            "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
+            "LOCALRUN_LOG_LEVEL": self.log_level,
+        }
+        return [(k, values[k]) for k in ENV_VARS]
+
+
+def settings(env: dict[str, str] | None = None) -> Settings:
+    """Read the settings from the environment (or from `env`). Raises ValueError with a
+    message naming the variable when one is malformed."""
+    e = os.environ if env is None else env
+    home = Path(e["LOCALRUN_HOME"]).expanduser() if e.get("LOCALRUN_HOME") else _default_home()
+    host, port = parse_hostport(e.get("LOCALRUN_HOST") or DEFAULT_HOST)
+    try:
+        keep_alive = parse_duration(e.get("LOCALRUN_KEEP_ALIVE"), default=300.0)
+    except ValueError as exc:
+        raise ValueError(f"LOCALRUN_KEEP_ALIVE: {exc}") from None
+    backend = (e.get("LOCALRUN_BACKEND") or "auto").strip().lower().replace(".", "").replace("_", "").replace("-", "")
+    if backend == "llamacpp" or backend == "llama":
+        backend = "llamacpp"
+    if backend not in ("auto", "llamacpp", "native"):
+        raise ValueError(f"LOCALRUN_BACKEND must be auto, llamacpp or native, got {e.get('LOCALRUN_BACKEND')!r}")
+    frac_raw = e.get("LOCALRUN_GPU_MEMORY_FRACTION") or "0.8"
+    try:
+        frac = float(frac_raw)
+    except ValueError:
+        raise ValueError(f"LOCALRUN_GPU_MEMORY_FRACTION must be a number, got {frac_raw!r}") from None
+    if not 0.05 <= frac <= 0.99:
+        raise ValueError("LOCALRUN_GPU_MEMORY_FRACTION must be between 0.05 and 0.99")
+    log_level = (e.get("LOCALRUN_LOG_LEVEL") or "info").lower()
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"LOCALRUN_LOG_LEVEL must be debug, info, warning or error, got {log_level!r}")
+    origins = tuple(o.strip() for o in (e.get("LOCALRUN_ORIGINS") or "").split(",") if o.strip())
+    return Settings(
+        home=home,
+        host=host,
+        port=port,
+        keep_alive=keep_alive,
+        num_parallel=_int("LOCALRUN_NUM_PARALLEL", e.get("LOCALRUN_NUM_PARALLEL"), 1, 1),
+        max_loaded_models=_int("LOCALRUN_MAX_LOADED_MODELS", e.get("LOCALRUN_MAX_LOADED_MODELS"), 3, 1),
+        max_queue=_int("LOCALRUN_MAX_QUEUE", e.get("LOCALRUN_MAX_QUEUE"), 512, 0),
+        origins=origins,
+        api_key=e.get("LOCALRUN_API_KEY") or None,
+        backend=backend,
+        context_length=_int("LOCALRUN_CONTEXT_LENGTH", e.get("LOCALRUN_CONTEXT_LENGTH"), 4096, 16),
+        gpu_memory_fraction=frac,
+        log_level=log_level,
+    )
+
+
+__all__ = ["Settings", "settings", "parse_duration", "parse_hostport", "ENV_VARS", "DEFAULT_PORT", "DEFAULT_HOST"]

