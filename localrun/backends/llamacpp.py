@@ -1,0 +1,378 @@
+"""The llama.cpp backend (llama-cpp-python).
+
+One ``Llama`` context per parallel slot (the weights are mmapped, so the slots share
+them in memory; each slot owns its own KV cache and keeps its last prompt for prefix
+reuse). Generation runs on a worker thread per request and feeds an asyncio queue;
+closing the async generator sets a cancel flag the worker checks between tokens, so a
+client that goes away stops the work within one token and frees the slot.
+
+Chat templates are never rendered here (the daemon renders them in the jinja2
+sandbox, ``localrun.chat_template``); this module only sees finished prompt strings.
+``llama_cpp`` is imported lazily so ``localrun.backends`` imports on a GPU box without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import ctypes
+import json
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from localrun.backends.base import (
+    BackendInfo,
+    Chunk,
+    GenerationRequest,
+    LoadSpec,
+    MemoryEstimate,
+    TokenLogprob,
+    Usage,
+)
+from localrun.errors import BackendError, InvalidRequest
+
+log = logging.getLogger("localrun.llamacpp")
+
+# "any JSON object" grammar for JSON mode (format: "json", response_format json_object)
+_JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+_EMBED_MAX_CTX = 2048
+
+
+def physical_cores() -> int:
+    """llama-cpp-python defaults to a poor thread count; use the physical cores."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # pragma: no cover - psutil is a dependency
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+def gpu_offload_supported() -> bool:
+    """True when this llama.cpp build can put layers on a GPU (CUDA, Metal, ...)."""
+    try:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:
+        return False
+
+
+def _gguf_info(spec: LoadSpec):
+    info = spec.extra.get("gguf_info")
+    if info is not None:
+        return info
+    try:
+        from localrun.library import read_gguf_info
+
+        return read_gguf_info(spec.weights)
+    except ImportError:
+        return None
+
+
+def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
+    """Weights + f16 KV cache for num_ctx x slots + compute buffers, from the GGUF header."""
+    info = _gguf_info(spec)
+    weights = int(getattr(info, "tensor_bytes", 0) or 0) or Path(spec.weights).stat().st_size
+    layers = int(getattr(info, "block_count", 0) or 0)
+    hidden = int(getattr(info, "embedding_length", 0) or 0)
+    heads = int(getattr(info, "head_count", 0) or 0)
+    kv_heads = int(getattr(info, "head_count_kv", 0) or 0) or heads
+    vocab = int(getattr(info, "vocab_size", 0) or 0)
+    head_dim = hidden // heads if heads else 0
+    slots = max(1, spec.num_parallel)
+    # K and V, f16 (2 bytes), per layer per token per KV head
+    kv = 2 * layers * spec.num_ctx * kv_heads * head_dim * 2 * slots
+    if not kv:  # unknown header: assume a 4096-wide, 32-layer model
+        kv = 2 * 32 * spec.num_ctx * 4096 * 2 * slots // 4
+    # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin
+    overhead = 64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
+
+
+def _token_piece(llama_cpp, vocab, token: int) -> bytes:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, False)
+    if n < 0:  # piece longer than the buffer
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, False)
+    return buf.raw[: max(n, 0)]
+
+
+class _StopScanner:
+    """Holds back just enough text to catch stop strings that span tokens."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        if self.hold == 0:
+            out, self.pending = self.pending, ""
+        else:
+            out, self.pending = self.pending[: -self.hold], self.pending[-self.hold:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def json_schema_grammar(schema: dict[str, Any]):
+    """A llama.cpp grammar for a JSON schema; InvalidRequest when it cannot be built."""
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    try:
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except Exception as exc:
+        raise InvalidRequest(f"invalid JSON schema in response_format: {exc}") from None
+
+
+class LlamaCppBackend:
+    def __init__(self, spec: LoadSpec):
+        import llama_cpp
+
+        self._llama_cpp = llama_cpp
+        self.spec = spec
+        self.n_threads = int(spec.extra.get("n_threads") or physical_cores())
+        self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
+        slots = max(1, spec.num_parallel)
+        self._pool: queue.SimpleQueue = queue.SimpleQueue()
+        self._contexts = []
+        try:
+            for _ in range(slots):
+                llm = self._new_llama(n_ctx=spec.num_ctx)
+                self._contexts.append(llm)
+                self._pool.put(llm)
+        except Exception as exc:
+            self.close()
+            raise BackendError(f"llama.cpp failed to load {spec.name}: {exc}") from None
+        main = self._contexts[0]
+        self._main = main
+        self._vocab = main._model.vocab
+        self._n_vocab = main.n_vocab()
+        self._embedder = None
+        self._embed_lock = threading.Lock()
+        self._tok_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=slots + 1, thread_name_prefix=f"llamacpp-{spec.name}")
+        est = estimate_memory(spec)
+        device = spec.extra.get("device", "CPU")
+        vram = int(spec.extra.get("size_vram", 0))
+        self.info = BackendInfo(
+            name="llama.cpp",
+            device=device,
+            processor=spec.extra.get("processor", "100% CPU"),
+            reason=spec.extra.get("reason", f"llama.cpp on CPU with {self.n_threads} threads"),
+            context_length=spec.num_ctx,
+            slots=slots,
+            size_bytes=est.total_bytes,
+            size_vram_bytes=vram,
+        )
+
+    def _new_llama(self, n_ctx: int, embedding: bool = False):
+        llama_cpp = self._llama_cpp
+        kwargs: dict[str, Any] = dict(
+            model_path=str(self.spec.weights),
+            n_ctx=n_ctx,
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads,
+            n_gpu_layers=self.n_gpu_layers,
+            last_n_tokens_size=int(self.spec.extra.get("repeat_last_n", 64)),
+            verbose=False,
+        )
+        if embedding:
+            kwargs.update(embedding=True, n_batch=n_ctx, n_ubatch=n_ctx, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+        return llama_cpp.Llama(**kwargs)
+
+    # -- tokens ------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        with self._tok_lock:
+            return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return b"".join(_token_piece(self._llama_cpp, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
+
+    # -- generation ----------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        self._executor.submit(self._worker, request, emit, cancel)
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            cancel.set()
+
+    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event) -> None:
+        llm = self._pool.get()
+        try:
+            self._generate(llm, request, emit, cancel)
+        except LookupError as exc:  # noqa: PERF203
+            emit(InvalidRequest(str(exc)))
+        except Exception as exc:
+            log.exception("generation failed")
+            emit(exc if isinstance(exc, (InvalidRequest, BackendError)) else BackendError(f"llama.cpp: {exc}"))
+        finally:
+            self._pool.put(llm)
+
+    def _generate(self, llm, request: GenerationRequest, emit, cancel: threading.Event) -> None:
+        import numpy as np
+
+        llama_cpp = self._llama_cpp
+        o = request.options
+        t0 = time.perf_counter()
+        tokens = list(request.prompt_token_ids or self.tokenize(request.prompt, request.add_special))
+        n_ctx = llm.n_ctx()
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        if len(tokens) >= n_ctx:
+            raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {n_ctx} tokens")
+        cached = 0
+        for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
+            if a != b:
+                break
+            cached += 1
+        cached = min(cached, len(tokens) - 1)
+        grammar = None
+        if o.json_schema is not None or o.json_mode:
+            grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
+        llm.set_seed(o.seed if o.seed is not None else random.getrandbits(31))
+        gen = llm.generate(
+            tokens,
+            top_k=o.top_k,
+            top_p=o.top_p,
+            min_p=o.min_p,
+            typical_p=1.0,
+            temp=o.temperature,
+            repeat_penalty=o.repeat_penalty,
+            frequency_penalty=o.frequency_penalty,
+            presence_penalty=o.presence_penalty,
+            grammar=grammar,
+        )
+        limit = n_ctx - len(tokens)
+        if o.max_tokens is not None:
+            limit = min(limit, o.max_tokens)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        stops = _StopScanner(o.stop)
+        stop_ids = set(o.stop_token_ids)
+        n_out = 0
+        t_first = None
+        finish = "length"
+        tail = ""
+        try:
+            for token in gen:
+                if cancel.is_set():
+                    finish = "abort"
+                    break
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if not o.ignore_eos and (llama_cpp.llama_vocab_is_eog(self._vocab, token) or token in stop_ids):
+                    finish = "stop"
+                    tail = decoder.decode(b"", final=True) + stops.flush()
+                    break
+                n_out += 1
+                lp = self._logprob(llm, token, o.top_logprobs, np) if o.logprobs else None
+                text, hit = stops.feed(decoder.decode(_token_piece(llama_cpp, self._vocab, token)))
+                if hit:
+                    finish = "stop"
+                    if text:
+                        emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
+                    break
+                if n_out >= limit:
+                    text += decoder.decode(b"", final=True) + stops.flush()
+                    emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
+                    break
+                if text or lp:
+                    emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
+        finally:
+            gen.close()
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        emit(
+            Chunk(
+                text=tail,
+                finish_reason=finish,
+                usage=Usage(
+                    prompt_tokens=len(tokens),
+                    completion_tokens=n_out,
+                    cached_tokens=cached,
+                    prompt_eval_seconds=t_first - t0,
+                    eval_seconds=t_end - t_first,
+                ),
+            )
+        )
+
+    def _logprob(self, llm, token: int, top_n: int, np) -> TokenLogprob:
+        """Log-probabilities of the raw model distribution the token was sampled from."""
+        ptr = llm._ctx.get_logits_ith(-1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
+        m = logits.max()
+        lse = m + np.log(np.exp(logits - m).sum())
+        top: list[tuple[str, float]] = []
+        if top_n > 0:
+            idx = np.argpartition(-logits, top_n)[:top_n]
+            idx = idx[np.argsort(-logits[idx])]
+            top = [(self.detokenize([int(i)]), float(logits[i] - lse)) for i in idx]
+        return TokenLogprob(token=self.detokenize([token]), logprob=float(logits[token] - lse), top=top)
+
+    # -- embeddings ----------------------------------------------------------------------
+    def _embed_sync(self, texts: list[str]) -> list[list[float]]:
+        with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = self._new_llama(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX), embedding=True)
+            emb = self._embedder
+            limit = emb.n_batch
+            for t in texts:
+                n = len(emb.tokenize(t.encode("utf-8"), add_bos=True))
+                if n > limit:
+                    raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} tokens")
+            return [list(map(float, v)) for v in emb.embed(texts, normalize=True)]
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._embed_sync, texts)
+
+    def close(self) -> None:
+        ex = getattr(self, "_executor", None)
+        if ex is not None:
+            ex.shutdown(wait=True, cancel_futures=True)
+        for llm in [*getattr(self, "_contexts", []), getattr(self, "_embedder", None)]:
+            if llm is not None:
+                try:
+                    llm.close()
+                except Exception:  # pragma: no cover
+                    pass
+        self._contexts = []
+        self._embedder = None
+
+
+def load(spec: LoadSpec) -> LlamaCppBackend:
+    if spec.format != "gguf":
+        raise BackendError(f"llama.cpp runs GGUF files only; {spec.name} is {spec.format} (use LOCALRUN_BACKEND=native)")
+    return LlamaCppBackend(spec)

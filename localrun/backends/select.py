@@ -1,0 +1,116 @@
+"""Which backend runs a model, and why.
+
+``auto``: localrun's native engine on NVIDIA GPUs of compute capability 8.0 or newer
+(when ``localrun.backends.native`` imports), else llama.cpp (Metal on Apple silicon,
+partial CUDA offload on consumer GPUs, CPU threads otherwise). Safetensors models need
+the native engine (llama.cpp runs GGUF only). The reason is a sentence users see in
+``localrun ps`` / ``/api/ps`` and in the log.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import platform
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
+
+from localrun.errors import BackendError
+
+log = logging.getLogger("localrun.select")
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    capability: tuple[int, int]
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # "llamacpp" | "native"
+    reason: str
+
+
+def cuda_gpu() -> GPU | None:
+    """The first CUDA GPU as torch sees it (free memory read fresh), or None."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info(0)
+        return GPU(torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0)), int(free), int(total))
+    except Exception as exc:  # broken driver etc.: run on CPU and say so in the log
+        log.warning("CUDA probe failed (%s); treating this machine as CPU-only", exc)
+        return None
+
+
+def is_apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+@lru_cache(maxsize=1)
+def native_import_error() -> str | None:
+    """None when localrun.backends.native imports, else why not (cached)."""
+    try:
+        importlib.import_module("localrun.backends.native")
+        return None
+    except Exception as exc:  # ImportError, or a broken optional dependency
+        return f"{type(exc).__name__}: {exc}"
+
+
+def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None) -> Choice:
+    """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`."""
+    if setting == "native":
+        err = native_import_error()
+        if err:
+            raise BackendError(f"LOCALRUN_BACKEND=native but the native engine cannot be imported ({err}); "
+                               "install localrun[native] or set LOCALRUN_BACKEND=auto")
+        where = f"CUDA GPU {gpu.name}" if gpu else "CPU (torch reference path)"
+        return Choice("native", f"native engine on {where}: LOCALRUN_BACKEND=native")
+    if setting == "llamacpp":
+        if fmt != "gguf":
+            raise BackendError("LOCALRUN_BACKEND=llamacpp runs GGUF files only; this model is safetensors "
+                               "(set LOCALRUN_BACKEND=auto or native)")
+        return Choice("llamacpp", "llama.cpp: LOCALRUN_BACKEND=llamacpp")
+    # auto
+    err = native_import_error()
+    if fmt != "gguf":
+        if err:
+            raise BackendError(f"safetensors models need the native engine, which cannot be imported ({err}); "
+                               "install localrun[native] or import a GGUF instead")
+        return Choice("native", "native engine: safetensors models run only on the native engine")
+    if gpu is not None and gpu.capability >= (8, 0):
+        if err is None:
+            return Choice("native", f"native engine: CUDA GPU {gpu.name} has compute capability "
+                                    f"{gpu.capability[0]}.{gpu.capability[1]} (>= 8.0)")
+        return Choice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} could run the native engine but it "
+                                  f"does not import ({err})")
+    if gpu is not None:
+        return Choice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} has compute capability "
+                                  f"{gpu.capability[0]}.{gpu.capability[1]} (< 8.0 for the native engine)")
+    if is_apple_silicon():
+        return Choice("llamacpp", "llama.cpp with Metal: Apple silicon")
+    return Choice("llamacpp", "llama.cpp on CPU: no CUDA GPU found")
+
+
+def backend_module(name: str) -> ModuleType:
+    """The module exposing load(spec) and estimate_memory(spec) for a backend name."""
+    if name == "llamacpp":
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise BackendError("llama-cpp-python is not installed: pip install llama-cpp-python")
+        return importlib.import_module("localrun.backends.llamacpp")
+    if name == "native":
+        return importlib.import_module("localrun.backends.native")
+    raise BackendError(f"unknown backend {name!r}")
+
+
+__all__ = ["GPU", "Choice", "choose", "cuda_gpu", "backend_module", "is_apple_silicon", "native_import_error"]
