@@ -1,0 +1,803 @@
+"""`localrun`: the command line, a thin HTTP client of the daemon (see localrun.client).
+
+Every verb except `serve` and `bench` talks to the daemon and starts it in the
+background when none answers.  Errors end as one line on stderr and a non-zero exit
+code, never a traceback; Ctrl+C stops a stream cleanly (exit 130).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from localrun import __version__
+from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for
+from localrun.config import ENV_VARS, parse_duration, settings
+from localrun.errors import LocalrunError
+
+PROG = "localrun"
+
+
+class CLIError(Exception):
+    """A user mistake found by the CLI itself (missing file, bad value)."""
+
+
+# --------------------------------------------------------------------------------------
+# Small formatting helpers
+# --------------------------------------------------------------------------------------
+
+
+def human_size(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit != "GB" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def human_count(n: int | float | None) -> str:
+    """134515008 -> '134.52M' (as `ollama show` prints parameter counts)."""
+    if not n:
+        return "-"
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)
+
+
+def parse_time(value) -> datetime | None:
+    if not value or not isinstance(value, str):
+        return None
+    text = re.sub(r"(\.\d{6})\d+", r"\1", value.strip()).replace("Z", "+00:00")
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _span(seconds: float) -> str:
+    for size, unit in ((86400 * 365, "year"), (86400 * 30, "month"), (86400 * 7, "week"), (86400, "day"),
+                       (3600, "hour"), (60, "minute"), (1, "second")):
+        if seconds >= size:
+            k = int(seconds // size)
+            return f"{k} {unit}{'s' if k != 1 else ''}"
+    return "0 seconds"
+
+
+def human_ago(value) -> str:
+    t = parse_time(value)
+    if t is None:
+        return "-"
+    secs = (datetime.now(timezone.utc) - t).total_seconds()
+    return "just now" if secs < 1 else f"{_span(secs)} ago"
+
+
+def human_until(value) -> str:
+    t = parse_time(value)
+    if t is None:
+        return "Forever"
+    secs = (t - datetime.now(timezone.utc)).total_seconds()
+    if secs > 86400 * 365 * 50:
+        return "Forever"
+    return "Stopping..." if secs < 1 else f"{_span(secs)} from now"
+
+
+def short_id(digest: str | None) -> str:
+    d = (digest or "").split(":", 1)[-1]
+    return d[:12] or "-"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    return "\n".join("    ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows])
+
+
+def parse_value(text: str):
+    """'0.2' -> 0.2, '42' -> 42, 'true' -> True, else the string."""
+    t = text.strip()
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(t)
+        except ValueError:
+            pass
+    if len(t) >= 2 and t[0] == t[-1] == '"':
+        return t[1:-1]
+    return t
+
+
+def set_option(options: dict, name: str, value: str) -> None:
+    """Ollama option names; `stop` accumulates like repeated PARAMETER stop lines."""
+    name = name.strip()
+    if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        raise CLIError(f"bad parameter name {name!r}: use an Ollama option name like temperature or num_ctx")
+    if name == "stop":
+        options.setdefault("stop", []).append(str(parse_value(value)))
+    else:
+        options[name] = parse_value(value)
+
+
+def _err(msg: str) -> None:
+    print(f"Error: {msg}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------
+# Progress (pull, create)
+# --------------------------------------------------------------------------------------
+
+
+def show_progress(events: Iterable[dict]) -> dict | None:
+    """Draw rich progress bars (bytes, speed, ETA) from Ollama-style progress events,
+    one bar per digest; other statuses print as lines. Returns the last event."""
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    console = Console(stderr=True, highlight=False)
+    bars: dict[str, int] = {}
+    last: dict | None = None
+    last_status = None
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=console) as progress:
+        for ev in events:
+            last = ev
+            status = str(ev.get("status", ""))
+            total, digest = ev.get("total"), ev.get("digest")
+            if total and digest:
+                if digest not in bars:
+                    bars[digest] = progress.add_task(status, total=total)
+                progress.update(bars[digest], total=total, completed=ev.get("completed") or 0)
+            elif status and status != last_status:
+                progress.console.print(status, markup=False)
+            last_status = status
+    return last
+
+
+# --------------------------------------------------------------------------------------
+# Chat streaming, shared by `run PROMPT` and the REPL
+# --------------------------------------------------------------------------------------
+
+
+class RunSettings:
+    def __init__(self, options: dict | None = None, keep_alive=None, format=None, verbose=False, system=None):
+        self.options = dict(options or {})
+        self.keep_alive = keep_alive
+        self.format = format
+        self.verbose = verbose
+        self.system = system
+
+
+def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunSettings) -> str:
+    """Stream one answer to stdout; return its text. Ctrl+C closes the stream (the
+    daemon aborts the request) and propagates."""
+    msgs = ([{"role": "system", "content": rs.system}] if rs.system else []) + messages
+    start = time.perf_counter()
+    ttft = None
+    final: dict = {}
+    parts: list[str] = []
+    stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format)
+    try:
+        for chunk in stream:
+            piece = (chunk.get("message") or {}).get("content") or chunk.get("response") or ""
+            if piece:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                parts.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            if chunk.get("done"):
+                final = chunk
+    finally:
+        stream.close()
+    text = "".join(parts)
+    sys.stdout.write("\n" if not text.endswith("\n") else "")
+    sys.stdout.flush()
+    if rs.verbose:
+        print(format_stats(final, ttft), file=sys.stderr)
+    return text
+
+
+def _dur(ns) -> str:
+    if not ns:
+        return "0s"
+    s = ns / 1e9
+    return f"{s * 1000:.3f}ms" if s < 1 else f"{s:.3f}s"
+
+
+def _rate(count, ns) -> str:
+    return f"{count / (ns / 1e9):.2f} tokens/s" if count and ns else "-"
+
+
+def cached_tokens(final: dict) -> int | None:
+    for key in ("prompt_cache_count", "cached_tokens", "prompt_cached_count", "prompt_eval_cached"):
+        if isinstance(final.get(key), int):
+            return final[key]
+    usage = final.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
+
+
+def format_stats(final: dict, ttft_client: float | None) -> str:
+    """Ollama's --verbose block, plus time to first token and cached prompt tokens."""
+    pc, pd = final.get("prompt_eval_count"), final.get("prompt_eval_duration")
+    ec, ed = final.get("eval_count"), final.get("eval_duration")
+    ttft_ns = final.get("ttft_ns") or final.get("time_to_first_token")
+    if not ttft_ns and (final.get("load_duration") is not None or pd):
+        ttft_ns = (final.get("load_duration") or 0) + (pd or 0)
+    rows = [
+        ("total duration", _dur(final.get("total_duration"))),
+        ("load duration", _dur(final.get("load_duration"))),
+        ("time to first token", _dur(ttft_ns) if ttft_ns else (f"{ttft_client * 1000:.3f}ms" if ttft_client else "-")),
+        ("prompt eval count", f"{pc if pc is not None else '-'} token(s)"),
+        ("cached prompt tokens", f"{cached_tokens(final) if cached_tokens(final) is not None else '-'} token(s)"),
+        ("prompt eval duration", _dur(pd)),
+        ("prompt eval rate", _rate(pc, pd)),
+        ("eval count", f"{ec if ec is not None else '-'} token(s)"),
+        ("eval duration", _dur(ed)),
+        ("eval rate", _rate(ec, ed)),
+    ]
+    return "\n".join(f"{k + ':':<22}{v}" for k, v in rows)
+
+
+# --------------------------------------------------------------------------------------
+# show
+# --------------------------------------------------------------------------------------
+
+
+def render_show(info: dict, verbose: bool = False) -> str:
+    mi = info.get("model_info") or {}
+    details = info.get("details") or {}
+    arch = mi.get("general.architecture") or details.get("family") or "-"
+
+    def arch_key(name):
+        return mi.get(f"{arch}.{name}")
+
+    params = mi.get("general.parameter_count")
+    model_rows = [
+        ("architecture", arch),
+        ("parameters", human_count(params) if params else details.get("parameter_size") or "-"),
+        ("context length", arch_key("context_length") or "-"),
+        ("embedding length", arch_key("embedding_length") or "-"),
+        ("quantization", details.get("quantization_level") or "-"),
+        ("format", details.get("format") or "-"),
+    ]
+    out = ["  Model"] + [f"    {k:<20}{v}" for k, v in model_rows]
+
+    def section(title: str, body: str | None, limit: int | None = None):
+        if not body or not str(body).strip():
+            return
+        lines = str(body).strip().splitlines()
+        if limit and len(lines) > limit:
+            lines = lines[:limit] + ["..."]
+        out.extend(["", f"  {title}"] + [f"    {ln}" for ln in lines])
+
+    if info.get("capabilities"):
+        section("Capabilities", "\n".join(info["capabilities"]))
+    section("Parameters", info.get("parameters"))
+    section("System", info.get("system"), limit=None if verbose else 4)
+    section("License", info.get("license"), limit=None if verbose else 2)
+    weights = [f"path      {info['weights_path']}"] if info.get("weights_path") else []
+    if info.get("digest"):
+        weights.append(f"digest    {info['digest']}")
+    section("Weights", "\n".join(weights))
+    if verbose:
+        section("Metadata", "\n".join(f"{k:<40}{v}" for k, v in sorted(mi.items())))
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# The REPL (`run MODEL` without a prompt when the TUI is unavailable, or --plain)
+# --------------------------------------------------------------------------------------
+
+REPL_HELP = """Available commands:
+  /set parameter NAME VALUE   set a generation option (temperature, num_ctx, stop, ...)
+  /set system TEXT            set the system message
+  /set format json | /set noformat
+  /set verbose | /set quiet   show or hide timing stats after each answer
+  /show [info|modelfile|parameters|system|template|license]
+  /clear                      forget the conversation
+  /load MODEL                 switch to another model
+  /bye                        exit
+  /?, /help                   this help
+
+Use \"\"\" to begin and end a multi-line message."""
+
+
+class Repl:
+    def __init__(self, client: DaemonClient, model: str, rs: RunSettings, interactive: bool):
+        self.client = client
+        self.model = model
+        self.rs = rs
+        self.interactive = interactive
+        self.messages: list[dict] = []
+
+    def _input(self, prompt: str) -> str:
+        if self.interactive:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    def read_message(self) -> str:
+        line = self._input(">>> ")
+        if not line.lstrip().startswith('"""'):
+            return line
+        text = line.lstrip()[3:]
+        if text.endswith('"""'):
+            return text[:-3]
+        lines = [text] if text else []
+        while True:
+            more = self._input("... ")
+            if more.rstrip().endswith('"""'):
+                lines.append(more.rstrip()[:-3])
+                return "\n".join(lines)
+            lines.append(more)
+
+    def run(self) -> int:
+        if self.interactive:
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:
+                pass
+            print('>>> Send a message (/? for help, /bye to exit)')
+        while True:
+            try:
+                text = self.read_message()
+            except EOFError:
+                if self.interactive:
+                    print()
+                return 0
+            except KeyboardInterrupt:
+                print("\nUse Ctrl + d or /bye to exit.")
+                continue
+            if not text.strip():
+                continue
+            if text.strip().startswith("/") and not text.startswith('"""'):
+                if self.command(text.strip()) == "bye":
+                    return 0
+                continue
+            self.messages.append({"role": "user", "content": text})
+            try:
+                answer = stream_chat(self.client, self.model, self.messages, self.rs)
+            except KeyboardInterrupt:
+                print()
+                self.messages.pop()
+                continue
+            except APIError as exc:
+                _err(exc.message)
+                self.messages.pop()
+                continue
+            self.messages.append({"role": "assistant", "content": answer})
+
+    def command(self, line: str) -> str | None:
+        words = line.split()
+        cmd, args = words[0].lower(), words[1:]
+        try:
+            if cmd in ("/bye", "/exit", "/quit"):
+                return "bye"
+            if cmd in ("/?", "/help"):
+                print(REPL_HELP)
+            elif cmd == "/clear":
+                self.messages.clear()
+                print("Cleared session context")
+            elif cmd == "/load" and len(args) == 1:
+                ensure_model(self.client, args[0])
+                self.model = args[0]
+                self.messages.clear()
+                print(f"Loading model '{self.model}'")
+            elif cmd == "/set" and args:
+                self.set(args, line)
+            elif cmd == "/show":
+                self.show(args[0] if args else "info")
+            else:
+                print(f"Unknown command '{line}'. Type /? for help")
+        except (CLIError, APIError) as exc:
+            _err(str(exc))
+        return None
+
+    def set(self, args: list[str], line: str) -> None:
+        what = args[0].lower()
+        if what == "parameter":
+            if len(args) < 3:
+                raise CLIError("usage: /set parameter NAME VALUE")
+            set_option(self.rs.options, args[1], line.split(None, 3)[3])
+            print(f"Set parameter '{args[1]}' to '{line.split(None, 3)[3]}'")
+        elif what == "system":
+            text = line.split(None, 2)[2] if len(args) > 1 else ""
+            self.rs.system = text.strip().strip('"') or None
+            print("Set system message.")
+        elif what == "format" and len(args) == 2:
+            self.rs.format = args[1]
+            print(f"Set format to '{args[1]}' mode.")
+        elif what == "noformat":
+            self.rs.format = None
+            print("Disabled format.")
+        elif what in ("verbose", "quiet"):
+            self.rs.verbose = what == "verbose"
+            print(f"Set '{what}' mode.")
+        else:
+            raise CLIError(f"unknown /set {what!r}; type /? for help")
+
+    def show(self, what: str) -> None:
+        info = self.client.show(self.model)
+        if what == "info":
+            print(render_show(info), end="")
+            if self.rs.options:
+                print("  Session parameters\n" + "\n".join(f"    {k:<20}{v}" for k, v in self.rs.options.items()))
+            if self.rs.system:
+                print(f"  Session system message\n    {self.rs.system}")
+        elif what in ("modelfile", "parameters", "system", "template", "license"):
+            print(info.get(what) or f"No {what} was specified for this model.")
+        else:
+            raise CLIError(f"unknown /show {what!r}: info, modelfile, parameters, system, template or license")
+
+
+# --------------------------------------------------------------------------------------
+# Verbs
+# --------------------------------------------------------------------------------------
+
+
+def normalize_name(name: str) -> str:
+    last = name.rsplit("/", 1)[-1]
+    return name if ":" in last else f"{name}:latest"
+
+
+def ensure_model(client: DaemonClient, model: str) -> None:
+    """Pull the model first when the library lacks it, as `ollama run` does."""
+    try:
+        client.show(model)
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+        show_progress(client.pull(model))
+
+
+def _open_tui(model: str | None, base_url: str):
+    try:
+        from localrun.tui import run_chat
+    except ImportError:
+        return None
+    return run_chat(model, base_url=base_url)
+
+
+def cmd_run(args, client: DaemonClient) -> int:
+    prompt = " ".join(args.prompt)
+    piped = not sys.stdin.isatty()
+    if piped and not args.plain:
+        text = sys.stdin.read()
+        prompt = f"{prompt}\n\n{text}" if prompt and text.strip() else (prompt or text)
+    options: dict = {}
+    for item in args.option or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
+        set_option(options, name, value)
+    rs = RunSettings(options, keep_alive=args.keepalive, format=args.format, verbose=args.verbose)
+    ensure_model(client, args.model)
+    if prompt.strip():
+        stream_chat(client, args.model, [{"role": "user", "content": prompt}], rs)
+        return 0
+    if piped and not args.plain:  # empty stdin: just load the model, as `ollama run M </dev/null` does
+        for _ in client.generate(args.model, "", keep_alive=args.keepalive):
+            pass
+        return 0
+    if not args.plain:
+        code = _open_tui(args.model, client.base_url)
+        if code is not None:
+            return code
+    return Repl(client, args.model, rs, interactive=not piped).run()
+
+
+def cmd_chat(args, client: DaemonClient) -> int:
+    if args.model:
+        ensure_model(client, args.model)
+    code = _open_tui(args.model, client.base_url)
+    if code is not None:
+        return code
+    if not args.model:
+        raise CLIError("the chat TUI is not installed here; use `localrun run MODEL` for a plain chat")
+    return Repl(client, args.model, RunSettings(), interactive=sys.stdin.isatty()).run()
+
+
+def cmd_pull(args, client: DaemonClient) -> int:
+    last = show_progress(client.pull(args.model))
+    return 0 if last and last.get("status") == "success" else 1
+
+
+def cmd_list(args, client: DaemonClient) -> int:
+    rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
+             human_ago(m.get("modified_at"))] for m in client.tags()]
+    print(table(["NAME", "ID", "SIZE", "MODIFIED"], rows))
+    return 0
+
+
+def processor(m: dict) -> str:
+    if m.get("processor"):
+        return str(m["processor"])
+    size, vram = m.get("size") or 0, m.get("size_vram") or 0
+    if not size or vram <= 0:
+        return "100% CPU"
+    if vram >= size:
+        return "100% GPU"
+    gpu = round(100 * vram / size)
+    return f"{100 - gpu}%/{gpu}% CPU/GPU"
+
+
+def backend_name(m: dict) -> str:
+    b = m.get("backend")
+    if isinstance(b, dict):
+        return str(b.get("name") or b.get("backend") or "-")
+    return str(b or "-")
+
+
+def cmd_ps(args, client: DaemonClient) -> int:
+    rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
+             processor(m), backend_name(m), human_until(m.get("expires_at"))] for m in client.ps()]
+    print(table(["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"], rows))
+    return 0
+
+
+def cmd_show(args, client: DaemonClient) -> int:
+    info = client.show(args.model, verbose=args.verbose)
+    for field in ("modelfile", "parameters", "system", "template", "license"):
+        if getattr(args, field):
+            text = info.get(field) or ""
+            print(text, end="" if text.endswith("\n") or not text else "\n")
+            return 0
+    print(render_show(info, verbose=args.verbose), end="")
+    return 0
+
+
+def cmd_stop(args, client: DaemonClient) -> int:
+    want = normalize_name(args.model)
+    running = {normalize_name(m.get("name") or m.get("model", "")) for m in client.ps()}
+    if want not in running:
+        raise CLIError(f"model '{args.model}' is not running (see `localrun ps`)")
+    client.stop(args.model)
+    return 0
+
+
+def cmd_rm(args, client: DaemonClient) -> int:
+    failed = 0
+    for name in args.models:
+        try:
+            client.delete(name)
+            print(f"deleted '{name}'")
+        except APIError as exc:
+            _err(exc.message)
+            failed += 1
+    return 1 if failed else 0
+
+
+def cmd_cp(args, client: DaemonClient) -> int:
+    client.copy(args.source, args.destination)
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def cmd_create(args, client: DaemonClient) -> int:
+    path = Path(args.file).expanduser()
+    if not path.is_file():
+        raise CLIError(f"no Modelfile at {path}: pass one with -f PATH")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"cannot read {path}: {exc}") from None
+    last = show_progress(client.create(args.name, text, base_dir=str(path.resolve().parent)))
+    return 0 if last and last.get("status") == "success" else 1
+
+
+def cmd_version(args, client: DaemonClient) -> int:
+    print(f"localrun version {__version__}")
+    if client.is_up():
+        try:
+            print(f"daemon version {client.version().get('version', '?')} at {client.base_url}")
+        except APIError as exc:
+            print(f"daemon at {client.base_url}: {exc.message}")
+    else:
+        print(f"no daemon is running at {client.base_url}")
+    return 0
+
+
+def _server_entry():
+    """The server package's foreground entry point (written by the daemon engineer)."""
+    try:
+        import localrun.server as server
+    except ImportError as exc:
+        raise CLIError(f"the daemon cannot start: {exc} (reinstall localrun)") from None
+    for name in ("serve", "main", "run"):
+        fn = getattr(server, name, None)
+        if callable(fn):
+            return fn
+    raise CLIError("the daemon is not part of this install (localrun.server has no serve())")
+
+
+def cmd_serve(args) -> int:
+    if args.host:
+        os.environ["LOCALRUN_HOST"] = args.host  # settings() reads it; the server sees the flag
+    settings()  # a malformed LOCALRUN_* variable fails here with a message naming it
+    result = _server_entry()()
+    return result if isinstance(result, int) else 0
+
+
+def _serve_epilog() -> str:
+    try:
+        current = dict(settings().describe())
+    except ValueError as exc:
+        current = {}
+        bad = str(exc)
+    else:
+        bad = ""
+    lines = ["environment variables (default -> current value):"]
+    for name, (default, help_text) in ENV_VARS.items():
+        lines.append(f"  {name}")
+        lines.append(f"      {help_text}")
+        lines.append(f"      default: {default}    current: {current.get(name, '(invalid)')}")
+    if bad:
+        lines.append(f"\nError in the environment: {bad}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Parser and main
+# --------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Run language models locally: a daemon with a model library and an "
+        "OpenAI-compatible + Ollama-shaped API, and this CLI as its client.")
+    p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
+    p.add_argument("--host", metavar="HOST:PORT", help="daemon address (default: LOCALRUN_HOST)")
+    p.add_argument("--no-autostart", action="store_true",
+                   help="fail instead of starting the daemon in the background when none answers")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name, help_text, **kw):
+        return sub.add_parser(name, help=help_text, description=help_text, **kw)
+
+    s = add("serve", "run the daemon in the foreground", epilog=_serve_epilog(),
+            formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--host", dest="serve_host", metavar="HOST:PORT", help="address to bind (sets LOCALRUN_HOST)")
+
+    s = add("pull", "download a model into the library")
+    s.add_argument("model")
+
+    s = add("run", "run a model: answer PROMPT, or chat when none is given")
+    s.add_argument("model")
+    s.add_argument("prompt", nargs="*", help="the prompt (piped stdin is appended)")
+    s.add_argument("--verbose", action="store_true", help="print timing stats (TTFT, tok/s, token counts)")
+    s.add_argument("--format", choices=["json"], help="constrain the answer to JSON")
+    s.add_argument("--keepalive", metavar="DURATION", help="how long the model stays loaded (e.g. 5m, 0, -1)")
+    s.add_argument("-o", "--option", action="append", metavar="NAME=VALUE",
+                   help="a generation option, e.g. -o temperature=0 -o num_predict=64 (repeatable)")
+    s.add_argument("--plain", action="store_true",
+                   help="chat in a plain line REPL instead of the TUI (with piped stdin: one message per line)")
+
+    s = add("chat", "open the chat TUI")
+    s.add_argument("model", nargs="?")
+
+    s = add("list", "list the models in the library", aliases=["ls"])
+
+    s = add("show", "show a model's details, Modelfile and weights path")
+    s.add_argument("model")
+    g = s.add_mutually_exclusive_group()
+    for field in ("modelfile", "parameters", "system", "template", "license"):
+        g.add_argument(f"--{field}", action="store_true", help=f"print only the {field}")
+    s.add_argument("--verbose", action="store_true", help="also print all model metadata")
+
+    add("ps", "list the loaded models")
+
+    s = add("stop", "unload a running model")
+    s.add_argument("model")
+
+    s = add("rm", "remove models from the library")
+    s.add_argument("models", nargs="+", metavar="MODEL")
+
+    s = add("cp", "copy a model under a new name")
+    s.add_argument("source")
+    s.add_argument("destination")
+
+    s = add("create", "create a model from a Modelfile")
+    s.add_argument("name")
+    s.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default: ./Modelfile)")
+
+    add("bench", "benchmarks (see `localrun bench --help`)")
+    add("version", "print the client and daemon versions")
+    return p
+
+
+VERBS = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "list": cmd_list, "ls": cmd_list, "ps": cmd_ps,
+         "show": cmd_show, "stop": cmd_stop, "rm": cmd_rm, "cp": cmd_cp, "create": cmd_create,
+         "version": cmd_version}
+
+
+def _split_bench(argv: list[str]) -> list[str] | None:
+    """`localrun [globals] bench ARGS...` -> ARGS, passed untouched to the bench CLI."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--host":
+            i += 2
+        elif tok.startswith("-"):
+            i += 1
+        else:
+            return argv[i + 1:] if tok == "bench" else None
+    return None
+
+
+def _bench(rest: list[str]) -> int:
+    try:
+        from localrun.bench.cli import main as bench_main
+    except ImportError as exc:
+        raise CLIError(f"`localrun bench` is not available in this install ({exc})") from None
+    result = bench_main(rest)
+    return result if isinstance(result, int) else 0
+
+
+def _dispatch(argv: list[str]) -> int:
+    rest = _split_bench(argv)
+    if rest is not None:
+        return _bench(rest)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): argparse already printed
+        return exc.code if isinstance(exc.code, int) else 0
+    if args.command is None and not args.version:
+        parser.print_help()
+        return 0
+    if getattr(args, "keepalive", None) is not None:
+        try:
+            parse_duration(args.keepalive)
+        except ValueError as exc:
+            raise CLIError(f"--keepalive: {exc}") from None
+    if args.command == "serve":
+        args.host = args.serve_host or args.host
+        return cmd_serve(args)
+    with DaemonClient(base_url_for(args.host)) as client:
+        if args.version or args.command == "version":
+            return cmd_version(args, client)
+        client.ensure_running(autostart=not args.no_autostart)
+        if client.started_pid:
+            print(f"{PROG}: started the daemon at {client.base_url} (pid {client.started_pid})", file=sys.stderr)
+        return VERBS[args.command](args, client)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `localrun list | head -1`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 141
+    except (DaemonUnavailable, APIError) as exc:
+        _err(exc.message)
+        return 1
+    except LocalrunError as exc:
+        _err(exc.message)
+        return 1
+    except (CLIError, ValueError, OSError) as exc:
+        _err(str(exc))
+        return 1
+    except Exception as exc:  # a bug: still one line, with a pointer for a report
+        _err(f"unexpected {type(exc).__name__}: {exc} (please report this)")
+        return 1
