@@ -1,0 +1,423 @@
+"""The chat TUI driven by Textual's Pilot against the REAL daemon (a subprocess on a free
+127.0.0.1 port, its own LOCALRUN_HOME) and the real SmolLM2 GGUF.
+
+Screenshots: TUI_SCREENSHOT_DIR=docs/screenshots python -m pytest tests/test_tui.py -k screenshots
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localrun.tui.app import ChatApp, describe_processor, final_stats
+from localrun.tui.commands import CommandError, parse_command
+from localrun.tui.store import ChatStore, Conversation
+from localrun.tui.widgets import ChatList, MessageView, ModelPicker, Notice, PullBar, SettingsPanel
+
+MODEL = "smollm2:135m"
+SECOND = "pirate:latest"
+SIZE = (80, 24)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """`python -m localrun serve` on a free port; yields its base URL and home."""
+    home = tmp_path_factory.mktemp("tui-home")
+    port = _free_port()
+    env = dict(os.environ, LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{port}",
+               LOCALRUN_KEEP_ALIVE="10m", LOCALRUN_BACKEND="llamacpp")
+    env.pop("NO_COLOR", None)
+    log = open(home / "daemon.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(url + "/api/version", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("daemon did not start:\n" + (home / "daemon.log").read_text(errors="replace")[-3000:])
+        time.sleep(0.2)
+    try:
+        yield {"url": url, "home": home}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _ndjson(resp: httpx.Response) -> list[dict]:
+    events = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+    assert not any("error" in e for e in events), events
+    return events
+
+
+@pytest.fixture(scope="module")
+def models(daemon):
+    """smollm2:135m pulled (offline fallback) and a second model made from it by a Modelfile."""
+    url = daemon["url"]
+    with httpx.Client(base_url=url, timeout=300) as c:
+        with c.stream("POST", "/api/pull", json={"model": MODEL}) as r:
+            assert r.status_code == 200
+            _ndjson(r)
+        modelfile = f"FROM {MODEL}\nSYSTEM You are a pirate. Always answer like a pirate.\nPARAMETER temperature 0.7\n"
+        with c.stream("POST", "/api/create", json={"model": SECOND, "modelfile": modelfile}) as r:
+            assert r.status_code == 200, r.read()
+            _ndjson(r)
+        names = {m["name"] for m in c.get("/api/tags").json()["models"]}
+    assert {MODEL, SECOND} <= names
+    return daemon
+
+
+@pytest.fixture
+def store(tmp_path) -> ChatStore:
+    return ChatStore(tmp_path / "chats")
+
+
+async def wait_for(pilot, cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def type_and_send(pilot, text: str) -> None:
+    app = pilot.app
+    app.input_box.focus()
+    app.input_box.text = text
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+async def ready(pilot, model: str = MODEL) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.conv.model == model and not app.pulling, 60, "the model to be chosen")
+
+
+def replies(app) -> list[MessageView]:
+    return [v for v in app.query(MessageView) if v.role == "assistant"]
+
+
+async def reply_done(pilot) -> None:
+    await wait_for(pilot, lambda: not pilot.app.generating, 120, "the reply to finish")
+    await pilot.pause(0.1)
+
+
+# ---------------------------------------------------------------------------------- no daemon needed
+
+
+def test_parse_commands():
+    assert parse_command("/set temperature 0.2").value == 0.2
+    assert parse_command("/set parameter num_ctx 4096") == parse_command("/set num_ctx 4096")
+    assert parse_command("/set max_tokens 5").key == "num_predict"
+    assert parse_command("/set system You are terse.").value == "You are terse."
+    assert parse_command("/model smollm2:135m").value == "smollm2:135m"
+    assert parse_command("/unset seed").key == "seed"
+    assert parse_command("/bye").name == "bye"
+    for bad in ("/set temperature hot", "/set top_p 1.5", "/set num_ctx 4", "/set nope 1", "/frobnicate",
+                "/set num_predict 0", "/set seed 1.5", "/model a b", "/set system"):
+        with pytest.raises(CommandError):
+            parse_command(bad)
+
+
+def test_store_roundtrip_and_damaged_files(store):
+    conv = Conversation(model=MODEL, system="be brief", options={"temperature": 0.1},
+                        messages=[{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}])
+    store.save(conv)
+    (store.root / "broken.json").write_text("{not json")
+    (store.root / "other.json").write_text(json.dumps({"messages": "nope"}))
+    listed = store.list()
+    assert [c.id for c in listed] == [conv.id]
+    back = store.load(conv.id)
+    assert back.messages == conv.messages and back.options == conv.options and back.system == "be brief"
+    assert back.display_title() == "hello there"
+    with pytest.raises(ValueError):
+        store.path("../etc/passwd")
+
+
+def test_status_helpers():
+    assert describe_processor({"backend": "llama.cpp", "device": "CPU"}) == "llama.cpp CPU"
+    assert describe_processor({"backend": "native", "device": "CUDA"}) == "CUDA native"
+    final = {"done": True, "prompt_eval_count": 20, "eval_count": 10, "eval_duration": 500_000_000}
+    s = final_stats(final, 0.1, 1.0, 30)
+    assert s["completion"] == 10 and s["prompt"] == 20 and abs(s["tps"] - 20.0) < 1e-9
+
+
+async def test_no_color(monkeypatch, store):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = ChatApp(model=MODEL, base_url=f"http://127.0.0.1:{_free_port()}", store=store)
+    async with app.run_test(size=SIZE):
+        assert app.no_color
+    monkeypatch.delenv("NO_COLOR")
+    assert not ChatApp(base_url="http://127.0.0.1:9", store=store).no_color
+
+
+async def test_daemon_down_shows_message_and_keeps_running(store, tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens here
+    app = ChatApp(model=MODEL, base_url=url, store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.last_error is not None, 20, "the error message")
+        assert "cannot reach the localrun daemon" in app.last_error and url in app.last_error
+        app.last_error = None
+        await type_and_send(pilot, "hello?")
+        await wait_for(pilot, lambda: app.last_error is not None and not app.generating, 20, "the send error")
+        assert "localrun serve" in app.last_error
+        # nothing was lost: the message is back in the input box, no reply, nothing half-stored
+        assert app.input_box.text == "hello?"
+        assert app.conv.messages == [] and not replies(app)
+        errors = [n for n in app.query(Notice) if n.kind == "error"]
+        assert len(errors) >= 2
+        await type_and_send(pilot, "/help")
+        assert any(v.label == "Help" for v in app.query(MessageView))
+        assert app.is_running
+        app.save_screenshot("daemon_down.svg", path=str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------- real daemon
+
+
+async def test_pull_from_picker_with_progress(daemon, store):
+    url = daemon["url"]
+    httpx.request("DELETE", url + "/api/delete", json={"model": MODEL}, timeout=60)  # make sure it is not pulled
+    app = ChatApp(base_url=url, store=store)
+    seen: list[dict] = []
+    orig = PullBar.show_event
+
+    def spy(self, name, event):
+        seen.append(dict(event))
+        orig(self, name, event)
+
+    PullBar.show_event = spy
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), 30, "the model picker")
+            app.screen.query_one("#picker-input").value = MODEL
+            app.screen.query_one("#picker-input").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: app.pulling or app.conv.model == MODEL, 30, "the pull to start")
+            await ready(pilot)
+            assert app.last_error is None
+    finally:
+        PullBar.show_event = orig
+    assert seen and seen[-1]["status"] == "success"
+    assert any(e.get("total") for e in seen), seen  # the bar had a size to show
+    assert MODEL in {m["name"] for m in httpx.get(url + "/api/tags").json()["models"]}
+
+
+async def test_send_streams_markdown_reply_and_saves(models, store, tmp_path):
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 24")
+        assert app.conv.options == {"num_predict": 24}
+        writes: list[str] = []
+        await type_and_send(pilot, "Write a haiku about the sea.")
+        assert app.generating
+        view = None
+        while app.generating:  # watch the reply grow while tokens arrive
+            rs = replies(app)
+            if rs:
+                view = rs[-1]
+                src = view.body.source
+                if src and (not writes or src != writes[-1]):
+                    writes.append(src)
+            await pilot.pause(0.02)
+        await reply_done(pilot)
+        assert app.last_error is None
+        assert len(writes) >= 2, writes  # shown piece by piece, not all at once
+        assert [m["role"] for m in app.conv.messages] == ["user", "assistant"]
+        reply = app.conv.messages[-1]["content"]
+        assert reply.strip() and view.body.source == reply
+        stats = app.status.stats
+        assert 0 < stats["completion"] <= 24 and stats["prompt"] > 0 and stats["tps"] > 0 and stats["ttft"] > 0
+        text = app.status.text()
+        assert MODEL in text and "tok/s" in text and "TTFT" in text and "completion" in text
+        assert "llama.cpp" in text and "CPU" in text  # backend + device from /api/ps
+        saved = store.load(app.conv.id)
+        assert saved.messages == app.conv.messages and saved.model == MODEL
+        # copy the last reply
+        await pilot.press("f3")
+        assert app.clipboard == reply
+        app.save_screenshot("chat.svg", path=str(tmp_path))
+
+
+async def test_stop_mid_reply_with_escape_and_ctrl_c(models, store):
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 400")
+        for key in ("escape", "ctrl+c"):
+            n_before = len(app.conv.messages)
+            await type_and_send(pilot, "Count from 1 to 200, one number per line.")
+            await wait_for(pilot, lambda: replies(app) and replies(app)[-1].body.source, 60, "the first tokens")
+            t = time.monotonic()
+            await pilot.press(key)
+            await wait_for(pilot, lambda: not app.generating, 10, "the stop")
+            assert time.monotonic() - t < 5
+            assert app.is_running and app.last_error is None
+            assert len(app.conv.messages) == n_before + 2  # partial reply kept
+            assert app.status.state == "stopped"
+            assert any(str(lbl.render()) == "(stopped)" for lbl in replies(app)[-1].query(".note"))
+            # the daemon aborted the request: the model answers the next one straight away
+        r = httpx.post(models["url"] + "/api/chat", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "options": {"num_predict": 2}})
+        assert r.status_code == 200
+
+
+async def test_switch_model_and_change_parameters(models, store):
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 3")
+        await type_and_send(pilot, "Tell me a long story about ships.")
+        await reply_done(pilot)
+        assert app.status.stats["completion"] <= 3
+        # switch model with /model
+        await type_and_send(pilot, f"/model {SECOND}")
+        await ready(pilot, SECOND)
+        # change parameters in the side panel (shown at 120 columns)
+        panel = app.query_one(SettingsPanel)
+        assert panel.display
+        assert panel.query_one("#set-num_predict").value == "3"  # the /set shows up in the panel
+        panel.query_one("#set-num_predict").value = "5"
+        panel.query_one("#set-temperature").value = "0"
+        await pilot.pause()
+        assert app.conv.options == {"num_predict": 5, "temperature": 0.0}
+        panel.query_one("#set-top_p").value = "2"  # invalid: flagged, not applied
+        await pilot.pause()
+        assert "top_p" not in app.conv.options and panel.query_one("#set-top_p").has_class("-invalid")
+        await type_and_send(pilot, "Who are you? Answer at length.")
+        await reply_done(pilot)
+        assert app.last_error is None
+        assert 0 < app.status.stats["completion"] <= 5
+        assert replies(app)[-1].label == SECOND
+        running = {m.get("name") or m.get("model") for m in httpx.get(models["url"] + "/api/ps").json()["models"]}
+        assert SECOND in running
+        # the Ctrl+O picker lists both models and picking one switches back
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), 10, "the picker")
+        ids = [app.screen.query_one("#picker-list").get_option_at_index(i).id
+               for i in range(app.screen.query_one("#picker-list").option_count)]
+        assert MODEL in ids and SECOND in ids
+        ol = app.screen.query_one("#picker-list")
+        ol.highlighted = ids.index(MODEL)
+        ol.focus()
+        await pilot.press("enter")
+        await ready(pilot)
+        # an unknown model: a clear message, the current model stays
+        app.last_error = None
+        await type_and_send(pilot, "/model no-such-model:7b")
+        await wait_for(pilot, lambda: app.last_error is not None, 30, "the error")
+        assert "no-such-model" in app.last_error
+        assert app.conv.model == MODEL and app.is_running
+
+
+async def test_resume_saved_conversation(models, store):
+    url = models["url"]
+    app = ChatApp(model=MODEL, base_url=url, store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 8")
+        await type_and_send(pilot, "My name is Ada. Remember it.")
+        await reply_done(pilot)
+        first_id = app.conv.id
+        first_prompt = app.status.stats["prompt"]
+        await pilot.press("ctrl+n")  # new conversation; the old one stays saved
+        await pilot.pause()
+        assert app.conv.id != first_id and app.conv.messages == []
+        assert app.conv.options == {"num_predict": 8}
+    app2 = ChatApp(model=MODEL, base_url=url, store=store)
+    async with app2.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app2.screen, ChatList), 10, "the chat list")
+        ol = app2.screen.query_one("#chat-list")
+        ids = [ol.get_option_at_index(i).id for i in range(ol.option_count)]
+        assert first_id in ids
+        ol.highlighted = ids.index(first_id)
+        ol.focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app2.conv.id == first_id, 10, "the resume")
+        assert len(replies(app2)) == 1 and app2.conv.options == {"num_predict": 8}
+        await type_and_send(pilot, "What is my name?")
+        await reply_done(pilot)
+        assert app2.last_error is None and len(app2.conv.messages) == 4
+        assert app2.status.stats["prompt"] > first_prompt  # the history went with the request
+        assert len(store.load(first_id).messages) == 4
+        await type_and_send(pilot, "/clear")
+        await pilot.pause()
+        assert app2.conv.messages == [] and first_id not in {c.id for c in store.list()}
+
+
+async def test_load_failure_is_reported(models, store):
+    """A num_ctx the machine cannot hold: the daemon refuses the load; the app says so and lives."""
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_ctx 100000000")
+        await type_and_send(pilot, "hello")
+        await wait_for(pilot, lambda: not app.generating and app.last_error is not None, 60, "the load error")
+        assert app.is_running and app.conv.messages == [] and app.input_box.text == "hello"
+        await type_and_send(pilot, "/unset num_ctx")
+        await type_and_send(pilot, "/set num_predict 2")
+        app.last_error = None
+        await type_and_send(pilot, "hello")
+        await reply_done(pilot)
+        assert app.last_error is None and len(app.conv.messages) == 2
+
+
+async def test_screenshots(models, store, tmp_path):
+    """SVGs of the main screens; TUI_SCREENSHOT_DIR=docs/screenshots writes them for the README."""
+    out = Path(os.environ.get("TUI_SCREENSHOT_DIR") or tmp_path)
+    out.mkdir(parents=True, exist_ok=True)
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 60")
+        await type_and_send(pilot, "/set temperature 0")
+        await type_and_send(pilot, "Show a Python function that adds two numbers, in a code block.")
+        await reply_done(pilot)
+        app.save_screenshot("chat.svg", path=str(out))
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker), 10, "the picker")
+        await pilot.pause(0.2)
+        app.save_screenshot("model_picker.svg", path=str(out))
+        await pilot.press("escape")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatList), 10, "the chat list")
+        await pilot.pause(0.2)
+        app.save_screenshot("saved_chats.svg", path=str(out))
+        await pilot.press("escape")
+    small = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with small.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/help")
+        await pilot.pause(0.2)
+        small.save_screenshot("help_80x24.svg", path=str(out))
+    for name in ("chat.svg", "model_picker.svg", "saved_chats.svg", "help_80x24.svg"):
+        svg = (out / name).read_text()
+        assert svg.startswith("<svg") and MODEL in svg.replace("&#160;", " ")
