@@ -1,0 +1,3 @@
+from localrun.server.app import main
+
+raise SystemExit(main())

@@ -1,0 +1,261 @@
+"""The FastAPI app: security middleware, error mapping, routes; `serve()` runs it.
+
+Security (security.md 11-18): loopback binds refuse foreign Host headers (DNS
+rebinding, 403); LOCALRUN_API_KEY, when set, is required on every route (401); CORS
+headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413; binding a
+non-loopback address without an API key is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import sys
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from localrun.config import Settings, settings as read_settings
+from localrun.errors import Busy, LocalrunError
+
+log = logging.getLogger("localrun.server")
+
+MAX_BODY_BYTES = 32 * 2**20
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_only(value: str) -> str:
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1:].split("]")[0]
+    if v.count(":") == 1:
+        return v.split(":")[0]
+    return v
+
+
+def _host_allowed(value: str) -> bool:
+    h = _host_only(value)
+    return h == "localhost" or h.endswith(".localhost") or is_loopback(h)
+
+
+def error_body(path: str, status: int, message: str, code: str) -> dict:
+    """OpenAI's error shape under /v1, Ollama's {"error": "..."} elsewhere."""
+    if path.startswith("/v1"):
+        etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        if status == 401:
+            etype = "authentication_error"
+        return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return {"error": message}
+
+
+class SecurityMiddleware:
+    """Pure ASGI (no per-chunk overhead on streams): Host check, API key, body limit."""
+
+    def __init__(self, app, settings: Settings):
+        self.app = app
+        self.check_host = is_loopback(settings.host)
+        self.api_key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        if self.check_host:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if host and not _host_allowed(host):
+                return await self._deny(scope, send, 403, "forbidden host header: this daemon only answers "
+                                        "requests addressed to localhost (DNS rebinding protection)", "forbidden")
+        if self.api_key and scope.get("method") != "OPTIONS":
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not token or not hmac.compare_digest(token, self.api_key):
+                return await self._deny(scope, send, 401, "missing or wrong API key: send "
+                                        "'Authorization: Bearer <LOCALRUN_API_KEY>'", "invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > MAX_BODY_BYTES
+            except ValueError:
+                return await self._deny(scope, send, 400, "bad Content-Length header", "invalid_request_error")
+            if too_big:
+                return await self._deny(scope, send, 413, f"request body too large (limit {MAX_BODY_BYTES // 2**20} MiB)",
+                                        "request_too_large")
+            return await self.app(scope, receive, send)
+        # chunked bodies: count as they arrive
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > MAX_BODY_BYTES:
+                    raise _TooLarge()
+            return msg
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._deny(scope, send, 413, "request body too large", "request_too_large")
+
+    @staticmethod
+    async def _deny(scope, send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(scope.get("path", ""), status, message, code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _default_library(s: Settings):
+    from localrun.library import Library
+
+    return Library(s.models_dir)
+
+
+def create_app(settings: Settings | None = None, library: Any = None) -> FastAPI:
+    """The daemon's ASGI app. `library` defaults to the store under settings.models_dir."""
+    s = settings or read_settings()
+    from localrun.server.state import State
+
+    state = State(s, library if library is not None else _default_library(s))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.manager.start()
+        try:
+            yield
+        finally:
+            await state.manager.shutdown()
+
+    app = FastAPI(title="localrun", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.lr = state
+
+    @app.exception_handler(LocalrunError)
+    async def _lr_error(request: Request, exc: LocalrunError):
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Busy) else None
+        if exc.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return JSONResponse(error_body(request.url.path, exc.status, exc.public_message, exc.code),
+                            status_code=exc.status, headers=headers)
+
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(error_body(request.url.path, exc.status_code, msg, "not_found"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}", "internal_error"),
+                            status_code=500)
+
+    @app.get("/")
+    @app.head("/")
+    async def root():
+        return PlainTextResponse("localrun is running")
+
+    from localrun.server.routes_ollama import router as ollama_router
+    from localrun.server.routes_openai import router as openai_router
+
+    app.include_router(openai_router)
+    app.include_router(ollama_router)
+
+    if s.origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(s.origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
+    # added last = outermost: runs before CORS, so preflights still need a good Host
+    app.add_middleware(SecurityMiddleware, settings=s)
+    return app
+
+
+def _version() -> str:
+    import localrun
+
+    return localrun.__version__
+
+
+def check_bind(s: Settings) -> None:
+    """Refuse a non-loopback bind without an API key (security.md item 11)."""
+    if not is_loopback(s.host) and not s.api_key:
+        raise SystemExit(
+            f"refusing to listen on {s.host}:{s.port} without an API key: anyone on the network could run "
+            "models and change the library. Set LOCALRUN_API_KEY=<secret> (clients send it as a Bearer token), "
+            "or bind 127.0.0.1 (LOCALRUN_HOST=127.0.0.1:PORT)."
+        )
+
+
+def setup_logging(s: Settings) -> None:
+    level = getattr(logging, s.log_level.upper(), logging.INFO)
+    root = logging.getLogger("localrun")
+    if not root.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def serve(s: Settings | None = None) -> int:
+    """Run the daemon in the foreground until SIGINT/SIGTERM (`localrun serve`)."""
+    import uvicorn
+
+    s = s or read_settings()
+    setup_logging(s)
+    check_bind(s)
+    from localrun.backends.select import choose
+
+    log.info("localrun %s listening on %s (home %s)", _version(), s.base_url, s.home)
+    for k, v in s.describe():
+        log.info("  %s=%s", k, v)
+    try:
+        log.info("backend for GGUF models: %s", choose(s.backend, "gguf", None).reason if s.backend != "auto"
+                 else "chosen per model at load time (see /api/ps)")
+    except LocalrunError as exc:
+        log.warning("%s", exc.message)
+    app = create_app(s)
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=10,
+                            h11_max_incomplete_event_size=64 * 1024, access_log=False)
+    server = uvicorn.Server(config)
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m localrun.server`: the daemon with settings from the environment."""
+    try:
+        s = read_settings()
+    except ValueError as exc:
+        print(f"localrun: {exc}", file=sys.stderr)
+        return 2
+    return serve(s)
+
+
+__all__ = ["create_app", "serve", "main", "check_bind", "is_loopback", "MAX_BODY_BYTES"]

@@ -1,0 +1,378 @@
+"""The model manager: what is loaded where, for how long, and who waits for it.
+
+- Load on first use; a memory plan before every load (``localrun.server.memory``).
+- keep_alive per request (seconds; None = forever; 0 = unload as soon as idle), the
+  default from LOCALRUN_KEEP_ALIVE; an idle reaper unloads expired models.
+- Several models loaded at once; beyond LOCALRUN_MAX_LOADED_MODELS, or when the memory
+  plan says the new model does not fit, the least recently used idle model is evicted.
+- Per model at most ``info.slots`` generations run at once; up to LOCALRUN_MAX_QUEUE
+  more wait; beyond that ``Busy`` (503 + Retry-After) at once.
+- A request asking for a larger num_ctx than the loaded one reloads the model when it
+  is idle; a smaller one runs in the loaded context with the smaller limit enforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from localrun.backends.base import Backend, LoadSpec
+from localrun.backends.select import Choice, backend_module, choose, cuda_gpu, is_apple_silicon
+from localrun.config import Settings
+from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
+from localrun.server.memory import Plan, free_ram, plan_load
+
+log = logging.getLogger("localrun.manager")
+
+DEFAULT = object()  # "keep_alive not given": use LOCALRUN_KEEP_ALIVE
+
+
+@dataclass
+class Runner:
+    """A loaded model."""
+
+    name: str
+    digest: str
+    resolved: Any  # library ResolvedModel
+    backend: Backend
+    choice: Choice
+    plan: Plan
+    num_ctx: int
+    load_seconds: float
+    sem: asyncio.Semaphore
+    active: int = 0
+    waiting: int = 0
+    keep_alive: float | None = 300.0
+    expires_at: float | None = None  # wall clock; None while busy or forever
+    last_used: float = field(default_factory=time.monotonic)
+    closing: bool = False
+
+    @property
+    def info(self):
+        return self.backend.info
+
+    def ps(self) -> dict[str, Any]:
+        r = self.resolved
+        details = _details(r)
+        info = self.info
+        expires = self.expires_at
+        if expires is None:  # busy, or forever: Ollama shows a far-future time for forever
+            expires = time.time() + (self.keep_alive if self.keep_alive is not None else 10 * 365 * 86400)
+        return {
+            "name": self.name,
+            "model": self.name,
+            "size": int(info.size_bytes or self.plan.size),
+            "digest": self.digest.removeprefix("sha256:"),
+            "details": details,
+            "expires_at": _iso(expires),
+            "size_vram": int(info.size_vram_bytes or self.plan.size_vram),
+            "context_length": self.num_ctx,
+            "backend": info.name,
+            "processor": info.processor if info.name != "llama.cpp" else self.plan.processor,
+            "device": info.device,
+            "reason": f"{self.choice.reason}; {self.plan.detail}",
+            "slots": info.slots,
+            "active": self.active,
+            "waiting": self.waiting,
+        }
+
+
+def _iso(ts: float) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ts, tz=timezone.utc).astimezone().isoformat()
+
+
+def _details(resolved: Any) -> dict[str, Any]:
+    info = getattr(resolved, "info", None)
+    arch = getattr(info, "architecture", None) or ""
+    params = getattr(info, "parameter_count", None)
+    return {
+        "parent_model": "",
+        "format": getattr(resolved, "format", "gguf"),
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": _param_size(params),
+        "quantization_level": getattr(info, "quantization", None) or getattr(info, "file_type", None) or "",
+    }
+
+
+def _param_size(n: int | None) -> str:
+    if not n:
+        return ""
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}".replace(".0", "")
+    return str(n)
+
+
+def _maybe_cuda():
+    """Probe CUDA only where a driver exists, so CPU machines never import torch."""
+    if sys.platform.startswith("linux") and not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+        return None
+    if sys.platform == "darwin":
+        return None
+    return cuda_gpu()
+
+
+class ModelManager:
+    def __init__(self, settings: Settings, library: Any):
+        self.settings = settings
+        self.library = library
+        self.runners: dict[str, Runner] = {}
+        self._load_lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._reaper: asyncio.Task | None = None
+        self._queued: dict[str, int] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
+
+    async def shutdown(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            self._reaper = None
+        for name in list(self.runners):
+            await self.unload(name)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _reap_idle(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for r in list(self.runners.values()):
+                if r.active == 0 and r.waiting == 0 and r.expires_at is not None and now >= r.expires_at:
+                    log.info("unloading %s: keep_alive expired", r.name)
+                    await self.unload(r.name)
+
+    # -- keep_alive ----------------------------------------------------------------------
+    def keep_alive_seconds(self, keep_alive: Any) -> float | None:
+        if keep_alive is DEFAULT or keep_alive is None:
+            return self.settings.keep_alive
+        from localrun.config import parse_duration
+
+        try:
+            return parse_duration(keep_alive)
+        except ValueError as exc:
+            raise InvalidRequest(f"keep_alive: {exc}") from None
+
+    def _set_expiry(self, r: Runner, keep_alive: float | None) -> None:
+        r.keep_alive = keep_alive
+        r.last_used = time.monotonic()
+        if r.active or r.waiting:
+            r.expires_at = None
+        elif keep_alive is None:
+            r.expires_at = None
+        else:
+            r.expires_at = time.time() + keep_alive
+
+    # -- using a model -------------------------------------------------------------------
+    def default_num_ctx(self, resolved: Any) -> int:
+        n = resolved.parameters.get("num_ctx") if resolved.parameters else None
+        n = int(n or self.settings.context_length)
+        return self._cap_ctx(resolved, n)
+
+    def _cap_ctx(self, resolved: Any, n: int) -> int:
+        train = getattr(getattr(resolved, "info", None), "context_length", None)
+        if train and n > train:
+            log.info("%s: num_ctx %d capped at the model's trained context %d", resolved.name, n, train)
+            n = int(train)
+        return n
+
+    @asynccontextmanager
+    async def use(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> AsyncIterator["Lease"]:
+        """Hold one generation slot of `resolved`'s model (loading it first if needed)."""
+        ka = self.keep_alive_seconds(keep_alive)
+        key = resolved.name
+        queued = self._queued.get(key, 0)
+        if queued >= self.settings.max_queue:
+            raise Busy(f"{key}: {queued} requests are already waiting (LOCALRUN_MAX_QUEUE={self.settings.max_queue}); "
+                       "retry shortly", retry_after=2)
+        self._queued[key] = queued + 1
+        t0 = time.perf_counter()
+        loaded_now = False
+        runner: Runner | None = None
+        try:
+            while True:
+                runner, did_load = await self._ensure(resolved, num_ctx)
+                loaded_now = loaded_now or did_load
+                runner.waiting += 1
+                runner.expires_at = None
+                try:
+                    await runner.sem.acquire()
+                finally:
+                    runner.waiting -= 1
+                if runner.closing:  # reloaded under us (bigger num_ctx): try again
+                    runner.sem.release()
+                    continue
+                break
+        finally:
+            self._queued[key] -= 1
+            if not self._queued[key]:
+                del self._queued[key]
+        runner.active += 1
+        runner.expires_at = None
+        lease = Lease(runner, num_ctx=min(num_ctx or runner.num_ctx, runner.num_ctx),
+                      load_seconds=runner.load_seconds if loaded_now else 0.0, waited_seconds=time.perf_counter() - t0)
+        try:
+            yield lease
+        finally:
+            runner.active -= 1
+            runner.sem.release()
+            self._set_expiry(runner, ka)
+            self._notify()
+            if ka == 0 and runner.active == 0 and runner.waiting == 0:
+                asyncio.get_running_loop().create_task(self._unload_if_idle(runner))
+
+    async def load(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> tuple[Runner, float]:
+        """Load (or keep) a model without generating: Ollama's empty-prompt request."""
+        ka = self.keep_alive_seconds(keep_alive)
+        t0 = time.perf_counter()
+        runner, did = await self._ensure(resolved, num_ctx)
+        self._set_expiry(runner, ka)
+        if ka == 0:
+            await self._unload_if_idle(runner)
+        return runner, (time.perf_counter() - t0 if did else 0.0)
+
+    async def _unload_if_idle(self, runner: Runner) -> None:
+        if runner.active == 0 and runner.waiting == 0 and self.runners.get(runner.name) is runner:
+            await self.unload(runner.name)
+
+    async def unload(self, name: str) -> bool:
+        r = self.runners.pop(name, None)
+        if r is None:
+            return False
+        r.closing = True
+        while r.active:
+            await self._wait_change(1.0)
+        try:
+            await asyncio.to_thread(r.backend.close)
+        except Exception:  # pragma: no cover
+            log.exception("closing %s failed", name)
+        log.info("unloaded %s", name)
+        self._notify()
+        return True
+
+    async def _wait_change(self, timeout: float) -> None:
+        ev = self._changed
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _ensure(self, resolved: Any, num_ctx: int | None) -> tuple[Runner, bool]:
+        key = resolved.name
+        want = self._cap_ctx(resolved, num_ctx) if num_ctx else None
+        r = self.runners.get(key)
+        if r and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx):
+            return r, False
+        async with self._load_lock:
+            r = self.runners.get(key)
+            if r and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx):
+                return r, False
+            if r is not None:  # changed model or a bigger context: reload once idle
+                log.info("reloading %s (num_ctx %s -> %s)", key, r.num_ctx, want)
+                await self.unload(key)
+            return await self._load(resolved, want or self.default_num_ctx(resolved)), True
+
+    def _evictable(self, exclude: str) -> list[Runner]:
+        idle = [r for r in self.runners.values() if r.name != exclude and r.active == 0 and r.waiting == 0]
+        return sorted(idle, key=lambda r: r.last_used)
+
+    async def _make_room(self, key: str) -> None:
+        while len(self.runners) >= self.settings.max_loaded_models:
+            idle = self._evictable(key)
+            if idle:
+                log.info("evicting %s (least recently used; LOCALRUN_MAX_LOADED_MODELS=%d)",
+                         idle[0].name, self.settings.max_loaded_models)
+                await self.unload(idle[0].name)
+            else:
+                await self._wait_change(1.0)
+
+    async def _load(self, resolved: Any, num_ctx: int) -> Runner:
+        key = resolved.name
+        await self._make_room(key)
+        gpu = await asyncio.to_thread(_maybe_cuda)
+        choice = choose(self.settings.backend, resolved.format, gpu)
+        module = backend_module(choice.backend)
+        spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
+                        num_parallel=self.settings.num_parallel, extra={"gguf_info": resolved.info})
+        if resolved.parameters:
+            for k in ("repeat_last_n", "num_thread", "num_gpu"):
+                if k in resolved.parameters:
+                    spec.extra[k] = resolved.parameters[k]
+        if "num_thread" in spec.extra:
+            spec.extra["n_threads"] = int(spec.extra["num_thread"])
+        est = module.estimate_memory(spec)
+        layers = int(getattr(resolved.info, "block_count", 0) or 1)
+        while True:
+            gpu_kind, gpu_free = None, None
+            if choice.backend == "native":
+                gpu_kind, gpu_free = ("CUDA", gpu.free_bytes) if gpu else (None, None)
+            else:
+                from localrun.backends.llamacpp import gpu_offload_supported
+
+                if gpu_offload_supported():
+                    if gpu is not None:
+                        gpu_kind, gpu_free = "CUDA", gpu.free_bytes
+                    elif is_apple_silicon():
+                        gpu_kind = "Metal"
+            try:
+                plan = plan_load(est, layers, ram_free=free_ram(), gpu_free=gpu_free, gpu_kind=gpu_kind)
+                break
+            except InsufficientMemory:
+                idle = self._evictable(key)
+                if not idle:
+                    raise
+                log.info("evicting %s to make room for %s", idle[0].name, key)
+                await self.unload(idle[0].name)
+                gpu = await asyncio.to_thread(_maybe_cuda)
+        if "num_gpu" in spec.extra and choice.backend == "llamacpp":  # Modelfile PARAMETER num_gpu wins
+            plan.n_gpu_layers = int(spec.extra["num_gpu"])
+        spec.extra.update(n_gpu_layers=plan.n_gpu_layers, device=plan.device, processor=plan.processor,
+                          reason=f"{choice.reason}; {plan.detail}", size_vram=plan.size_vram)
+        log.info("loading %s with %s: %s; %s (num_ctx %d, %d slots)", key, choice.backend, choice.reason,
+                 plan.summary, num_ctx, spec.num_parallel)
+        t0 = time.perf_counter()
+        try:
+            backend = await asyncio.to_thread(module.load, spec)
+        except LocalrunError:
+            raise
+        except Exception as exc:
+            log.exception("loading %s failed", key)
+            raise BackendError(f"failed to load {key}: {type(exc).__name__}: {exc}") from None
+        dt = time.perf_counter() - t0
+        log.info("loaded %s in %.2fs", key, dt)
+        runner = Runner(name=key, digest=resolved.digest, resolved=resolved, backend=backend, choice=choice,
+                        plan=plan, num_ctx=num_ctx, load_seconds=dt, sem=asyncio.Semaphore(backend.info.slots),
+                        keep_alive=self.settings.keep_alive)
+        self.runners[key] = runner
+        self._notify()
+        return runner
+
+    def ps(self) -> list[dict[str, Any]]:
+        return [r.ps() for r in sorted(self.runners.values(), key=lambda r: -r.last_used)]
+
+
+@dataclass
+class Lease:
+    runner: Runner
+    num_ctx: int  # the window this request may use (<= the loaded one)
+    load_seconds: float
+    waited_seconds: float
+
+    @property
+    def backend(self) -> Backend:
+        return self.runner.backend

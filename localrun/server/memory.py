@@ -1,0 +1,78 @@
+"""The memory plan made before every load.
+
+Weights + KV cache for the requested context (estimated by the backend from the GGUF
+header) against free RAM (psutil) and free VRAM (torch.cuda.mem_get_info where CUDA is
+present) decide: all layers on the GPU, N layers offloaded, CPU only, or refuse with a
+message naming needed vs free memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localrun.backends.base import MemoryEstimate
+from localrun.errors import InsufficientMemory
+
+GPU_HEADROOM = 0.90  # leave 10% of free VRAM for the driver and fragmentation
+RAM_HEADROOM = 0.95
+
+
+def gib(n: int | float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def free_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+@dataclass
+class Plan:
+    device: str  # "CPU" | "CUDA" | "Metal"
+    n_gpu_layers: int  # -1 = all, 0 = none
+    processor: str  # what `ps` shows: "100% GPU", "100% CPU", "37%/63% CPU/GPU"
+    size: int  # bytes the model will hold (weights + KV + buffers)
+    size_vram: int
+    detail: str  # sentence for the log and /api/ps
+
+    @property
+    def summary(self) -> str:
+        return f"{self.processor}: {self.detail}"
+
+
+def plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int | None = None,
+              gpu_kind: str | None = None) -> Plan:
+    """Decide where a model goes. `gpu_free` None means no usable GPU."""
+    need = est.total_bytes
+    layers = max(layers, 1)
+    if gpu_kind == "Metal":  # unified memory: the GPU uses RAM
+        if need <= ram_free * RAM_HEADROOM:
+            return Plan("Metal", -1, "100% GPU", need, need, f"all {layers} layers on Metal, needs {gib(need)} of {gib(ram_free)} free")
+        raise InsufficientMemory(_refuse(need, ram_free, "unified memory"))
+    if gpu_free is not None and gpu_kind:
+        budget = int(gpu_free * GPU_HEADROOM)
+        if need <= budget:
+            return Plan(gpu_kind, -1, "100% GPU", need, need,
+                        f"all {layers} layers on the GPU, needs {gib(need)} of {gib(gpu_free)} free VRAM")
+        per_layer = (est.weights_bytes + est.kv_bytes) / layers
+        n = int((budget - est.overhead_bytes) // per_layer) if per_layer else 0
+        n = max(0, min(n, layers - 1))
+        if n > 0:
+            vram = int(n * per_layer + est.overhead_bytes)
+            ram_need = need - int(n * per_layer)
+            if ram_need <= ram_free * RAM_HEADROOM:
+                gpu_pct = round(100 * n / layers)
+                return Plan(gpu_kind, n, f"{100 - gpu_pct}%/{gpu_pct}% CPU/GPU", need, vram,
+                            f"{n}/{layers} layers on the GPU ({gib(vram)} of {gib(gpu_free)} free VRAM), "
+                            f"the rest on CPU ({gib(ram_need)} of {gib(ram_free)} free RAM)")
+    if need <= ram_free * RAM_HEADROOM:
+        why = "no usable GPU" if gpu_free is None else f"does not fit {gib(gpu_free)} free VRAM"
+        return Plan("CPU", 0, "100% CPU", need, 0, f"on CPU ({why}), needs {gib(need)} of {gib(ram_free)} free RAM")
+    where = "RAM" if gpu_free is None else "RAM + VRAM"
+    raise InsufficientMemory(_refuse(need, ram_free + int(gpu_free or 0), where))
+
+
+def _refuse(need: int, free: int, where: str) -> str:
+    return (f"model needs {gib(need)} (weights + KV cache for the context) but only {gib(free)} of {where} "
+            "is free; unload other models (`localrun stop`), use a smaller num_ctx, or a smaller quantization")
