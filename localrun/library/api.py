@@ -1,0 +1,473 @@
+"""Library: pull, create, list, show, resolve, copy, remove (the daemon's one entry point)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.library import catalog as _catalog
+from localrun.library.create import (check_regular_file, gguf_details, safetensors_description, safetensors_dir_files,
+                                     template_from_files)
+from localrun.library.gguf_info import GGUFInfo, read_gguf_info
+from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
+from localrun.library.modelfile import Modelfile, parameter_lines, format_parameter_value, parse_modelfile, parse_parameter
+from localrun.library.names import ModelName, parse_name, validate_filename
+from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_safetensors
+from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_LICENSE, MT_MESSAGES,
+                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, Store, sha256_file)
+
+ProgressFn = Callable[[PullEvent], None] | None
+_TEXT_LAYERS = {MT_TEMPLATE: "template", MT_SYSTEM: "system", MT_LICENSE: "license"}
+_info_cache: dict[tuple, GGUFInfo] = {}
+_info_lock = threading.Lock()
+
+
+def _gguf_info(path: Path) -> GGUFInfo:
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _info_lock:
+        hit = _info_cache.get(key)
+    if hit is None:
+        hit = read_gguf_info(path)
+        with _info_lock:
+            if len(_info_cache) > 64:
+                _info_cache.clear()
+            _info_cache[key] = hit
+    return hit
+
+
+def _layer(media_type: str, digest: str, size: int, filename: str | None = None) -> dict:
+    d = {"mediaType": media_type, "digest": digest, "size": size}
+    if filename:
+        d["filename"] = filename
+    return d
+
+
+class Library:
+    def __init__(self, root: Path | None = None):
+        if root is None:
+            from localrun.config import settings
+
+            root = settings().models_dir
+        self.root = Path(root)
+        self.store = Store(self.root)
+
+    # ------------------------------------------------------------------ pull
+    def pull(self, name: str, progress: ProgressFn = None, cancel: threading.Event | None = None) -> ResolvedModel:
+        mn = parse_name(name)
+        prog = Progress(progress, cancel)
+        prog.emit("pulling manifest")
+        self.store.ensure()
+        pins: list[str] = []
+        try:
+            src = _catalog.lookup(mn)
+            if src is not None:
+                layers, extra = self._pull_catalog(src, prog, pins)
+            elif mn.is_hf:
+                try:
+                    layers, extra = self._pull_hf(mn, prog, pins)
+                except HubUnreachable:
+                    if self.exists(mn.display):  # offline, but we already have it
+                        prog.emit("success")
+                        return self.resolve(mn.display)
+                    raise
+            else:
+                raise NotFound(f"model '{mn.display}' is not in the catalog; known names: {', '.join(_catalog.catalog_names())}, "
+                               "or pull hf.co/ORG/REPO[:QUANT] from the Hugging Face hub")
+            prog.check()
+            prog.emit("writing manifest")
+            self._write(mn, layers, extra, pins)
+            prog.emit("success")
+        finally:
+            for d in pins:
+                self.store.unpin(d)
+        return self.resolve(mn.display)
+
+    def _pin(self, pins: list[str], digest: str) -> str:
+        self.store.pin(digest)
+        pins.append(digest)
+        return digest
+
+    def _pull_catalog(self, src: _catalog.CatalogSource, prog: Progress, pins: list[str]):
+        extra: dict[str, Any] = {"parameters": src.parameters, "license": src.license,
+                                 "source": {"catalog": src.alias, "repo": src.repo, "file": src.file}}
+        if src.format == "safetensors":
+            layers, more = self._pull_repo_safetensors(src.repo, prog, pins)
+            return layers, {**extra, **more}
+        short = (src.sha256 or "")[7:19]
+        status = f"pulling {short}" if short else f"pulling {src.file}"
+        if src.sha256 and self.store.has_blob(src.sha256, src.size):
+            self._pin(pins, src.sha256)
+            prog.emit(status, src.sha256, src.size, src.size)
+            return [self._gguf_layer(src.sha256, src.file)], extra
+        local = src.local_path()
+        if local is not None and src.sha256 and (src.size is None or local.stat().st_size == src.size):
+            prog.emit(status, src.sha256, src.size, 0)
+            prog.emit("verifying sha256 digest", src.sha256)
+            try:
+                digest, size, _ = self.store.put_file(local, src.sha256, what=src.file or local.name,
+                                                      check=lambda p: read_gguf_info(p, display_name=src.file))
+                self._pin(pins, digest)
+                prog.emit(status, digest, size, size)
+                extra["source"]["local_package"] = src.local_package
+                return [self._gguf_layer(digest, src.file)], extra
+            except LocalrunError as e:
+                if e.code != "digest_mismatch":
+                    raise
+                prog.emit(f"the copy in {src.local_package} is damaged; downloading instead")
+        hub = Hub(src.repo)
+        files = hub.list_files()
+        rf = next((f for f in files if f.filename == src.file), None)
+        if rf is None:
+            raise NotFound(f"file {src.file} not found in {src.repo} on the Hugging Face hub")
+        if src.sha256:
+            rf.sha256 = src.sha256
+        digest, _ = hub.download(self.store, rf, prog, check=lambda p: read_gguf_info(p, display_name=rf.filename))
+        self._pin(pins, digest)
+        extra["source"]["revision"] = hub.commit
+        return [self._gguf_layer(digest, src.file)], extra
+
+    def _gguf_layer(self, digest: str, filename: str | None) -> dict:
+        p = self.store.blob_path(digest)
+        return _layer(MT_MODEL, digest, p.stat().st_size, validate_filename(filename) if filename else None)
+
+    def _pull_hf(self, mn: ModelName, prog: Progress, pins: list[str]):
+        repo = mn.repo_id
+        hub = Hub(repo)
+        files = hub.list_files()
+        source = {"repo": repo}
+        if mn.explicit_tag and mn.tag.lower() != "latest":
+            rf = choose_gguf(files, mn.tag, repo)
+        else:
+            try:
+                chosen = choose_safetensors(files, repo)
+            except NotFound:
+                rf = choose_gguf(files, None, repo)  # a GGUF-only repo: take its default quant
+            else:
+                layers, more = self._download_safetensors(hub, chosen, prog, pins)
+                return layers, {"source": {**source, "revision": hub.commit}, **more}
+        digest, _ = hub.download(self.store, rf, prog, check=lambda p: read_gguf_info(p, display_name=rf.filename))
+        self._pin(pins, digest)
+        return [self._gguf_layer(digest, rf.filename)], {"source": {**source, "file": rf.filename, "revision": hub.commit}}
+
+    def _pull_repo_safetensors(self, repo: str, prog: Progress, pins: list[str]):
+        hub = Hub(repo)
+        layers, more = self._download_safetensors(hub, choose_safetensors(hub.list_files(), repo), prog, pins)
+        return layers, more
+
+    def _download_safetensors(self, hub: Hub, files: list[RemoteFile], prog: Progress, pins: list[str]):
+        layers = []
+        for rf in files:
+            check = None
+            if rf.filename.endswith(".safetensors"):
+                check = (lambda name: (lambda p: _check_st(p, name)))(rf.filename)
+            digest, size = hub.download(self.store, rf, prog, check=check)
+            self._pin(pins, digest)
+            layers.append(_layer(MT_FILE, digest, size, rf.filename))
+        return layers, {}
+
+    # ------------------------------------------------------------------ create
+    def create(self, name: str, modelfile: str | Modelfile, base_dir: Path | None = None,
+               progress: ProgressFn = None, cancel: threading.Event | None = None) -> ResolvedModel:
+        mn = parse_name(name)
+        if mn.is_hf:
+            raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
+        mf = modelfile if isinstance(modelfile, Modelfile) else parse_modelfile(modelfile)
+        prog = Progress(progress, cancel)
+        prog.emit("parsing modelfile")
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        self.store.ensure()
+        pins: list[str] = []
+        try:
+            layers, extra = self._create_from(mf, base, prog, pins)
+            if mf.adapter:
+                p = self._local_path(mf.adapter, base)
+                shown = f"ADAPTER {mf.adapter}"
+                if p is None:
+                    raise InvalidRequest(f"{shown}: no such file")
+                check_regular_file(p, shown)
+                digest, size, _ = self.store.put_file(p, what="the adapter")
+                self._pin(pins, digest)
+                layers = [l for l in layers if l["mediaType"] != MT_ADAPTER]
+                layers.append(_layer(MT_ADAPTER, digest, size, _safe_name(p.name)))
+            params = dict(extra.get("parameters") or {})
+            params.update(mf.parameters)
+            extra["parameters"] = params
+            for key in ("template", "system", "license"):
+                if getattr(mf, key) is not None:
+                    extra[key] = getattr(mf, key)
+            if mf.messages:
+                extra["messages"] = mf.messages
+            prog.check()
+            prog.emit("writing manifest")
+            self._write(mn, layers, extra, pins)
+            prog.emit("success")
+        finally:
+            for d in pins:
+                self.store.unpin(d)
+        return self.resolve(mn.display)
+
+    @staticmethod
+    def _local_path(text: str, base: Path) -> Path | None:
+        if "\x00" in text:
+            raise InvalidRequest("FROM contains a NUL byte")
+        looks = text.startswith(("./", "../", "/", "~", ".\\")) or text.lower().endswith(".gguf") or text in (".", "..")
+        p = Path(os.path.expanduser(text))
+        if not p.is_absolute():
+            p = base / p
+        if looks or p.exists():
+            return p
+        return None
+
+    def _create_from(self, mf: Modelfile, base: Path, prog: Progress, pins: list[str]):
+        src = mf.from_ or ""
+        path = self._local_path(src, base)
+        shown = f"FROM {src}"
+        if path is not None:
+            if path.is_dir():
+                files = safetensors_dir_files(path, shown)
+                details, info = safetensors_description(files)
+                layers = []
+                for fn, p in files.items():
+                    prog.emit(f"copying file {fn}")
+                    digest, size, _ = self.store.put_file(p, what=fn)
+                    self._pin(pins, digest)
+                    layers.append(_layer(MT_FILE, digest, size, fn))
+                return layers, {"source": {"import": path.name}}
+            if not path.exists() and not path.is_symlink():
+                raise InvalidRequest(f"{shown}: no such file or directory")
+            check_regular_file(path, shown)
+            read_gguf_info(path, display_name=path.name)  # validate before anything is stored
+            prog.emit("copying file")
+            digest, size, _ = self.store.put_file(path, what=path.name,
+                                                  check=lambda p: read_gguf_info(p, display_name=path.name))
+            self._pin(pins, digest)
+            prog.emit(f"using layer {digest[:19]}", digest, size, size)
+            return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": path.name}}
+        base_name = parse_name(src)
+        if not self.exists(base_name.display):
+            if _catalog.lookup(base_name) is None and not base_name.is_hf:
+                raise NotFound(f"{shown}: model '{base_name.display}' not found; pull it first or give a path like ./model.gguf")
+            self.pull(base_name.display, progress=prog.callback, cancel=prog.cancel)
+        m, mdigest, _ = self.store.read_manifest(self._find(base_name))
+        extra: dict[str, Any] = {"parent_model": self._find(base_name).display}
+        layers = []
+        for l in m["layers"]:
+            mt = l["mediaType"]
+            if mt in (MT_MODEL, MT_FILE, MT_ADAPTER):
+                self._pin(pins, l["digest"])
+                layers.append(l)
+            elif mt in _TEXT_LAYERS:
+                extra[_TEXT_LAYERS[mt]] = self.store.read_small(l["digest"]).decode("utf-8")
+            elif mt == MT_PARAMS:
+                extra["parameters"] = json.loads(self.store.read_small(l["digest"]))
+            elif mt == MT_MESSAGES:
+                extra["messages"] = json.loads(self.store.read_small(l["digest"]))
+        cfg = self._config(m)
+        extra["source"] = cfg.get("source") or {}
+        return layers, extra
+
+    # ------------------------------------------------------------------ manifests
+    def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:
+        layers = list(layers)
+        for key, mt in (("template", MT_TEMPLATE), ("system", MT_SYSTEM), ("license", MT_LICENSE)):
+            if extra.get(key):
+                d, s = self.store.put_bytes(extra[key].encode("utf-8"))
+                self._pin(pins, d)
+                layers.append(_layer(mt, d, s))
+        if extra.get("parameters"):
+            d, s = self.store.put_bytes(json.dumps(extra["parameters"], sort_keys=True).encode())
+            self._pin(pins, d)
+            layers.append(_layer(MT_PARAMS, d, s))
+        if extra.get("messages"):
+            d, s = self.store.put_bytes(json.dumps(extra["messages"]).encode())
+            self._pin(pins, d)
+            layers.append(_layer(MT_MESSAGES, d, s))
+        details, model_info = self._describe_layers(layers)
+        if extra.get("parent_model"):
+            details["parent_model"] = extra["parent_model"]
+        config = {
+            "model_format": details["format"],
+            "model_family": details["family"],
+            "model_families": details["families"],
+            "model_type": details["parameter_size"],
+            "file_type": details["quantization_level"],
+            "details": details,
+            "model_info": model_info if details["format"] == "safetensors" else {},
+            "source": extra.get("source") or {},
+        }
+        cd, cs = self.store.put_bytes(json.dumps(config, sort_keys=True).encode())
+        self._pin(pins, cd)
+        manifest = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE,
+                    "config": _layer(CONFIG_MEDIA_TYPE, cd, cs), "layers": layers}
+        return self.store.write_manifest(mn, manifest)
+
+    def _describe_layers(self, layers: list[dict]) -> tuple[dict, dict]:
+        gguf = next((l for l in layers if l["mediaType"] == MT_MODEL), None)
+        if gguf is not None:
+            info = _gguf_info(self.store.blob_path(gguf["digest"]))
+            return gguf_details(info), {}
+        files = {l["filename"]: self.store.blob_path(l["digest"]) for l in layers if l["mediaType"] == MT_FILE}
+        if not files:
+            raise InvalidRequest("the model has no weights")
+        return safetensors_description(files)
+
+    def _config(self, m: dict) -> dict:
+        c = m.get("config")
+        if not c:
+            return {}
+        try:
+            return json.loads(self.store.read_small(c["digest"]))
+        except (ValueError, LocalrunError):
+            return {}
+
+    def _find(self, mn: ModelName) -> ModelName:
+        """The stored name for mn: exact, else (no tag given) the catalog's default tag."""
+        if self.store.manifest_path(mn).is_file():
+            return mn
+        if not mn.explicit_tag and not mn.is_hf:
+            tag = _catalog.load_catalog()["latest"].get(mn.model)
+            if tag and mn.namespace == "library":
+                alt = mn.with_tag(tag)
+                if self.store.manifest_path(alt).is_file():
+                    return alt
+        return mn
+
+    # ------------------------------------------------------------------ read side
+    def exists(self, name: str) -> bool:
+        return self.store.manifest_path(self._find(parse_name(name))).is_file()
+
+    def resolve(self, name: str) -> ResolvedModel:
+        mn = self._find(parse_name(name))
+        m, digest, mtime = self.store.read_manifest(mn)
+        cfg = self._config(m)
+        vals: dict[str, Any] = {"template": None, "system": None, "license": None}
+        params: dict = {}
+        messages: list = []
+        adapter = None
+        weights: Path | None = None
+        files: list[tuple[str, str]] = []
+        fmt = "gguf"
+        for l in m["layers"]:
+            mt = l["mediaType"]
+            if mt == MT_MODEL:
+                weights = self.store.blob_path(l["digest"])
+                if not weights.is_file():
+                    raise NotFound(f"the weights of '{mn.display}' are missing from the store; pull or create it again")
+            elif mt == MT_FILE:
+                files.append((l["filename"], l["digest"]))
+            elif mt == MT_ADAPTER:
+                adapter = str(self.store.blob_path(l["digest"]))
+            elif mt in _TEXT_LAYERS:
+                vals[_TEXT_LAYERS[mt]] = self.store.read_small(l["digest"]).decode("utf-8", errors="replace")
+            elif mt == MT_PARAMS:
+                params = json.loads(self.store.read_small(l["digest"]))
+            elif mt == MT_MESSAGES:
+                messages = json.loads(self.store.read_small(l["digest"]))
+        info = None
+        if weights is None:
+            if not files:
+                raise LocalrunError(f"the manifest of '{mn.display}' lists no weights", status=500, code="storage_error")
+            for _, d in files:
+                if not self.store.has_blob(d):
+                    raise NotFound(f"a file of '{mn.display}' is missing from the store; pull or create it again")
+            weights = self.store.view_dir(digest, files)
+            fmt = "safetensors"
+            if vals["template"] is None:
+                vals["template"] = template_from_files({fn: weights / fn for fn, _ in files})
+        else:
+            info = _gguf_info(weights)
+            if vals["template"] is None:
+                vals["template"] = info.chat_template
+        details = dict(cfg.get("details") or (gguf_details(info) if info else {}))
+        return ResolvedModel(
+            name=mn.display, digest=digest, weights=weights, format=fmt, template=vals["template"],
+            system=vals["system"], parameters=params, messages=messages, license=vals["license"], adapter=adapter,
+            info=info, size=sum(int(l["size"]) for l in m["layers"]),
+            modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc), details=details,
+        )
+
+    def list(self) -> list[ModelSummary]:
+        out = []
+        for mn, _ in self.store.iter_manifests():
+            try:
+                m, digest, mtime = self.store.read_manifest(mn)
+            except LocalrunError:
+                continue
+            cfg = self._config(m)
+            out.append(ModelSummary(name=mn.display, digest=digest, size=sum(int(l["size"]) for l in m["layers"]),
+                                    modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc),
+                                    details=dict(cfg.get("details") or {})))
+        return sorted(out, key=lambda s: s.name)
+
+    def show(self, name: str) -> dict:
+        r = self.resolve(name)
+        m, _, _ = self.store.read_manifest(self._find(parse_name(name)))
+        cfg = self._config(m)
+        model_info = r.info.model_info() if r.info else dict(cfg.get("model_info") or {})
+        model_info.pop("tokenizer.chat_template", None)
+        header = (f'Modelfile generated by "localrun show"\nTo build a new Modelfile based on this, replace FROM with:\n'
+                  f"FROM {r.name}")
+        modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
+                              r.adapter).to_text(header=header)
+        caps = ["completion"]
+        try:
+            from localrun.chat_template import template_supports_tools
+
+            if r.template and template_supports_tools(r.template):
+                caps.append("tools")
+        except Exception:  # noqa: BLE001 - capabilities are informational
+            pass
+        return {
+            "modelfile": modelfile,
+            "parameters": "\n".join(f"{k:<30} {v}" for k, v in parameter_lines(r.parameters)),
+            "template": r.template or "",
+            "system": r.system or "",
+            "license": r.license or "",
+            "messages": r.messages,
+            "details": r.details,
+            "model_info": model_info,
+            "capabilities": caps,
+            "modified_at": r.modified_at.isoformat(),
+            "weights_path": str(r.weights),
+            "digest": r.digest,
+            "format": r.format,
+            "size": r.size,
+            "source": cfg.get("source") or {},
+        }
+
+    # ------------------------------------------------------------------ copy / remove
+    def copy(self, src: str, dst: str) -> None:
+        s = self._find(parse_name(src))
+        d = parse_name(dst)
+        if d.is_hf:
+            raise InvalidRequest("cannot copy to a hf.co/... name: that namespace belongs to the Hugging Face hub")
+        m, _, _ = self.store.read_manifest(s)
+        self.store.write_manifest(d, m)
+
+    def remove(self, name: str) -> None:
+        mn = parse_name(name)
+        found = self._find(mn)
+        self.store.delete_manifest(found)
+        self.store.gc()
+
+
+def _check_st(path: Path, name: str) -> None:
+    from localrun.library.create import safetensors_header_params
+
+    safetensors_header_params(path, name)
+
+
+def _safe_name(name: str) -> str:
+    try:
+        return validate_filename(name)
+    except InvalidRequest:
+        return "model.gguf"
+
+
+__all__ = ["Library"]

@@ -1,0 +1,174 @@
+"""Describing and importing model files: GGUF details and safetensors directories.
+
+Used by pull (files from the hub) and create (FROM ./file.gguf, FROM ./dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+from localrun.errors import InvalidRequest
+from localrun.library.gguf_info import GGUFInfo, format_parameter_count, read_gguf_info
+from localrun.library.pull import SAFETENSORS_KEEP
+
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+_ST_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "BOOL",
+              "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+
+
+def gguf_details(info: GGUFInfo) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": info.architecture,
+        "families": [info.architecture],
+        "parameter_size": info.parameter_size,
+        "quantization_level": info.file_type,
+    }
+
+
+def safetensors_header_params(path: Path, display: str) -> tuple[int, dict[str, int]]:
+    """Validate a .safetensors header (bounds of every tensor) and count its elements.
+    Returns (parameter count, {dtype: bytes})."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InvalidRequest(f"{display} is not a valid safetensors file: truncated header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+            raise InvalidRequest(f"{display} is not a valid safetensors file: header length {n} is absurd")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequest(f"{display} is not a valid safetensors file: header is not JSON") from None
+    if not isinstance(header, dict):
+        raise InvalidRequest(f"{display} is not a valid safetensors file: header is not an object")
+    data = size - 8 - n
+    params = 0
+    by_dtype: dict[str, int] = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = t["dtype"], t["shape"], t["data_offsets"]
+            ok = (dtype in _ST_DTYPES and isinstance(shape, list) and len(shape) <= 8
+                  and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)
+                  and isinstance(b, int) and isinstance(e, int) and 0 <= b <= e <= data)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidRequest(f"{display} is not a valid safetensors file: tensor {name[:80]!r} is malformed or runs past the end")
+        count = 1
+        for d in shape:
+            count *= d
+        params += count
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + (e - b)
+    return params, by_dtype
+
+
+def safetensors_description(files: dict[str, Path]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(details, model_info) for a safetensors model from config.json and the headers."""
+    try:
+        config = json.loads(files["config.json"].read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError
+    except (KeyError, ValueError, UnicodeDecodeError, OSError):
+        raise InvalidRequest("the safetensors model's config.json is missing or not a JSON object") from None
+    params = 0
+    dtypes: dict[str, int] = {}
+    for fn, p in files.items():
+        if fn.endswith(".safetensors"):
+            n, d = safetensors_header_params(p, fn)
+            params += n
+            for k, v in d.items():
+                dtypes[k] = dtypes.get(k, 0) + v
+    text_cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    cfg = {**text_cfg, **{k: v for k, v in config.items() if k != "text_config"}}
+    arch = str(cfg.get("model_type") or (cfg.get("architectures") or ["unknown"])[0])
+
+    def num(*keys):
+        for k in keys:
+            v = cfg.get(k, text_cfg.get(k))
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        return None
+
+    model_info = {
+        "general.architecture": arch,
+        "general.parameter_count": params,
+        "general.architectures": cfg.get("architectures"),
+        f"{arch}.context_length": num("max_position_embeddings", "n_positions"),
+        f"{arch}.block_count": num("num_hidden_layers", "n_layer"),
+        f"{arch}.embedding_length": num("hidden_size", "n_embd"),
+        f"{arch}.attention.head_count": num("num_attention_heads", "n_head"),
+        f"{arch}.attention.head_count_kv": num("num_key_value_heads", "num_attention_heads"),
+        f"{arch}.feed_forward_length": num("intermediate_size"),
+        f"{arch}.vocab_size": num("vocab_size"),
+        f"{arch}.rope.freq_base": cfg.get("rope_theta"),
+        "general.torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
+    }
+    quant = (max(dtypes, key=dtypes.get) if dtypes else str(cfg.get("torch_dtype") or "unknown")).upper()
+    details = {
+        "parent_model": "",
+        "format": "safetensors",
+        "family": arch,
+        "families": [arch],
+        "parameter_size": format_parameter_count(params),
+        "quantization_level": quant,
+    }
+    return details, {k: v for k, v in model_info.items() if v is not None}
+
+
+def check_regular_file(path: Path, shown: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InvalidRequest(f"{shown}: no such file or directory") from None
+    except OSError as e:
+        raise InvalidRequest(f"{shown}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidRequest(f"{shown} is not a regular file (directory, device, FIFO or socket)")
+
+
+def safetensors_dir_files(d: Path, shown: str) -> dict[str, Path]:
+    """The files localrun keeps from a local safetensors directory (validated)."""
+    files: dict[str, Path] = {}
+    for p in sorted(d.iterdir()):
+        n = p.name
+        if n in SAFETENSORS_KEEP or n.endswith(".safetensors") or n.endswith(".safetensors.index.json"):
+            check_regular_file(p, f"{shown}/{n}")
+            files[n] = p
+    if "config.json" not in files or not any(n.endswith(".safetensors") for n in files):
+        raise InvalidRequest(f"{shown} is not a safetensors model directory: it needs config.json and *.safetensors files")
+    return files
+
+
+def template_from_files(files: dict[str, Path]) -> str | None:
+    """chat_template from chat_template.jinja, chat_template.json or tokenizer_config.json."""
+    p = files.get("chat_template.jinja")
+    if p is not None:
+        return p.read_text(encoding="utf-8", errors="replace")
+    for fn in ("chat_template.json", "tokenizer_config.json"):
+        p = files.get(fn)
+        if p is None:
+            continue
+        try:
+            t = json.loads(p.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, OSError, AttributeError):
+            continue
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+            t = named.get("default") or next(iter(named.values()), None)
+        if isinstance(t, str):
+            return t
+    return None
+
+
+__all__ = ["gguf_details", "safetensors_description", "safetensors_dir_files", "check_regular_file",
+           "template_from_files", "read_gguf_info"]

@@ -1,0 +1,457 @@
+"""The content-addressed store: blobs named by sha256, JSON manifests per name:tag.
+
+Layout under the library root (settings().models_dir by default)::
+
+    blobs/sha256-<hex>                          every file, named by its digest
+    manifests/<host>/<namespace>/<model>/<tag>  one JSON manifest per model (Ollama's shape)
+    views/<manifest hex>/<file name>            safetensors models: hard links to blobs under
+                                                their original names (what resolve() returns)
+    downloads/<org>--<repo>/                    partial downloads (resumable), never listed
+    tmp/                                        temp files on their way into blobs/
+    locks/                                      cross-process file locks
+
+Every write goes to a temp file first and lands with os.replace, so a SIGKILL leaves
+either the old state or the new one. Blob paths are built only from digests that
+passed validate_digest; manifest paths only from validated ModelNames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+from localrun.errors import LocalrunError, NotFound
+from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
+
+MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
+MT_MODEL = "application/vnd.ollama.image.model"  # a GGUF file
+MT_FILE = "application/vnd.localrun.image.file"  # one file of a safetensors model
+MT_TEMPLATE = "application/vnd.ollama.image.template"
+MT_SYSTEM = "application/vnd.ollama.image.system"
+MT_PARAMS = "application/vnd.ollama.image.params"
+MT_MESSAGES = "application/vnd.ollama.image.messages"
+MT_LICENSE = "application/vnd.ollama.image.license"
+MT_ADAPTER = "application/vnd.ollama.image.adapter"
+
+CHUNK = 1 << 20
+MAX_SMALL_LAYER = 4 * 1024 * 1024  # template/system/params/... layers are read into memory
+
+# Blobs that a pull or create in this process is about to reference: GC leaves them alone.
+_pins: Counter = Counter()
+_pins_lock = threading.Lock()
+
+
+class DiskFull(LocalrunError):
+    status = 507
+    code = "disk_full"
+
+
+def disk_full_error(e: OSError, what: str) -> LocalrunError:
+    if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return DiskFull(f"disk full: not enough space to {what}; free some space (e.g. `localrun rm` unused models) and try again")
+    return LocalrunError(f"cannot {what}: {e.strerror or e}", status=500, code="storage_error")
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Turn OSErrors into LocalrunErrors (507 'disk full: ...' for ENOSPC)."""
+    try:
+        yield
+    except LocalrunError:
+        raise
+    except OSError as e:
+        raise disk_full_error(e, what) from None
+
+
+def sha256_file(path: Path, progress: Callable[[int], None] | None = None) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(CHUNK)
+            if not b:
+                break
+            h.update(b)
+            n += len(b)
+            if progress:
+                progress(n)
+    return "sha256:" + h.hexdigest(), n
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def link_or_copy(src: Path, dst: Path) -> bool:
+    """Hard-link src to dst, else copy it. Returns True when it linked."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            raise
+    shutil.copyfile(src, dst)
+    return False
+
+
+class Store:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+        self.views = self.root / "views"
+        self.downloads = self.root / "downloads"
+        self.tmp = self.root / "tmp"
+        self.locks = self.root / "locks"
+
+    def ensure(self) -> None:
+        with storage_errors("create the model library"):
+            for d in (self.blobs, self.manifests, self.views, self.downloads, self.tmp, self.locks):
+                d.mkdir(parents=True, exist_ok=True)
+
+    # ----------------------------------------------------------------- locks
+    @contextlib.contextmanager
+    def lock(self, key: str, cancel: threading.Event | None = None, on_wait: Callable[[], None] | None = None):
+        """A cross-process (and cross-thread) exclusive lock named by key."""
+        import filelock
+
+        self.ensure()
+        name = hashlib.sha256(key.encode()).hexdigest()[:32]
+        lk = filelock.FileLock(str(self.locks / f"{name}.lock"))
+        waited = False
+        while True:
+            try:
+                lk.acquire(timeout=0.2)
+                break
+            except filelock.Timeout:
+                if cancel is not None and cancel.is_set():
+                    from localrun.library.model import Cancelled
+
+                    raise Cancelled("pull cancelled") from None
+                if not waited and on_wait:
+                    on_wait()
+                waited = True
+        try:
+            yield
+        finally:
+            lk.release()
+
+    @contextlib.contextmanager
+    def pinned(self, digests) -> Iterator[None]:
+        ds = list(digests)
+        with _pins_lock:
+            _pins.update(ds)
+        try:
+            yield
+        finally:
+            with _pins_lock:
+                _pins.subtract(ds)
+                for d in ds:
+                    if _pins[d] <= 0:
+                        del _pins[d]
+
+    def pin(self, digest: str) -> None:
+        with _pins_lock:
+            _pins[digest] += 1
+
+    def unpin(self, digest: str) -> None:
+        with _pins_lock:
+            _pins[digest] -= 1
+            if _pins[digest] <= 0:
+                del _pins[digest]
+
+    # ----------------------------------------------------------------- blobs
+    def blob_path(self, digest: str) -> Path:
+        d = validate_digest(digest)
+        return self.blobs / ("sha256-" + d[len("sha256:"):])
+
+    def has_blob(self, digest: str, size: int | None = None) -> bool:
+        try:
+            st = self.blob_path(digest).stat()
+        except FileNotFoundError:
+            return False
+        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
+
+    def new_temp(self, suffix: str = "") -> Path:
+        self.ensure()
+        return self.tmp / f"{uuid.uuid4().hex}{suffix}"
+
+    def adopt(self, tmp: Path, expected: str | None = None, *, what: str = "file",
+              hashed: tuple[str, int] | None = None, check: Callable[[Path], None] | None = None) -> tuple[str, int]:
+        """Hash tmp, check it against expected, and move it into blobs/ atomically.
+
+        The hash is checked BEFORE the move; on a mismatch tmp is removed and nothing
+        in the store changes. tmp must be on the store's filesystem.
+        """
+        try:
+            digest, size = hashed or sha256_file(tmp)
+            if expected is not None and digest != validate_digest(expected):
+                raise LocalrunError(
+                    f"sha256 mismatch for {what}: expected {expected}, got {digest}; the download was discarded, "
+                    "pull again (if it keeps failing the source is corrupt)",
+                    status=502, code="digest_mismatch",
+                )
+            if check is not None:
+                check(tmp)  # e.g. GGUF validation: nothing invalid reaches blobs/
+            dst = self.blob_path(digest)
+            with storage_errors(f"store {what}"):
+                if self.has_blob(digest, size):
+                    tmp.unlink()
+                else:
+                    os.replace(tmp, dst)
+                    _fsync_dir(self.blobs)
+            return digest, size
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    def put_bytes(self, data: bytes) -> tuple[str, int]:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if not self.has_blob(digest, len(data)):
+            with storage_errors("write a layer"):
+                tmp = self.new_temp()
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                    raise
+            self.adopt(tmp, digest, hashed=(digest, len(data)))
+        return digest, len(data)
+
+    def put_file(self, src: Path, expected: str | None = None, *, what: str = "file",
+                 hash_progress: Callable[[int], None] | None = None,
+                 check: Callable[[Path], None] | None = None) -> tuple[str, int, bool]:
+        """Bring a local file into the store: hard link where the filesystem allows, else
+        copy. The linked/copied file is hashed (and checked) before it becomes a blob.
+        Returns (digest, size, linked)."""
+        if expected is not None and self.has_blob(expected):
+            return validate_digest(expected), self.blob_path(expected).stat().st_size, True
+        tmp = self.new_temp()
+        with storage_errors(f"store {what}"):
+            try:
+                linked = link_or_copy(src, tmp)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+        try:
+            hashed = sha256_file(tmp, hash_progress)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        digest, size = self.adopt(tmp, expected, what=what, hashed=hashed, check=check)
+        return digest, size, linked
+
+    def read_small(self, digest: str) -> bytes:
+        p = self.blob_path(digest)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise NotFound(f"a layer of this model is missing ({digest[:19]}); pull or create it again") from None
+        if st.st_size > MAX_SMALL_LAYER:
+            raise LocalrunError(f"layer {digest[:19]} is too large ({st.st_size} bytes)", status=500, code="storage_error")
+        return p.read_bytes()
+
+    # ----------------------------------------------------------------- manifests
+    def manifest_path(self, name: ModelName) -> Path:
+        return self.manifests.joinpath(*name.parts)
+
+    def read_manifest(self, name: ModelName) -> tuple[dict, str, float]:
+        p = self.manifest_path(name)
+        try:
+            raw = p.read_bytes()
+            mtime = p.stat().st_mtime
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFound(f"model '{name.display}' not found; pull it with `localrun pull {name.display}`") from None
+        try:
+            m = json.loads(raw)
+            layers = m["layers"]
+            for layer in layers + ([m["config"]] if m.get("config") else []):
+                validate_digest(layer["digest"])
+                if "filename" in layer:
+                    validate_filename(layer["filename"])
+        except (ValueError, KeyError, TypeError, LocalrunError):
+            raise LocalrunError(f"the manifest of '{name.display}' is corrupt; remove it with `localrun rm {name.display}` and pull it again",
+                                status=500, code="storage_error") from None
+        return m, "sha256:" + hashlib.sha256(raw).hexdigest(), mtime
+
+    def write_manifest(self, name: ModelName, manifest: dict) -> str:
+        data = json.dumps(manifest, indent=2, sort_keys=False).encode()
+        for layer in manifest["layers"]:
+            if not self.has_blob(layer["digest"]):
+                raise LocalrunError(f"cannot write manifest of {name.display}: blob {layer['digest'][:19]} is missing",
+                                    status=500, code="storage_error")
+        with storage_errors(f"write the manifest of {name.display}"):
+            atomic_write(self.manifest_path(name), data)
+        return "sha256:" + hashlib.sha256(data).hexdigest()
+
+    def delete_manifest(self, name: ModelName) -> None:
+        p = self.manifest_path(name)
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            raise NotFound(f"model '{name.display}' not found") from None
+        # prune empty parent directories up to manifests/
+        parent = p.parent
+        while parent != self.manifests and parent.is_dir():
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def iter_manifests(self) -> Iterator[tuple[ModelName, Path]]:
+        if not self.manifests.is_dir():
+            return
+        for host in sorted(self.manifests.iterdir()):
+            for ns in sorted(_dirs(host)):
+                for model in sorted(_dirs(ns)):
+                    for tag in sorted(model.iterdir()):
+                        if tag.name.startswith(".") or not tag.is_file():
+                            continue
+                        text = (f"hf.co/{ns.name}/{model.name}:{tag.name}" if host.name == "hf.co"
+                                else f"{ns.name}/{model.name}:{tag.name}")
+                        try:
+                            name = parse_name(text)
+                        except LocalrunError:
+                            continue
+                        if name.parts != (host.name, ns.name, model.name, tag.name):
+                            continue
+                        yield name, tag
+
+    # ----------------------------------------------------------------- views
+    def view_dir(self, manifest_digest: str, files: list[tuple[str, str]]) -> Path:
+        """A directory of hard links (else symlinks) to blobs under their original names."""
+        d = validate_digest(manifest_digest)
+        target = self.views / d[len("sha256:"):]
+        if target.is_dir() and all((target / fn).exists() for fn, _ in files):
+            return target
+        self.ensure()
+        tmp = self.views / f".tmp-{uuid.uuid4().hex}"
+        with storage_errors("prepare the model directory"):
+            tmp.mkdir()
+            try:
+                for fn, digest in files:
+                    src = self.blob_path(digest)
+                    dst = tmp / validate_filename(fn)
+                    try:
+                        os.link(src, dst)
+                    except OSError:
+                        os.symlink(src, dst)
+                try:
+                    os.rename(tmp, target)
+                except OSError:
+                    if not target.is_dir():
+                        raise
+                    shutil.rmtree(tmp, ignore_errors=True)  # another thread made it first
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return target
+
+    # ----------------------------------------------------------------- gc
+    def referenced(self) -> tuple[set[str], set[str]]:
+        """(blob digests, manifest digests) referenced by some manifest."""
+        blobs: set[str] = set()
+        mdigests: set[str] = set()
+        for name, _ in self.iter_manifests():
+            try:
+                m, mdigest, _ = self.read_manifest(name)
+            except LocalrunError:
+                continue
+            mdigests.add(mdigest)
+            for layer in m["layers"] + ([m["config"]] if m.get("config") else []):
+                blobs.add(layer["digest"])
+        return blobs, mdigests
+
+    def gc(self) -> int:
+        """Remove blobs and views no manifest references (and stale temp files).
+        Returns the number of bytes freed."""
+        freed = 0
+        with self.lock("gc"):
+            refs, mdigests = self.referenced()
+            with _pins_lock:
+                pinned = set(_pins)
+            if self.blobs.is_dir():
+                for p in self.blobs.iterdir():
+                    if not p.name.startswith("sha256-"):
+                        continue
+                    digest = "sha256:" + p.name[len("sha256-"):]
+                    if digest in refs or digest in pinned:
+                        continue
+                    with contextlib.suppress(OSError):
+                        size = p.stat().st_size
+                        p.unlink()
+                        freed += size
+            if self.views.is_dir():
+                for v in self.views.iterdir():
+                    if v.name.startswith(".tmp-"):
+                        if time.time() - _mtime(v) > 3600:
+                            shutil.rmtree(v, ignore_errors=True)
+                        continue
+                    if "sha256:" + v.name not in mdigests:
+                        shutil.rmtree(v, ignore_errors=True)
+            if self.tmp.is_dir():
+                for t in self.tmp.iterdir():
+                    if time.time() - _mtime(t) > 6 * 3600:
+                        with contextlib.suppress(OSError):
+                            t.unlink()
+        return freed
+
+
+def _dirs(p: Path) -> list[Path]:
+    try:
+        return [c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def _mtime(p: Path) -> float:
+    try:
+        st = p.lstat()
+        return max(st.st_mtime, st.st_ctime)  # ctime: a fresh hard link keeps its source's old mtime
+    except OSError:
+        return time.time()
