@@ -247,7 +247,7 @@ async def test_send_streams_markdown_reply_and_saves(models, store, tmp_path):
             await pilot.pause(0.02)
         await reply_done(pilot)
         assert app.last_error is None
-        assert len(writes) >= 2, writes  # shown piece by piece, not all at once
+        assert len(writes) >= 2 and app.reply_chunks >= 2, writes  # shown piece by piece, not all at once
         assert [m["role"] for m in app.conv.messages] == ["user", "assistant"]
         reply = app.conv.messages[-1]["content"]
         assert reply.strip() and view.body.source == reply

@@ -12,7 +12,9 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown
+from textual.worker import Worker, WorkerState
 
+from localrun.cli import cached_tokens
 from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
@@ -55,7 +57,7 @@ def final_stats(final: dict | None, ttft: float | None, wall: float, completion_
         return stats
     prompt = final.get("prompt_eval_count")
     completion = final.get("eval_count")
-    cached = final.get("prompt_cache_count", final.get("cached_tokens", final.get("prompt_eval_cached_count", 0)))
+    cached = cached_tokens(final)  # the CLI's reading of the daemon's field, one place
     eval_ns = final.get("eval_duration")
     if completion is not None:
         stats.update(prompt=prompt or 0, cached=cached or 0, completion=completion)
@@ -113,6 +115,7 @@ class ChatApp(App[int]):
         self.pulling: str | None = None
         self.last_error: str | None = None  # the last error shown (tests and screenshots read it)
         self._gen_worker = None
+        self.reply_chunks = 0
         self._pull_worker = None
 
     # ------------------------------------------------------------------ layout
@@ -160,7 +163,7 @@ class ChatApp(App[int]):
         return n
 
     # ------------------------------------------------------------------ startup / models
-    @work(exclusive=True, group="startup")
+    @work(exclusive=True, group="startup", exit_on_error=False)
     async def startup(self) -> None:
         try:
             await self.client.version()
@@ -205,7 +208,7 @@ class ChatApp(App[int]):
         entry = next((m for m in running if model in (m.get("name"), m.get("model"))), None)
         self.status.set(processor=describe_processor(entry) if entry else "not loaded")
 
-    @work(exclusive=True, group="pull")
+    @work(exclusive=True, group="pull", exit_on_error=False)
     async def pull_model(self, name: str) -> None:
         bar = self.query_one(PullBar)
         bar.display = True
@@ -241,7 +244,7 @@ class ChatApp(App[int]):
 
     def _picked_model(self, name: str | None) -> None:
         if name:
-            self.run_worker(self.use_model(name), group="model")
+            self.run_worker(self.use_model(name), group="model", exit_on_error=False)
 
     # ------------------------------------------------------------------ sending
     @on(ChatInput.Submitted)
@@ -272,19 +275,19 @@ class ChatApp(App[int]):
         self.refresh_bindings()
         self._gen_worker = self.generate(view)
 
-    @work(exclusive=True, group="generate")
+    @work(exclusive=True, group="generate", exit_on_error=False)
     async def generate(self, user_view: MessageView) -> None:
-        model = self.conv.model
-        messages = ([{"role": "system", "content": self.conv.system}] if self.conv.system else []) + list(
-            self.conv.messages
-        )
-        options = dict(self.conv.options) or None
+        conv = self.conv  # /new, /clear or a resume may swap self.conv while this runs
+        model = conv.model
+        messages = ([{"role": "system", "content": conv.system}] if conv.system else []) + list(conv.messages)
+        options = dict(conv.options) or None
         reply = MessageView("assistant", "", label=model)
         await self.log_view.mount(reply)
         self.log_view.scroll_end(animate=False)
         stream = Markdown.get_stream(reply.body)
-        self.status.set(state="thinking…")
+        self.status.set(state="thinking…", stats={})
         text, final, ttft, error = "", None, None, None
+        self.reply_chunks = 0  # content chunks of the reply being streamed
         t0 = time.monotonic()
         outcome = "done"
         try:
@@ -295,41 +298,50 @@ class ChatApp(App[int]):
                         ttft = time.monotonic() - t0
                         self.status.set(state="generating…")
                     text += piece
+                    self.reply_chunks += 1
                     await stream.write(piece)
                 if chunk.get("done"):
                     final = chunk
         except asyncio.CancelledError:
             outcome = "stopped"
-        except (DaemonUnavailable, APIError) as exc:
-            outcome, error = "error", explain_error(exc, model)
-        except Exception as exc:  # a broken stream must never take the app down
+        except Exception as exc:  # DaemonUnavailable, APIError, a broken stream: never fatal
             outcome, error = "error", explain_error(exc, model)
         finally:
+            self.generating = False
             await stream.stop()
         wall = time.monotonic() - t0
-        self.generating = False
+        if text:
+            conv.messages.append({"role": "assistant", "content": text})
+        elif conv.messages and conv.messages[-1]["role"] == "user":
+            conv.messages.pop()  # nothing came back: the question goes back to the input box
+        self.save(conv)
+        if conv is not self.conv or not self.is_running:
+            return  # the view moved on; the reply is stored with its conversation
         self.refresh_bindings()
         if text:
-            self.conv.messages.append({"role": "assistant", "content": text})
             reply.content = text
             if outcome == "stopped":
                 reply.set_note("(stopped)")
             elif final and final.get("done_reason") == "length":
-                reply.set_note("(cut off at num_predict; /set num_predict N for longer replies)")
+                reply.set_note("(cut off at num_predict: /set num_predict N for longer replies)")
         else:
             await reply.remove()
-            if outcome in ("error", "stopped"):
-                # nothing came back: take the message back into the input box to retry
-                if self.conv.messages and self.conv.messages[-1]["role"] == "user":
-                    self.conv.messages.pop()
-                await user_view.remove()
-                if not self.input_box.text.strip():
-                    self.input_box.text = user_view.content
+            await user_view.remove()
+            if not self.input_box.text.strip():
+                self.input_box.text = user_view.content
         if error:
             await self.note(error, "error")
+        elif not text and outcome == "stopped":
+            await self.note("stopped before the first token; your message is back in the input box", "warning")
         self.status.set(state="stopped" if outcome == "stopped" else "", stats=final_stats(final, ttft, wall, len(text)))
-        self.save()
         await self.refresh_processor()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """A bug in a background task shows up as a message instead of ending the app."""
+        if event.state == WorkerState.ERROR:
+            self.generating = False
+            self.notify(f"internal error: {event.worker.error!r}", severity="error", timeout=10)
+            self.last_error = f"internal error: {event.worker.error!r}"
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "stop":  # hidden (and passed on to Esc/Ctrl+C's usual job) when idle
@@ -401,11 +413,12 @@ class ChatApp(App[int]):
         self.save()
 
     # ------------------------------------------------------------------ conversations
-    def save(self) -> None:
-        if not self.conv.messages:
+    def save(self, conv: Conversation | None = None) -> None:
+        conv = conv or self.conv
+        if not conv.messages:
             return
         try:
-            self.store.save(self.conv)
+            self.store.save(conv)
         except OSError as exc:
             self.notify(f"could not save the conversation: {exc}", severity="error")
 
@@ -439,7 +452,7 @@ class ChatApp(App[int]):
 
     def _picked_chat(self, conv_id: str | None) -> None:
         if conv_id:
-            self.run_worker(self.resume(conv_id), group="resume")
+            self.run_worker(self.resume(conv_id), group="resume", exit_on_error=False)
 
     async def resume(self, conv_id: str) -> None:
         if self.generating:

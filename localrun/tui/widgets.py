@@ -160,7 +160,10 @@ class PullBar(Horizontal):
 
 
 class SettingsPanel(VerticalScroll):
-    """System prompt and generation parameters; blank = the model's default."""
+    """System prompt and generation parameters; blank = the model's default (F2 toggles)."""
+
+    LABELS = {"temperature": "temperature", "top_p": "top_p", "num_predict": "max tokens", "num_ctx": "num_ctx",
+              "seed": "seed"}
 
     class Changed(Message):
         def __init__(self, key: str, value) -> None:
@@ -169,18 +172,21 @@ class SettingsPanel(VerticalScroll):
             self.value = value
 
     def compose(self) -> ComposeResult:
-        yield Label("Settings  (blank = model default)", classes="panel-title")
+        yield Label("Settings", classes="panel-title")
+        yield Label("blank = model default", classes="hint")
         yield Label("System prompt")
-        yield Input(placeholder="(model default)", id="set-system")
+        yield TextArea(id="set-system", soft_wrap=True, tab_behavior="focus", show_line_numbers=False)
         for p in PARAMS.values():
-            yield Label(f"{p.name}", classes="param-label")
-            yield Input(placeholder=p.help, id=f"set-{p.name}", classes="param")
+            with Horizontal(classes="param-row"):
+                yield Label(self.LABELS[p.name], classes="param-label")
+                yield Input(placeholder="default", id=f"set-{p.name}", classes="param", tooltip=p.help,
+                            compact=True)
         yield Static("", id="settings-error", markup=False)
 
     def show_values(self, system: str | None, options: dict) -> None:
         """Reflect the current conversation's settings without firing Changed."""
-        with self.prevent(Input.Changed):
-            self.query_one("#set-system", Input).value = system or ""
+        with self.prevent(Input.Changed, TextArea.Changed):
+            self.query_one("#set-system", TextArea).text = system or ""
             for name in PARAMS:
                 v = options.get(name)
                 inp = self.query_one(f"#set-{name}", Input)
@@ -188,14 +194,16 @@ class SettingsPanel(VerticalScroll):
                 inp.remove_class("-invalid")
         self.query_one("#settings-error", Static).update("")
 
+    @on(TextArea.Changed, "#set-system")
+    def _system_changed(self, event: TextArea.Changed) -> None:
+        event.stop()
+        self.post_message(self.Changed("system", event.text_area.text.strip() or None))
+
     @on(Input.Changed)
     def _changed(self, event: Input.Changed) -> None:
         event.stop()
         key = (event.input.id or "").removeprefix("set-")
         err = self.query_one("#settings-error", Static)
-        if key == "system":
-            self.post_message(self.Changed("system", event.value.strip() or None))
-            return
         try:
             value = parse_param(key, event.value)
         except CommandError as exc:
