@@ -34,6 +34,9 @@ from localrun.library.store import Store, disk_full_error
 DEFAULT_ENDPOINT = "https://huggingface.co"
 METADATA_TIMEOUT = 10.0
 PROGRESS_INTERVAL = 0.25
+# http_get writes (and reports, and can be cancelled) once per chunk; huggingface-hub's
+# default is 10 MiB, which loses up to 10 MiB on a dropped connection. 1 MiB instead.
+CHUNK_SIZE = 1 << 20
 
 # Files of a safetensors model repo that localrun keeps (never pickles: no .bin/.pt/.pth).
 SAFETENSORS_KEEP = {
@@ -191,9 +194,12 @@ class Hub:
     def download(self, store: Store, rf: RemoteFile, progress: Progress,
                  check: Callable[[Path], None] | None = None) -> tuple[str, int]:
         """Fetch one file into blobs/ (resuming a partial one); returns (digest, size)."""
+        from huggingface_hub import constants as hf_constants
         from huggingface_hub.file_download import get_hf_file_metadata, hf_hub_url, http_get
         from huggingface_hub.utils import build_hf_headers
 
+        if getattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 0) > CHUNK_SIZE:
+            hf_constants.DOWNLOAD_CHUNK_SIZE = CHUNK_SIZE
         validate_filename(rf.filename)
         key = f"{self.repo_id}/{rf.filename}@{rf.sha256 or rf.git_oid or self.commit}"
         short = (rf.sha256 or "")[7:19]
