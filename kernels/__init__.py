@@ -1,0 +1,84 @@
+"""localrun.kernels: the native engine's attention, KV-write, norm, RoPE and activation ops.
+
+Each op exists twice: a pure-torch reference (`*_ref`, in reference.py: the CPU path and the
+test oracle) and a Triton kernel (one module per op). The names exported here pick the
+Triton kernel when Triton is installed and the first tensor argument is on a CUDA device
+(or TRITON_INTERPRET=1, Triton's CPU interpreter, is set), and the reference otherwise.
+Triton is imported lazily, on the first call that needs it, so this package imports
+without Triton. Matmuls are not here: they stay on cuBLAS through torch.
+
+KV cache layout: per layer K and V of shape [num_pages, page_size, num_kv_heads, head_dim];
+slot = page_id * page_size + offset; page_table int32 [B, max_pages]; seq_lens int32 [B].
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Callable
+
+import torch
+
+from ._common import interpreting
+from .reference import (
+    apply_rope_ref,
+    extend_attention_ref,
+    fused_add_rmsnorm_ref,
+    paged_decode_attention_ref,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+    silu_and_mul_ref,
+    store_kv_ref,
+)
+
+__all__ = [
+    "store_kv", "paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "apply_rope", "silu_and_mul",
+    "store_kv_ref", "paged_decode_attention_ref", "extend_attention_ref", "fused_add_rmsnorm_ref",
+    "apply_rope_ref", "silu_and_mul_ref", "rope_cos_sin_cache", "rope_inv_freq",
+    "triton_available", "uses_triton",
+]
+
+_triton_ok: bool | None = None
+
+
+def triton_available() -> bool:
+    """Whether Triton imports here (checked once; a broken install counts as absent)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            _triton_ok = importlib.util.find_spec("triton") is not None and bool(importlib.import_module("triton"))
+        except Exception:  # noqa: BLE001 - any failure to import means: use the torch path
+            _triton_ok = False
+    return _triton_ok
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the ops below run their Triton kernel for tensors like t."""
+    return (t.is_cuda or interpreting()) and triton_available()
+
+
+def _dispatch(module: str, ref: Callable) -> Callable:
+    # Kernel modules are named unlike the ops (kv_store, extend_attn): importing a submodule
+    # binds its name on this package, which must keep meaning the op.
+    name = ref.__name__.removesuffix("_ref")
+    kernel: list[Callable] = []
+
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        if not uses_triton(args[0]):
+            return ref(*args, **kwargs)
+        if not kernel:
+            kernel.append(getattr(importlib.import_module(f".{module}", __name__), name))
+        return kernel[0](*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+store_kv = _dispatch("kv_store", store_kv_ref)
+paged_decode_attention = _dispatch("decode_attention", paged_decode_attention_ref)
+extend_attention = _dispatch("extend_attn", extend_attention_ref)
+fused_add_rmsnorm = _dispatch("rmsnorm", fused_add_rmsnorm_ref)
+apply_rope = _dispatch("rope", apply_rope_ref)
+silu_and_mul = _dispatch("activation", silu_and_mul_ref)

@@ -1,0 +1,162 @@
+"""Paged decode attention (flash-decoding / split-KV) in Triton.
+
+Stage 1: grid (batch, kv_head, split). Each program takes the query heads that share one
+KV head (GQA, padded to a 16-row tile so the scores are a tensor-core dot), walks its share
+of the sequence's KV positions through the page table with an online softmax, and writes a
+partial output plus its log-sum-exp. Stage 2: grid (batch, q_head) merges the splits,
+weighting each by exp(lse_split - lse_max). Splitting the KV range keeps every SM busy at
+small batch sizes, where one program per (sequence, head) would leave most of the GPU idle.
+
+Same math as reference.paged_decode_attention_ref; logits are handled in base 2 (exp2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .attn_common import mma
+from ._common import check_cache, dot_precision, inner_contiguous, interpreting, next_pow2, num_sms
+
+MAX_KV_SPLITS = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, SeqLens, MidO, MidLse,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_pt,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    mask_h = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = mma(q, tl.trans(k), PRECISION) * scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # False for an empty split (short sequence, many splits)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+             out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MidO, MidLse, O,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=mask_s, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty sequence: all weights 0
+    w = tl.exp2(lse - lse_max)
+    o = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
+
+
+def default_num_kv_splits(batch: int, num_kv_heads: int, device_tensor: torch.Tensor) -> int:
+    """Enough splits to give every SM about two programs, at most MAX_KV_SPLITS.
+
+    Depends only on host-known sizes (no GPU sync), so it is safe inside CUDA graph capture.
+    """
+    programs = max(1, batch * num_kv_heads)
+    return max(1, min(MAX_KV_SPLITS, math.ceil(2 * num_sms(device_tensor) / programs)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_kv_splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D]."""
+    check_cache(k_cache, v_cache)
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache with {num_kv_heads} KV heads of dim {cache_dim}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    q = inner_contiguous(q)
+    group = num_q_heads // num_kv_heads
+    splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q)
+    mid_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    block_d = max(16, next_pow2(head_dim))
+    block_n = 16 if interpreting() else (64 if head_dim <= 128 else 32)
+
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
+        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_q_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out

@@ -1,0 +1,368 @@
+"""localrun.kernels: torch references against naive dense math and transformers, and the
+Triton kernels against the references.
+
+The Triton tests (class TestTriton) run
+  * under Triton's CPU interpreter: test_triton_kernels_in_interpreter starts
+    `TRITON_INTERPRET=1 python -m pytest tests/test_kernels.py::TestTriton` in a subprocess, so
+    the interpreter setting never leaks into this process or other test modules; or run
+    that command yourself to see each case;
+  * on a CUDA GPU, in this process, at the same tiny shapes (TestTriton) and at real
+    Llama-3.1-8B shapes (the @pytest.mark.gpu tests).
+Inputs are fresh random tensors; KV caches start as NaN so a read of a wrong slot shows.
+Tolerance: max|out - oracle| / max|oracle| <= 1e-5 in fp32, <= 1e-2 in bf16, where the
+oracle is the fp32 reference run on the same (bf16-rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import localrun.kernels as K
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+# Where TestTriton runs its kernels: the GPU when there is one, else the CPU interpreter.
+DEVICE = "cuda" if HAS_CUDA and not INTERPRETED else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
+    out, oracle = out.double().cpu(), oracle.double().cpu()
+    assert not out.isnan().any(), "output has NaN"
+    return float((out - oracle).abs().max() / oracle.abs().max().clamp_min(1e-30))
+
+
+def assert_close(out: torch.Tensor, oracle: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == oracle.shape and out.dtype == dtype
+    err = rel_err(out, oracle)
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]} ({dtype})"
+
+
+@dataclass
+class PagedBatch:
+    """Sequences with random K/V scattered over shuffled pages of a NaN-initialised pool."""
+
+    k: list[torch.Tensor]  # per sequence [L, Hkv, D] (the tokens in the cache)
+    v: list[torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    page_table: torch.Tensor  # int32 [B, P], unused entries -1
+    seq_lens: torch.Tensor  # int32 [B]
+    slots: torch.Tensor  # int64 [sum L], in sequence order
+
+
+def make_paged_batch(seq_lens, num_kv_heads, head_dim, page_size, dtype, device, spare_pages=3,
+                     write=K.store_kv_ref) -> PagedBatch:
+    pages_per_seq = [math.ceil(n / page_size) for n in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    perm = torch.randperm(num_pages).tolist()
+    table = torch.full((len(seq_lens), max(1, max(pages_per_seq))), -1, dtype=torch.int32)
+    slots = []
+    for b, n in enumerate(seq_lens):
+        table[b, : pages_per_seq[b]] = torch.tensor([perm.pop() for _ in range(pages_per_seq[b])], dtype=torch.int32)
+        slots += [int(table[b, p // page_size]) * page_size + p % page_size for p in range(n)]
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    ks = [torch.randn(n, num_kv_heads, head_dim).to(dtype=dtype, device=device) for n in seq_lens]
+    vs = [torch.randn(n, num_kv_heads, head_dim).to(dtype=dtype, device=device) for n in seq_lens]
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    if slots:
+        write(torch.cat(ks), torch.cat(vs), k_cache, v_cache, slots_t)
+    return PagedBatch(ks, vs, k_cache, v_cache, table.to(device),
+                      torch.tensor(seq_lens, dtype=torch.int32, device=device), slots_t)
+
+
+def dense_attention(q, k, v, q_positions, scale):
+    """Naive float64 attention of q [M, Hq, D] at q_positions over k/v [L, Hkv, D] (keys <= position)."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, pos in enumerate(q_positions):
+        for h in range(q.shape[1]):
+            keys = k[: pos + 1, h // group].double()
+            w = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
+            out[i, h] = w @ v[: pos + 1, h // group].double()
+    return out
+
+
+def extend_inputs(prefix_and_new, num_q_heads, num_kv_heads, head_dim, page_size, dtype, device):
+    seq_lens = [p + n for p, n in prefix_and_new]
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_dim, page_size, dtype, device)
+    q_lens = [n for _, n in prefix_and_new]
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim).to(dtype=dtype, device=device)
+    return batch, q, cu
+
+
+def upcast(*tensors):
+    return [t.float() for t in tensors]
+
+
+# --------------------------------------------------------------------------- references
+
+def test_ops_use_torch_references_without_interpreter_on_cpu():
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1 routes CPU tensors to Triton by design")
+    assert not K.uses_triton(torch.zeros(1))
+    x = torch.randn(3, 8)
+    assert torch.equal(K.silu_and_mul(x), K.silu_and_mul_ref(x))
+
+
+def test_store_kv_ref_writes_slots_and_skips_padding():
+    kc = torch.zeros(3, 4, 2, 8)
+    vc = torch.zeros(3, 4, 2, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    K.store_kv_ref(k, v, kc, vc, torch.tensor([9, -1, 2]))
+    assert torch.equal(kc[2, 1], k[0]) and torch.equal(vc[0, 2], v[2])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the padding token wrote nothing
+
+
+@pytest.mark.parametrize("seq_lens,page_size,num_q_heads,num_kv_heads", [
+    ([1, 7, 19], 4, 4, 2), ([5, 16, 9], 8, 6, 2), ([3], 4, 2, 2)])
+def test_decode_ref_matches_dense(seq_lens, page_size, num_q_heads, num_kv_heads):
+    head_dim, scale = 16, 0.3
+    batch = make_paged_batch(seq_lens, num_kv_heads, head_dim, page_size, torch.float32, "cpu")
+    q = torch.randn(len(seq_lens), num_q_heads, head_dim)
+    out = K.paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, scale)
+    for b, n in enumerate(seq_lens):
+        dense = dense_attention(q[b:b + 1], batch.k[b], batch.v[b], [n - 1], scale)
+        assert rel_err(out[b:b + 1], dense) <= 1e-5
+
+
+def test_extend_ref_matches_dense_and_decode():
+    head_dim, scale, num_q_heads = 16, 0.25, 4
+    spans = [(0, 7), (12, 7), (3, 1), (0, 1)]
+    batch, q, cu = extend_inputs(spans, num_q_heads, 2, head_dim, 4, torch.float32, "cpu")
+    out = K.extend_attention_ref(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, scale)
+    for b, (prefix, new) in enumerate(spans):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        dense = dense_attention(q[rows], batch.k[b], batch.v[b], range(prefix, prefix + new), scale)
+        assert rel_err(out[rows], dense) <= 1e-5
+    # A one-token extend is a decode step.
+    last = q[cu[1:] - 1]
+    decode = K.paged_decode_attention_ref(last, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, scale)
+    assert rel_err(out[cu[1:] - 1], decode) <= 1e-6
+
+
+def test_rmsnorm_ref_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x, r = torch.randn(5, 48), torch.randn(5, 48)
+    out, new_r = K.fused_add_rmsnorm_ref(x, r, norm.weight.detach(), 1e-6)
+    assert torch.equal(new_r, x + r)
+    assert rel_err(out, norm(x + r).detach()) <= 1e-6
+    out2, same = K.fused_add_rmsnorm_ref(x, None, norm.weight.detach(), 1e-6)
+    assert same is x and rel_err(out2, norm(x).detach()) <= 1e-6
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}])
+def test_rope_ref_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, base = 64, 500000.0
+    params = {"rope_type": "default", "rope_theta": base, **(scaling or {})}
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=131072, rope_parameters=params)
+    if scaling:
+        hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        ours = K.rope_inv_freq(head_dim, base, scaling)
+        assert rel_err(ours, hf_inv_freq) <= 1e-6
+        assert not torch.allclose(ours, K.rope_inv_freq(head_dim, base, None))  # scaling did something
+    cache = K.rope_cos_sin_cache(head_dim, 300, base, scaling)
+    positions = torch.tensor([0, 1, 7, 19, 255, 299])
+    q, k = torch.randn(6, 4, head_dim), torch.randn(6, 2, head_dim)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, positions[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    ours_q, ours_k = K.apply_rope_ref(q, k, positions, cache)
+    assert rel_err(ours_q, hf_q[0].transpose(0, 1)) <= 1e-5
+    assert rel_err(ours_k, hf_k[0].transpose(0, 1)) <= 1e-5
+
+
+def test_rope_rejects_unknown_scaling():
+    with pytest.raises(ValueError, match="yarn"):
+        K.rope_cos_sin_cache(64, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_silu_and_mul_ref_matches_formula():
+    x = torch.randn(5, 2 * 40)
+    gate, up = x[:, :40].double(), x[:, 40:].double()
+    assert rel_err(K.silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up) <= 1e-6
+
+
+# --------------------------------------------------------------------------- Triton, tiny shapes
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+@pytest.mark.skipif(INTERPRETED or HAS_CUDA, reason="TestTriton runs in this process (interpreter or GPU)")
+def test_triton_kernels_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", f"{__file__}::TestTriton", "-q", "-p", "no:cacheprovider", "-x"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    tail = (r.stdout + r.stderr)[-8000:]
+    assert r.returncode == 0, tail
+    summary = r.stdout.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 20 and "skipped" not in summary, tail
+    print(f"interpreter run: {summary}")
+
+
+needs_triton_here = pytest.mark.skipif(
+    not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
+    reason="Triton tests run on a GPU, or under TRITON_INTERPRET=1 via test_triton_kernels_in_interpreter")
+
+
+@needs_triton_here
+class TestTriton:
+    def test_dispatches_to_triton(self):
+        assert K.uses_triton(torch.zeros(1, device=DEVICE))
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_store_kv(self, dtype):
+        T, hkv, d = 9, 2, 16
+        kv = torch.randn(T, 3 * hkv, d).to(dtype=dtype, device=DEVICE)
+        k, v = kv[:, :hkv], kv[:, hkv: 2 * hkv]  # strided views, as sliced from a fused qkv
+        slots = torch.randperm(5 * 4)[:T].to(DEVICE)
+        slots[3] = -1
+        caches = [torch.full((5, 4, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(4)]
+        K.store_kv(k, v, caches[0], caches[1], slots)
+        K.store_kv_ref(k, v, caches[2], caches[3], slots)
+        assert torch.equal(caches[0].isnan(), caches[2].isnan()) and int((~caches[0].isnan()).sum()) == (T - 1) * hkv * d
+        assert torch.equal(caches[0].nan_to_num(), caches[2].nan_to_num())
+        assert torch.equal(caches[1].nan_to_num(), caches[3].nan_to_num())
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("seq_lens,page_size,num_q_heads,num_kv_heads,head_dim,splits", [
+        ([1, 7, 19], 4, 4, 2, 16, 3),  # more splits than a 1-token sequence can fill
+        ([19, 8, 1], 8, 6, 2, 32, None),  # 3 query heads per KV head, default splits
+        ([33, 2], 4, 2, 2, 24, 1),  # MHA, head_dim not a power of two, one split
+    ])
+    def test_paged_decode_attention(self, dtype, seq_lens, page_size, num_q_heads, num_kv_heads, head_dim, splits):
+        scale = head_dim ** -0.5
+        batch = make_paged_batch(seq_lens, num_kv_heads, head_dim, page_size, dtype, DEVICE, write=K.store_kv)
+        q = torch.randn(len(seq_lens), num_q_heads, head_dim).to(dtype=dtype, device=DEVICE)
+        out = K.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, scale,
+                                       num_kv_splits=splits)
+        oracle = K.paged_decode_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table,
+                                              batch.seq_lens, scale)
+        assert_close(out, oracle, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("spans,page_size,num_q_heads,num_kv_heads,head_dim", [
+        ([(0, 7), (12, 7), (3, 1), (0, 19)], 4, 4, 2, 16),  # (cached prefix, new tokens) per sequence
+        ([(5, 20), (0, 1), (17, 0)], 8, 6, 2, 32),  # q block crossing, an idle sequence
+    ])
+    def test_extend_attention(self, dtype, spans, page_size, num_q_heads, num_kv_heads, head_dim):
+        scale = head_dim ** -0.5
+        batch, q, cu = extend_inputs(spans, num_q_heads, num_kv_heads, head_dim, page_size, dtype, DEVICE)
+        out = K.extend_attention(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, scale)
+        oracle = K.extend_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table, cu,
+                                        batch.seq_lens, scale)
+        assert_close(out, oracle, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("with_residual", [True, False])
+    def test_fused_add_rmsnorm(self, dtype, with_residual):
+        x = torch.randn(5, 48).to(dtype=dtype, device=DEVICE)
+        r = torch.randn(5, 48).to(dtype=dtype, device=DEVICE) if with_residual else None
+        w = torch.randn(48).to(dtype=dtype, device=DEVICE)
+        out, new_r = K.fused_add_rmsnorm(x, r, w, 1e-5)
+        if r is None:
+            assert new_r is x
+        else:  # (the interpreter rounds fp32 -> bf16 its own way: not bit-exact with torch)
+            assert_close(new_r, x.float() + r.float(), dtype)
+        assert_close(out, K.fused_add_rmsnorm_ref(new_r.float(), None, w.float(), 1e-5)[0], dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("scaling,rotary_dim", [
+        (None, None), ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, None),
+        (None, 16),  # partial rotary: the last 16 dims pass through
+    ])
+    def test_apply_rope(self, dtype, scaling, rotary_dim):
+        cache = K.rope_cos_sin_cache(32, 100, 10000.0, scaling, device=DEVICE, rotary_dim=rotary_dim)
+        positions = torch.tensor([0, 3, 99, 42, 7], device=DEVICE)
+        q = torch.randn(5, 6, 32).to(dtype=dtype, device=DEVICE)
+        k = torch.randn(5, 3, 32).to(dtype=dtype, device=DEVICE)
+        q_in, k_in = q.clone(), k.clone()
+        out_q, out_k = K.apply_rope(q, k, positions, cache)
+        ref_q, ref_k = K.apply_rope_ref(q.float(), k.float(), positions, cache)
+        assert torch.equal(q, q_in) and torch.equal(k, k_in)  # inputs untouched
+        assert_close(out_q, ref_q, dtype)
+        assert_close(out_k, ref_k, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_silu_and_mul(self, dtype):
+        x = torch.randn(5, 2 * 100).to(dtype=dtype, device=DEVICE) * 3
+        assert_close(K.silu_and_mul(x), K.silu_and_mul_ref(x.float()), dtype)
+
+
+# --------------------------------------------------------------------------- GPU, real shapes
+
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")]
+HQ, HKV, HD = 32, 8, 128  # Llama-3.1-8B attention
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("batch_size", [1, 48])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+def test_gpu_decode_llama8b_shape(batch_size):
+    seq_lens = torch.randint(1, 4097, (batch_size,)).tolist()
+    batch = make_paged_batch(seq_lens, HKV, HD, 16, BF16, "cuda", write=K.store_kv)
+    q = torch.randn(batch_size, HQ, HD, dtype=BF16, device="cuda")
+    out = K.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, HD ** -0.5)
+    oracle = K.paged_decode_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table,
+                                          batch.seq_lens, HD ** -0.5)
+    assert_close(out, oracle, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+def test_gpu_extend_llama8b_shape():
+    spans = [(0, 1000), (1500, 300), (37, 1), (0, 2048), (4000, 96)]
+    batch, q, cu = extend_inputs(spans, HQ, HKV, HD, 16, BF16, "cuda")
+    out = K.extend_attention(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, HD ** -0.5,
+                             max_q_len=2048)
+    oracle = K.extend_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table, cu,
+                                    batch.seq_lens, HD ** -0.5)
+    assert_close(out, oracle, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+def test_gpu_pointwise_llama8b_shape():
+    T, hidden, inter = 777, 4096, 14336
+    x, r = (torch.randn(T, hidden, dtype=BF16, device="cuda") for _ in range(2))
+    w = torch.randn(hidden, dtype=BF16, device="cuda")
+    out, new_r = K.fused_add_rmsnorm(x, r, w, 1e-5)
+    assert torch.equal(new_r, x + r)
+    assert_close(out, K.fused_add_rmsnorm_ref(new_r.float(), None, w.float(), 1e-5)[0], BF16)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    cache = K.rope_cos_sin_cache(HD, 131072, 500000.0, scaling, device="cuda")
+    positions = torch.randint(0, 131072, (T,), device="cuda")
+    q, k = torch.randn(T, HQ, HD, dtype=BF16, device="cuda"), torch.randn(T, HKV, HD, dtype=BF16, device="cuda")
+    for got, want in zip(K.apply_rope(q, k, positions, cache), K.apply_rope_ref(q.float(), k.float(), positions, cache)):
+        assert_close(got, want, BF16)
+    gate_up = torch.randn(T, 2 * inter, dtype=BF16, device="cuda")
+    assert_close(K.silu_and_mul(gate_up), K.silu_and_mul_ref(gate_up.float()), BF16)
+    slots = torch.randperm(64 * 16, device="cuda")[:T]
+    caches = [torch.zeros(64, 16, HKV, HD, dtype=BF16, device="cuda") for _ in range(4)]
+    K.store_kv(k, q[:, :HKV], caches[0], caches[1], slots)
+    K.store_kv_ref(k, q[:, :HKV], caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
