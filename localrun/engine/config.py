@@ -1,0 +1,124 @@
+"""Model shape (ModelConfig) and engine knobs (EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Mistral, SmolLM2."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    arch: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face config.json dict (old `rope_scaling` or new `rope_parameters`)."""
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(
+                f"model_type {model_type!r} ({', '.join(archs) or 'unknown architecture'}) is not supported by the "
+                "native engine (Llama, Mistral, Qwen2 families); use the llama.cpp backend for it"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        eos = cfg.get("eos_token_id")
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            arch=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+        )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}") from None
+
+
+@dataclass
+class EngineConfig:
+    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None  # default: cuda if available
+    page_size: int = 16
+    kv_memory_bytes: int | None = None  # KV pool budget (CPU; on CUDA derived from gpu_memory_fraction)
+    gpu_memory_fraction: float = 0.8  # CUDA: weights + KV pool <= this fraction of total memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget: prefill chunks + decodes
+    max_model_len: int = 4096
+    enable_prefix_cache: bool = True
+    use_triton: bool | None = None  # None: on CUDA when localrun.kernels imports
+    cuda_graphs: bool | None = None  # reserved for the CUDA issue; ignored on CPU
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        parse_dtype(self.dtype)
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)  # type: ignore[arg-type]

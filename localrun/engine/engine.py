@@ -1,0 +1,417 @@
+"""LLMEngine: offline generate() and an online loop thread feeding asyncio streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from localrun.engine.attention import make_ops
+from localrun.engine.config import EngineConfig, ModelConfig
+from localrun.engine.kv_pool import KVPool
+from localrun.engine.model import LlamaModel
+from localrun.engine.radix_cache import RadixCache
+from localrun.engine.runner import ModelRunner
+from localrun.engine.sampler import SamplingParams, sample
+from localrun.engine.scheduler import Scheduler, Sequence
+from localrun.engine.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("localrun.engine")
+
+ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: room for activations, logits and the allocator
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list | None = None  # per token: (token_id, logprob, [(id, logprob), ...])
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass
+class StreamDelta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    usage: dict | None = None  # on the last delta: prompt/completion/cached tokens and timings
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: Detokenizer | None
+    stream: "RequestStream | None" = None
+    text: str = ""  # text so far (stop strings cut it)
+    sent: int = 0  # characters of `text` already streamed
+    logprobs: list = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    pending_ids: list[int] = field(default_factory=list)  # tokens not yet streamed
+    pending_lp: list = field(default_factory=list)
+
+
+class RequestStream:
+    """Async iterator of StreamDelta for one request; closing it early aborts the request."""
+
+    def __init__(self, engine: "LLMEngine", request_id: str) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def _push(self, delta: StreamDelta) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self.queue.get()
+        if delta.finish_reason is not None:
+            self.done = True
+        return delta
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer | None) -> None:
+        self.model, self.model_config, self.config, self.tokenizer = model, model_config, config, tokenizer
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        per_page = model_config.kv_bytes_per_token(dtype) * config.page_size
+        num_pages = self._kv_budget(model, per_page) // per_page
+        if num_pages < 2:
+            raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
+        self.pool = KVPool(model_config, int(num_pages), config.page_size, dtype, self.device)
+        self.cache = RadixCache(self.pool) if config.enable_prefix_cache else None
+        self.scheduler = Scheduler(config, self.pool, self.cache)
+        self.runner = ModelRunner(model, self.pool, self.device)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._done: dict[str, _Request] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._cv = threading.Condition()
+        self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        log.info("native engine: %d KV pages x %d tokens (%.1f MiB), %s on %s", num_pages, config.page_size,
+                 self.pool.nbytes / 2**20, dtype, self.device)
+
+    def _kv_budget(self, model: LlamaModel, per_page: int) -> int:
+        cfg = self.config
+        useful = (cfg.max_num_seqs * cfg.max_model_len // cfg.page_size + 1) * per_page
+        if cfg.kv_memory_bytes is not None:
+            return cfg.kv_memory_bytes
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            return min(useful, int(total * cfg.gpu_memory_fraction) - weights - ACTIVATION_RESERVE_BYTES)
+        # CPU: room for four full-length sequences (preemption and the prefix cache cover the rest)
+        return min(useful, 4 * (cfg.max_model_len // cfg.page_size + 1) * per_page)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def _build(cls, mcfg: ModelConfig, config: EngineConfig | None, fill) -> "tuple[LlamaModel, EngineConfig]":
+        config = config or EngineConfig()
+        max_pos = max(config.max_model_len, 1)
+        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, make_ops(config.device, config.use_triton))
+        fill(model)
+        return model, config
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
+        from localrun.engine.loader import read_gguf
+
+        mcfg, get, names, meta = read_gguf(path)
+        model, config = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
+        tok = Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"])
+        return cls(model, mcfg, config, tok)
+
+    @classmethod
+    def from_safetensors(cls, directory: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
+        from localrun.engine.loader import read_safetensors
+
+        mcfg, get, names, close = read_safetensors(directory)
+        try:
+            model, config = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
+        finally:
+            close()
+        return cls(model, mcfg, config, Tokenizer.from_dir(directory, mcfg.eos_token_ids))
+
+    @classmethod
+    def from_random(cls, shape: str | ModelConfig, config: EngineConfig | None = None, seed: int = 0) -> "LLMEngine":
+        from localrun.engine.shapes import get_shape
+
+        mcfg = get_shape(shape) if isinstance(shape, str) else shape
+        model, config = cls._build(mcfg, config, lambda m: m.init_random(seed))
+        return cls(model, mcfg, config, None)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> _Request:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        n, cfg = len(prompt_ids), self.config
+        limit = min(cfg.max_model_len, self.pool.num_pages * cfg.page_size)
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens but the context window holds {limit}; shorten it")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params, self.device)
+        detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
+        return _Request(seq, detok)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request on the running loop (call from an asyncio loop); returns its stream."""
+        req = self._new_request(list(prompt_token_ids), params or SamplingParams(), request_id)
+        if req.seq.id in self._requests:
+            raise ValueError(f"request id {req.seq.id!r} is already in use")
+        req.stream = RequestStream(self, req.seq.id)
+        with self._cv:
+            self._inbox.append(("add", req))
+            self._cv.notify()
+        return req.stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its KV pages are freed before the next step runs."""
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+        if self._lock.acquire(blocking=False):  # not mid-step: free now
+            try:
+                self._drain_inbox()
+            finally:
+                self._lock.release()
+
+    def _drain_inbox(self) -> None:
+        with self._cv:
+            items, self._inbox = self._inbox, []
+        for kind, item in items:
+            if kind == "add":
+                self._requests[item.seq.id] = item
+                self.scheduler.add(item.seq)
+            else:
+                req = self._requests.get(item)
+                if req is not None and self.scheduler.abort(item) is not None:
+                    self._finish(req, "abort", release=False)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> None:
+        with self._lock:
+            self._drain_inbox()
+            batch = self.scheduler.schedule()
+            for seq in [s for s in self.scheduler.running if s.finish_reason]:  # pool too small
+                self._finish(self._requests[seq.id], seq.finish_reason)
+            if batch is None:
+                return
+            logits, rows = self.runner.run(batch)
+            self.scheduler.update(batch)
+            if logits is None:
+                return
+            seqs = [batch.seqs[i] for i in rows]
+            tokens, lps = sample(logits, [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                 [s.output_ids for s in seqs], [s.generator for s in seqs])
+            now = time.perf_counter()
+            for seq, tok, lp in zip(seqs, tokens, lps):
+                self._on_token(self._requests[seq.id], tok, lp, now)
+
+    def _on_token(self, req: _Request, tok: int, lp, now: float) -> None:
+        seq, p = req.seq, req.seq.params
+        seq.token_ids.append(tok)
+        req.first_token_time = req.first_token_time or now
+        req.pending_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append((tok, lp[0], lp[1]))
+            req.pending_lp.append(req.logprobs[-1])
+        finish = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            finish = "stop"
+        else:
+            if req.detok is not None:
+                req.text += req.detok.add(tok)
+                if p.stop:
+                    finish = self._cut_stop(req)
+        if finish is None and (seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len):
+            finish = "length"
+        if finish:
+            self._finish(req, finish)
+        elif req.stream is not None:
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            self._emit(req, max(req.sent, len(req.text) - hold))
+
+    @staticmethod
+    def _cut_stop(req: _Request) -> str | None:
+        stops = req.seq.params.stop
+        start = max(0, req.sent - max(len(s) for s in stops))
+        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
+        if not hits:
+            return None
+        req.text = req.text[: min(hits)]
+        return "stop"
+
+    def _emit(self, req: _Request, upto: int, finish: str | None = None, usage: dict | None = None) -> None:
+        text = req.text[req.sent:upto] if upto > req.sent else ""
+        if not (text or req.pending_ids or finish):
+            return
+        req.sent = max(req.sent, upto)
+        delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage)
+        req.pending_ids, req.pending_lp = [], []
+        try:
+            req.stream._push(delta)
+        except RuntimeError:  # the client's event loop is gone: nobody is listening
+            if finish is None:
+                self.scheduler.abort(req.seq.id)
+                self._finish(req, "abort", release=False)
+
+    def _finish(self, req: _Request, reason: str, release: bool = True) -> None:
+        seq = req.seq
+        seq.finish_reason = seq.finish_reason or reason
+        if release:
+            self.scheduler.finish(seq)
+        req.finish_time = time.perf_counter()
+        self._requests.pop(seq.id, None)
+        if req.stream is not None:
+            self._emit(req, len(req.text), seq.finish_reason, self._usage(req))
+        else:
+            self._done[seq.id] = req
+
+    def _usage(self, req: _Request) -> dict:
+        first = req.first_token_time or req.finish_time
+        return {"prompt_tokens": req.seq.prompt_len, "completion_tokens": req.seq.num_output,
+                "cached_tokens": max(req.seq.cached_tokens, 0),
+                "prompt_eval_seconds": first - req.arrival_time, "eval_seconds": req.finish_time - first}
+
+    # -- offline -----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> list[GenerationOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        if self._thread is not None:
+            raise RuntimeError("the online loop is running: use add_request(), or shutdown() first")
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        reqs = [self._new_request(list(p), sp, None) for p, sp in zip(prompts, plist)]
+        self._done: dict[str, _Request] = {}
+        with self._lock:
+            for r in reqs:
+                self._requests[r.seq.id] = r
+                self.scheduler.add(r.seq)
+        try:
+            while len(self._done) < len(reqs):
+                self.step()
+                if progress is not None:
+                    progress(len(self._done), len(reqs))
+        finally:
+            for r in reqs:  # on error (or KeyboardInterrupt) free whatever is left
+                if r.seq.id in self._requests:
+                    self.scheduler.abort(r.seq.id)
+                    self._requests.pop(r.seq.id, None)
+        return [self._output(r) for r in reqs]
+
+    def _output(self, req: _Request) -> GenerationOutput:
+        s = req.seq
+        return GenerationOutput(
+            token_ids=s.output_ids, text=req.text if req.detok else None, finish_reason=s.finish_reason or "abort",
+            prompt_tokens=s.prompt_len, cached_tokens=max(s.cached_tokens, 0), completion_tokens=s.num_output,
+            logprobs=req.logprobs if s.params.needs_logprobs else None, first_token_time=req.first_token_time,
+            finish_time=req.finish_time, arrival_time=req.arrival_time)
+
+    # -- online loop -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._done = {}
+        self._thread = threading.Thread(target=self._loop, name="localrun-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self.scheduler.has_work():
+                    self._cv.wait()
+                if self._stop:
+                    break
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - fail the requests, keep the engine alive
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            self._drain_inbox()
+            for req in list(self._requests.values()):
+                self.scheduler.abort(req.seq.id)
+                self._requests.pop(req.seq.id, None)
+                if req.stream is not None:
+                    req.finish_time = time.perf_counter()
+                    d = StreamDelta([], "", "abort", None, self._usage(req), error=message)
+                    try:
+                        req.stream._push(d)
+                    except RuntimeError:
+                        pass
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; requests still running are aborted."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._fail_all("the engine shut down")
+
+    # -- misc --------------------------------------------------------------------------------
+    def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised last hidden states, one vector per input."""
+        if not token_lists or any(not t for t in token_lists):
+            raise ValueError("every input to embed must have at least one token")
+        for t in token_lists:
+            if len(t) > self.config.max_model_len:
+                raise ValueError(f"an input has {len(t)} tokens; the limit is {self.config.max_model_len}")
+        with self._lock:
+            states = self.runner.hidden_states(token_lists)
+        vecs = [torch.nn.functional.normalize(h.float().mean(0), dim=0) for h in states]
+        return [v.tolist() for v in vecs]
+
+    def clear_prefix_cache(self) -> None:
+        with self._lock:
+            if self.cache is not None:
+                self.cache.reset()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "kv_pages_total": self.pool.num_pages, "kv_pages_free": self.pool.num_free,
+            "page_size": self.pool.page_size, "kv_bytes": self.pool.nbytes,
+            "cached_pages": self.cache.num_pages if self.cache else 0,
+            "evictable_pages": self.cache.evictable_pages if self.cache else 0,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,
+            "running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+        }

@@ -1,0 +1,148 @@
+"""Weights: GGUF (dequantized with the gguf library) or a Hugging Face safetensors directory
+(memory-mapped with safetensors.safe_open). Never unpickles anything.
+
+Both produce (ModelConfig, get(hf_name) -> tensor, names); the model copies each tensor
+into its fused parameters one at a time, so peak memory stays near the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from localrun.engine.config import ModelConfig
+
+log = logging.getLogger("localrun.engine")
+
+Getter = Callable[[str], torch.Tensor]
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time Q/K row permutation (as transformers' GGUF loader does)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
+    """(config, getter, names, metadata) for a GGUF file; metadata has tokenizer ids and the template."""
+    import gguf  # only here: engine-only machines may lack it
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file surfaces as a clear error
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    arch = _field(reader, "general.architecture", "?")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported by the native engine "
+                         f"({', '.join(_GGUF_ARCHS)}); use the llama.cpp backend for it")
+    tensors = {_hf_name(t.name): t for t in reader.tensors}
+    extra = {t.name: t for t in reader.tensors}
+    tensors.pop(None, None)
+    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    scaling = None
+    if "rope_freqs.weight" in extra:  # Llama 3.1+: llama.cpp stores the llama3 frequency factors
+        scaling = {"rope_type": "freq_factors",
+                   "factors": gguf.quants.dequantize(extra["rope_freqs.weight"].data,
+                                                     extra["rope_freqs.weight"].tensor_type).ravel().tolist()}
+    elif _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    cfg = ModelConfig(
+        hidden_size=hidden,
+        num_layers=int(a("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(a("attention.head_count_kv", heads)),
+        intermediate_size=int(a("feed_forward_length")),
+        vocab_size=int(tensors["model.embed_tokens.weight"].shape[1]),
+        head_dim=int(a("attention.key_length", 0) or 0),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(a("context_length", 4096)),
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        arch=arch,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted({int(e) for e in eos if e is not None}),
+    )
+    permuted = arch in ("llama", "mistral")
+
+    def get(name: str) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise KeyError(f"GGUF file lacks tensor {name}")
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
+        if permuted and ".q_proj." in name:
+            w = unpermute_qk(w, cfg.num_heads)
+        elif permuted and ".k_proj." in name:
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        return w
+
+    meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
+            "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
+    return cfg, get, set(tensors), meta
+
+
+def read_safetensors(directory: str | Path) -> tuple[ModelConfig, Getter, set[str], Callable[[], None]]:
+    """(config, getter, names, close) for a Hugging Face model directory."""
+    from safetensors import safe_open
+
+    d = Path(directory)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{d} has no config.json; a safetensors model directory needs one")
+    cfg = ModelConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{d} has no *.safetensors files")
+    handles, where = [], {}
+    for f in files:
+        h = safe_open(str(f), framework="pt")  # memory-mapped
+        handles.append(h)
+        for k in h.keys():
+            where[k] = h
+
+    def get(name: str) -> torch.Tensor:
+        h = where.get(name)
+        if h is None:
+            raise KeyError(f"safetensors weights lack tensor {name}")
+        return h.get_tensor(name)
+
+    def close() -> None:
+        handles.clear()
+        where.clear()
+
+    return cfg, get, set(where), close

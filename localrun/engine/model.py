@@ -1,0 +1,147 @@
+"""Llama-family decoder in plain torch, over a flat batch of tokens from many sequences.
+
+Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Mistral and
+SmolLM2 (tied embeddings). Weights use fused layouts (q|k|v in one matrix, gate|up in
+one) so a step does few, large matmuls. The model sees only token ids, positions and
+one AttnMetadata object per step (attention.py); everything paged lives there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localrun.engine.attention import AttnMetadata, Ops
+from localrun.engine.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type") or sc.get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "freq_factors":  # GGUF rope_freqs tensor (llama.cpp's form of llama3 scaling)
+        return inv_freq / torch.tensor(sc["factors"], dtype=torch.float32)
+    if kind == "linear":
+        return inv_freq / float(sc["factor"])
+    if kind == "llama3":  # same arithmetic as transformers' _compute_llama3_parameters
+        factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old_ctx = float(sc["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"rope scaling {kind!r} is not supported by the native engine (default, linear, llama3)")
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[max_pos, head_dim]: cos in the first half, sin in the second (NeoX half-split)."""
+    inv_freq = rope_inv_freq(cfg)
+    t = torch.arange(max_pos, dtype=torch.float32)
+    freqs = t[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.layer_id = layer_id
+        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps = cfg.rms_norm_eps
+        self.scale = d ** -0.5
+        e = torch.empty
+        self.input_layernorm = nn.Parameter(e(h), requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(e(h), requires_grad=False)
+        self.qkv_proj = nn.Parameter(e((self.nq + 2 * self.nkv) * d, h), requires_grad=False)
+        self.qkv_bias = nn.Parameter(e((self.nq + 2 * self.nkv) * d), requires_grad=False) if cfg.attention_bias else None
+        self.o_proj = nn.Parameter(e(h, self.nq * d), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(e(2 * cfg.intermediate_size, h), requires_grad=False)
+        self.down_proj = nn.Parameter(e(h, cfg.intermediate_size), requires_grad=False)
+
+    def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, cos_sin):
+        h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        T = qkv.shape[0]
+        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
+        o = ops.attention(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
+        x = F.linear(o.reshape(T, self.nq * self.d), self.o_proj)
+        h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
+        x = F.linear(ops.silu_and_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        return x, residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.to(dtype=dtype, device=device)
+        self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, max_pos, dtype, device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] for a flat batch of tokens."""
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta, self.ops, self.cos_sin)
+        return self.ops.fused_add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()
+
+    # -- weights -----------------------------------------------------------------------------
+    def load_hf_state(self, get, names: set[str]) -> None:
+        """Copy weights given by HF name. `get(name)` returns a tensor; `names` lists what exists."""
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"weight {name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        with torch.no_grad():
+            put(self.embed_tokens, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
+            put(self.norm, get("model.norm.weight"), "model.norm.weight")
+            if self.lm_head is not None:
+                src = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+                put(self.lm_head, get(src), src)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                put(layer.input_layernorm, get(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+                put(layer.post_attention_layernorm, get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+                qkv = [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+                put(layer.qkv_proj, torch.cat(qkv, 0), p + "self_attn.qkv_proj")
+                if layer.qkv_bias is not None:
+                    put(layer.qkv_bias, torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
+                put(layer.o_proj, get(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+                gu = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+                put(layer.gate_up_proj, torch.cat(gu, 0), p + "mlp.gate_up_proj")
+                put(layer.down_proj, get(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+
+    def init_random(self, seed: int = 0) -> None:
+        """Random weights with sane scales (for throughput benchmarks of exact shapes)."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0) if "layernorm" in name or name == "norm" else p.zero_()
+                else:
+                    std = 1.0 / math.sqrt(p.shape[1])
+                    # fill on CPU in slices, so a big model never needs a second full copy in fp32
+                    for rows in torch.arange(p.shape[0]).split(4096):
+                        chunk = torch.randn(len(rows), p.shape[1], generator=g) * std
+                        p[rows[0]: rows[-1] + 1].copy_(chunk)

@@ -1,0 +1,44 @@
+"""Exact shapes of well-known models, for random-weight benchmarks (`from_random`)."""
+
+from __future__ import annotations
+
+from localrun.engine.config import ModelConfig
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def _shapes() -> dict[str, ModelConfig]:
+    return {
+        "smollm2-135m": ModelConfig(576, 30, 9, 3, 1536, 49152, rope_theta=100000.0, max_position_embeddings=8192,
+                                    tie_word_embeddings=True),
+        "smollm2-360m": ModelConfig(960, 32, 15, 5, 2560, 49152, rope_theta=100000.0, max_position_embeddings=8192,
+                                    tie_word_embeddings=True),
+        "llama-2-7b": ModelConfig(4096, 32, 32, 32, 11008, 32000, max_position_embeddings=4096),
+        "llama-3.2-1b": ModelConfig(2048, 16, 32, 8, 8192, 128256, head_dim=64, rope_theta=500000.0,
+                                    rope_scaling={**_LLAMA3_SCALING, "factor": 32.0},
+                                    max_position_embeddings=131072, tie_word_embeddings=True),
+        "llama-3.2-3b": ModelConfig(3072, 28, 24, 8, 8192, 128256, head_dim=128, rope_theta=500000.0,
+                                    rope_scaling={**_LLAMA3_SCALING, "factor": 32.0},
+                                    max_position_embeddings=131072, tie_word_embeddings=True),
+        "llama-3.1-8b": ModelConfig(4096, 32, 32, 8, 14336, 128256, rope_theta=500000.0,
+                                    rope_scaling={**_LLAMA3_SCALING, "factor": 8.0}, max_position_embeddings=131072),
+        "mistral-7b": ModelConfig(4096, 32, 32, 8, 14336, 32768, rope_theta=1000000.0,
+                                  max_position_embeddings=32768, arch="mistral"),
+        "qwen2.5-0.5b": ModelConfig(896, 24, 14, 2, 4864, 151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                    max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True,
+                                    arch="qwen2"),
+        "qwen2.5-7b": ModelConfig(3584, 28, 28, 4, 18944, 152064, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                  max_position_embeddings=32768, attention_bias=True, arch="qwen2"),
+    }
+
+
+SHAPES: dict[str, ModelConfig] = _shapes()
+
+
+def get_shape(name: str) -> ModelConfig:
+    """A fresh copy of a named shape (so callers may edit it)."""
+    try:
+        return _shapes()[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}") from None

@@ -1,0 +1,75 @@
+"""Tokenizer wrapper (a transformers fast tokenizer, built from tokenizer files or from the
+GGUF metadata) and an incremental detokenizer for streaming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: list[int], chat_template: str | None) -> None:
+        self._tok = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        if isinstance(self.chat_template, dict):  # some repos ship several named templates
+            self.chat_template = self.chat_template.get("default") or next(iter(self.chat_template.values()))
+        self.bos_token = hf_tokenizer.bos_token or ""
+        self.eos_token = hf_tokenizer.eos_token or ""
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, eos_token_ids: list[int], chat_template: str | None) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return cls(tok, eos_token_ids, chat_template)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, eos_token_ids: list[int]) -> "Tokenizer | None":
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file() and not (d / "tokenizer.model").is_file():
+            return None
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(d))
+        eos = list(eos_token_ids)
+        gen = d / "generation_config.json"
+        if gen.is_file():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            eos += e if isinstance(e, list) else [] if e is None else [e]
+        return cls(tok, eos, None)
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        return list(self._tok(text, add_special_tokens=add_special)["input_ids"])
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+
+class Detokenizer:
+    """Turns a growing token list into text deltas without splitting multi-byte characters or
+    losing the leading spaces that depend on the previous token (vLLM's offsets method)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-5:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.ids = self.ids[self.read:]
+        self.prefix, self.read = 0, len(self.ids)
+        return text[len(before):]
