@@ -15,11 +15,11 @@ from localrun.library.create import (check_regular_file, gguf_details, safetenso
                                      template_from_files)
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
-from localrun.library.modelfile import Modelfile, parameter_lines, format_parameter_value, parse_modelfile, parse_parameter
+from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_filename
 from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_safetensors
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_LICENSE, MT_MESSAGES,
-                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, Store, sha256_file)
+                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
 
 ProgressFn = Callable[[PullEvent], None] | None
 _TEXT_LAYERS = {MT_TEMPLATE: "template", MT_SYSTEM: "system", MT_LICENSE: "license"}
@@ -73,7 +73,7 @@ class Library:
                     layers, extra = self._pull_hf(mn, prog, pins)
                 except HubUnreachable:
                     if self.exists(mn.display):  # offline, but we already have it
-                        prog.emit("success")
+                        prog.emit("success", check=False)
                         return self.resolve(mn.display)
                     raise
             else:
@@ -82,7 +82,7 @@ class Library:
             prog.check()
             prog.emit("writing manifest")
             self._write(mn, layers, extra, pins)
-            prog.emit("success")
+            prog.emit("success", check=False)
         finally:
             for d in pins:
                 self.store.unpin(d)
@@ -206,7 +206,7 @@ class Library:
             prog.check()
             prog.emit("writing manifest")
             self._write(mn, layers, extra, pins)
-            prog.emit("success")
+            prog.emit("success", check=False)
         finally:
             for d in pins:
                 self.store.unpin(d)
@@ -276,6 +276,8 @@ class Library:
     def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:
         layers = list(layers)
         for key, mt in (("template", MT_TEMPLATE), ("system", MT_SYSTEM), ("license", MT_LICENSE)):
+            if extra.get(key) and len(extra[key].encode("utf-8")) > MAX_SMALL_LAYER:
+                raise InvalidRequest(f"{key.upper()} is too long (at most {MAX_SMALL_LAYER // (1024 * 1024)} MiB)")
             if extra.get(key):
                 d, s = self.store.put_bytes(extra[key].encode("utf-8"))
                 self._pin(pins, d)

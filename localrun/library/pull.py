@@ -121,8 +121,10 @@ class Progress:
         self.callback = callback
         self.cancel = cancel
 
-    def emit(self, status: str, digest: str | None = None, total: int | None = None, completed: int | None = None) -> None:
-        self.check()
+    def emit(self, status: str, digest: str | None = None, total: int | None = None, completed: int | None = None,
+             *, check: bool = True) -> None:
+        if check:
+            self.check()
         if self.callback is not None:
             self.callback(PullEvent(status, digest, total, completed))
 

@@ -439,6 +439,11 @@ class Store:
                     if time.time() - _mtime(t) > 6 * 3600:
                         with contextlib.suppress(OSError):
                             t.unlink()
+            if self.downloads.is_dir():  # partial downloads nobody resumed for a week
+                for t in self.downloads.glob("*.partial"):
+                    if time.time() - _mtime(t) > 7 * 86400:
+                        with contextlib.suppress(OSError):
+                            t.unlink()
         return freed
 
 
