@@ -1,0 +1,190 @@
+"""The native engine behind the Backend protocol (localrun.engine; torch on CPU, Triton on CUDA).
+
+The daemon renders chat templates itself and hands us finished prompts. One LLMEngine per
+loaded model runs its loop on a thread; each generate() is one engine request whose
+stream feeds this async generator. Closing the generator aborts the request and frees
+its KV pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import torch
+
+from localrun.backends.base import (
+    BackendInfo,
+    Chunk,
+    GenerationRequest,
+    LoadSpec,
+    MemoryEstimate,
+    SamplingOptions,
+    TokenLogprob,
+    Usage,
+)
+from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+from localrun.engine.config import ModelConfig, parse_dtype
+from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
+
+log = logging.getLogger("localrun.native")
+
+MAX_BATCH = 64  # sequences one engine batches (the daemon's slots for this model)
+
+
+def _model_config(spec: LoadSpec) -> ModelConfig:
+    if spec.format == "gguf":
+        from localrun.engine.loader import read_gguf
+
+        return read_gguf(spec.weights)[0]
+    import json
+
+    return ModelConfig.from_hf_config(json.loads((Path(spec.weights) / "config.json").read_text()))
+
+
+def _device_dtype(spec: LoadSpec) -> tuple[str, torch.dtype]:
+    device = spec.extra.get("native_device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = spec.extra.get("dtype") or ("bfloat16" if device == "cuda" else "float32")
+    return device, parse_dtype(dtype)
+
+
+def _kv_tokens(spec: LoadSpec, device: str) -> int:
+    """CPU: num_ctx for each of max(num_parallel, 4) sequences (preemption handles the rest)."""
+    return spec.num_ctx * max(spec.num_parallel, 4)
+
+
+def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
+    try:
+        cfg = _model_config(spec)
+    except (ValueError, KeyError) as exc:
+        raise InvalidRequest(f"the native engine cannot run {spec.name}: {exc}") from None
+    device, dtype = _device_dtype(spec)
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights = cfg.num_params * elem
+    kv = cfg.kv_bytes_per_token(dtype) * _kv_tokens(spec, device)
+    overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
+
+
+def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams:
+    if o.json_schema is not None or o.json_mode:
+        raise BackendError("the native engine cannot constrain output to JSON yet; use the llama.cpp backend "
+                           "(LOCALRUN_BACKEND=llamacpp) for format/response_format requests")
+    room = max_len - prompt_len
+    if room < 1:
+        raise InvalidRequest(f"the prompt ({prompt_len} tokens) fills the context window ({max_len}); "
+                             "shorten it or raise num_ctx")
+    try:
+        return SamplingParams(
+            temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+            repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
+            frequency_penalty=o.frequency_penalty, seed=o.seed,
+            max_tokens=min(o.max_tokens, room) if o.max_tokens else room,
+            stop=list(o.stop), stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos,
+            logprobs=o.top_logprobs if o.logprobs else 0, want_logprobs=o.logprobs,
+            penalty_window=o.repeat_last_n if o.repeat_last_n != 0 else -1,
+        )
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+class NativeBackend:
+    def __init__(self, spec: LoadSpec, engine: LLMEngine, device: str) -> None:
+        self.spec, self.engine = spec, engine
+        if engine.tokenizer is None:
+            raise BackendError(f"{spec.name} has no tokenizer files (tokenizer.json); the daemon needs one")
+        self.tokenizer = engine.tokenizer
+        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        size = weights + engine.pool.nbytes
+        cuda = device == "cuda"
+        self.info = BackendInfo(
+            name="native", device="CUDA" if cuda else "CPU",
+            processor=spec.extra.get("processor") or ("100% GPU" if cuda else "100% CPU"),
+            reason=spec.extra.get("reason") or f"native engine on {'CUDA' if cuda else 'CPU'}",
+            context_length=engine.config.max_model_len, slots=engine.config.max_num_seqs,
+            size_bytes=size, size_vram_bytes=size if cuda else 0,
+            supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
+        )
+        engine.start()
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def _logprobs(self, items) -> list[TokenLogprob]:
+        s = self.tokenizer.token_str
+        return [TokenLogprob(s(t), lp, [(s(i), v) for i, v in top]) for t, lp, top in items]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        ids = request.prompt_token_ids
+        if ids is None:
+            ids = self.tokenize(request.prompt, add_special=request.add_special)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        params = _params(request.options, len(ids), self.engine.config.max_model_len)
+        try:
+            stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        try:
+            async for d in stream:
+                if d.error:
+                    raise BackendError(d.error)
+                usage = None
+                if d.usage is not None:
+                    usage = Usage(prompt_tokens=d.usage["prompt_tokens"], completion_tokens=d.usage["completion_tokens"],
+                                  cached_tokens=d.usage["cached_tokens"], prompt_eval_seconds=d.usage["prompt_eval_seconds"],
+                                  eval_seconds=d.usage["eval_seconds"])
+                yield Chunk(text=d.text, token_ids=list(d.token_ids),
+                            logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
+                            finish_reason=d.finish_reason, usage=usage)
+        finally:
+            await stream.aclose()  # no-op when finished; aborts (and frees KV) otherwise
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        ids = [self.tokenize(t, add_special=True) for t in texts]
+        if any(not i for i in ids):
+            raise InvalidRequest("cannot embed an empty input")
+        try:
+            return await asyncio.to_thread(self.engine.embed, ids)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.info.device == "CUDA":
+            del self.engine
+            torch.cuda.empty_cache()
+
+
+def load(spec: LoadSpec) -> NativeBackend:
+    device, dtype = _device_dtype(spec)
+    cfg = EngineConfig(
+        dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
+        max_num_seqs=max(spec.num_parallel, MAX_BATCH),
+        kv_memory_bytes=None if device == "cuda" else
+        _model_config_kv(spec, dtype),
+    )
+    if device == "cuda":
+        from localrun.config import settings
+
+        cfg.gpu_memory_fraction = settings().gpu_memory_fraction
+    t0 = time.perf_counter()
+    try:
+        engine = (LLMEngine.from_gguf if spec.format == "gguf" else LLMEngine.from_safetensors)(spec.weights, cfg)
+    except MemoryError as exc:
+        raise InsufficientMemory(f"{spec.name} does not fit: {exc}") from None
+    except (ValueError, KeyError) as exc:
+        raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None
+    log.info("native engine loaded %s in %.1fs on %s (%s)", spec.name, time.perf_counter() - t0, device, dtype)
+    return NativeBackend(spec, engine, device)
+
+
+def _model_config_kv(spec: LoadSpec, dtype: torch.dtype) -> int:
+    return _model_config(spec).kv_bytes_per_token(dtype) * _kv_tokens(spec, "cpu")
