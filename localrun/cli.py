@@ -145,22 +145,28 @@ def show_progress(events: Iterable[dict]) -> dict | None:
                                TransferSpeedColumn)
 
     console = Console(stderr=True, highlight=False)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), console=console)
     bars: dict[str, int] = {}
     last: dict | None = None
     last_status = None
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=console) as progress:
+    try:
         for ev in events:
             last = ev
             status = str(ev.get("status", ""))
             total, digest = ev.get("total"), ev.get("digest")
             if total and digest:
+                if not bars:
+                    progress.start()  # only once there is something to draw
                 if digest not in bars:
                     bars[digest] = progress.add_task(status, total=total)
                 progress.update(bars[digest], total=total, completed=ev.get("completed") or 0)
             elif status and status != last_status:
-                progress.console.print(status, markup=False)
+                console.print(status, markup=False)
             last_status = status
+    finally:
+        if bars:
+            progress.stop()
     return last
 
 
@@ -611,25 +617,12 @@ def cmd_version(args, client: DaemonClient) -> int:
     return 0
 
 
-def _server_entry():
-    """The server package's foreground entry point (written by the daemon engineer)."""
-    try:
-        import localrun.server as server
-    except ImportError as exc:
-        raise CLIError(f"the daemon cannot start: {exc} (reinstall localrun)") from None
-    for name in ("serve", "main", "run"):
-        fn = getattr(server, name, None)
-        if callable(fn):
-            return fn
-    raise CLIError("the daemon is not part of this install (localrun.server has no serve())")
-
-
 def cmd_serve(args) -> int:
     if args.host:
         os.environ["LOCALRUN_HOST"] = args.host  # settings() reads it; the server sees the flag
-    settings()  # a malformed LOCALRUN_* variable fails here with a message naming it
-    result = _server_entry()()
-    return result if isinstance(result, int) else 0
+    from localrun.server import serve
+
+    return serve(settings())  # a malformed LOCALRUN_* variable fails here with a message naming it
 
 
 def _serve_epilog() -> str:

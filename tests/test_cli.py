@@ -1,0 +1,431 @@
+"""The CLI driven as a subprocess (`python -m localrun ...`) against the real daemon
+(started by `localrun serve` on a free port, with its own LOCALRUN_HOME) and the real
+SmolLM2 GGUF; plus the client library (sync and async) against the same daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localrun.config import ENV_VARS
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2:135m"
+FAST = ["-o", "temperature=0", "-o", "num_predict=8", "-o", "num_ctx=512"]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_env(home: Path, port: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{port}", HF_HUB_OFFLINE="1",
+               HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1", LOCALRUN_CONTEXT_LENGTH="512")
+    env.update(extra)
+    return env
+
+
+def cli(env: dict, *args: str, input: str | None = None, timeout: float = 120, cwd=None):
+    return subprocess.run([sys.executable, "-m", "localrun", *args], env=env, input=input if input is not None else "",
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO)
+
+
+def wait_up(url: str, proc: subprocess.Popen | None = None, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/api/version", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("daemon did not come up")
+
+
+def assert_clean_error(r: subprocess.CompletedProcess, *, code: int | None = None) -> str:
+    assert r.returncode != 0, r
+    if code is not None:
+        assert r.returncode == code, r
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip(), "an error must say what went wrong"
+    return r.stderr
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """`localrun serve` in the foreground, with the model pulled once."""
+    home = tmp_path_factory.mktemp("cli-home")
+    port = free_port()
+    env = make_env(home, port)
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        wait_up(f"http://127.0.0.1:{port}", proc)
+        yield {"env": env, "url": f"http://127.0.0.1:{port}", "home": home}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def pulled(daemon):
+    r = cli(daemon["env"], "pull", MODEL)
+    assert r.returncode == 0, r.stderr
+    daemon["pull"] = r
+    return daemon
+
+
+# ---------------------------------------------------------------------------------------
+# No daemon needed
+# ---------------------------------------------------------------------------------------
+
+
+def test_serve_help_lists_every_setting(tmp_path):
+    env = make_env(tmp_path, 12345, LOCALRUN_KEEP_ALIVE="7m", LOCALRUN_NUM_PARALLEL="3")
+    r = cli(env, "serve", "--help")
+    assert r.returncode == 0, r.stderr
+    for name, (default, _) in ENV_VARS.items():
+        assert name in r.stdout
+        assert default in r.stdout
+    assert "current: 420s" in r.stdout  # LOCALRUN_KEEP_ALIVE=7m, read through config
+    assert "current: 127.0.0.1:12345" in r.stdout
+    assert str(tmp_path) in r.stdout
+
+
+def test_bad_arguments_give_usage_errors(tmp_path):
+    env = make_env(tmp_path, free_port())
+    r = cli(env, "run")
+    assert_clean_error(r, code=2)
+    assert "usage:" in r.stderr
+    r = cli(env, "frobnicate")
+    assert_clean_error(r, code=2)
+    assert "invalid choice" in r.stderr
+    r = cli(env, "--no-autostart", "run", MODEL, "hi", "--keepalive", "soon")
+    assert_clean_error(r, code=1)
+    assert "--keepalive" in r.stderr
+
+
+def test_unreachable_daemon_without_autostart(tmp_path):
+    port = free_port()
+    r = cli(make_env(tmp_path, port), "--no-autostart", "list")
+    err = assert_clean_error(r, code=1)
+    assert f"127.0.0.1:{port}" in err and "localrun serve" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bad_environment_is_one_line(tmp_path):
+    r = cli(make_env(tmp_path, free_port(), LOCALRUN_NUM_PARALLEL="many"), "list")
+    err = assert_clean_error(r, code=1)
+    assert "LOCALRUN_NUM_PARALLEL" in err
+
+
+def test_autostart_starts_a_daemon_in_the_background(tmp_path):
+    port = free_port()
+    env = make_env(tmp_path, port)
+    r = cli(env, "list", timeout=90)
+    pid = None
+    try:
+        assert r.returncode == 0, r.stderr
+        m = re.search(r"started the daemon at \S+ \(pid (\d+)\)", r.stderr)
+        assert m, r.stderr
+        pid = int(m.group(1))
+        assert "NAME" in r.stdout and "MODIFIED" in r.stdout
+        # it outlives the CLI and keeps answering; a second command reuses it
+        assert httpx.get(f"http://127.0.0.1:{port}/api/version", timeout=5).status_code == 200
+        r2 = cli(env, "ps")
+        assert r2.returncode == 0 and "started the daemon" not in r2.stderr
+        assert (tmp_path / "logs" / "server.log").is_file()
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------
+# Against the daemon
+# ---------------------------------------------------------------------------------------
+
+
+def test_pull_draws_progress(pulled):
+    r = pulled["pull"]
+    assert "success" in r.stderr
+    assert re.search(r"\d+(\.\d+)?/\d+(\.\d+)? MB", r.stderr), r.stderr  # rich DownloadColumn: bytes
+    assert "Traceback" not in r.stderr
+
+
+def test_list(pulled):
+    r = cli(pulled["env"], "ls")
+    assert r.returncode == 0, r.stderr
+    header, *rows = r.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    row = next(x for x in rows if x.startswith(MODEL))
+    assert re.search(r"\b[0-9a-f]{12}\b", row) and " MB" in row and "ago" in row
+
+
+def test_show(pulled):
+    env = pulled["env"]
+    r = cli(env, "show", MODEL)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"architecture\s+llama", r.stdout)
+    assert re.search(r"parameters\s+13\d\.\d+M", r.stdout)
+    path = re.search(r"path\s+(\S.*)$", r.stdout, re.M).group(1).strip()
+    assert Path(path).is_file() and Path(path).stat().st_size > 90_000_000
+    r = cli(env, "show", MODEL, "--modelfile")
+    assert r.returncode == 0 and "FROM" in r.stdout
+    r = cli(env, "show", MODEL, "--template")
+    assert r.returncode == 0 and "im_start" in r.stdout
+    r = cli(env, "show", MODEL, "--parameters")
+    assert r.returncode == 0, r.stderr
+    r = cli(env, "show", MODEL, "--verbose")
+    assert r.returncode == 0 and "general.architecture" in r.stdout
+    r = cli(env, "show", MODEL, "--modelfile", "--license")
+    assert_clean_error(r, code=2)
+
+
+def test_run_with_prompt_streams_answer(pulled):
+    r = cli(pulled["env"], "run", MODEL, "Say hello.", *FAST)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+def test_piped_stdin_is_the_prompt_and_verbose_stats(pulled):
+    env = pulled["env"]
+
+    def prompt_tokens(r):
+        assert r.returncode == 0, r.stderr
+        return int(re.search(r"prompt eval count:\s+(\d+) token", r.stderr).group(1))
+
+    alone = cli(env, "run", MODEL, "Summarize:", "--verbose", *FAST)
+    n_alone = prompt_tokens(alone)
+    for label in ("total duration", "time to first token", "cached prompt tokens", "eval rate"):
+        assert label in alone.stderr
+    assert re.search(r"eval rate:\s+\d+\.\d+ tokens/s", alone.stderr)
+    story = "The quick brown fox jumps over the lazy dog. " * 6
+    both = cli(env, "run", MODEL, "Summarize:", "--verbose", *FAST, input=story)
+    assert prompt_tokens(both) >= n_alone + 50  # stdin (~60 tokens) was appended to PROMPT
+    only = cli(env, "run", MODEL, "--verbose", *FAST, input=story)
+    assert prompt_tokens(only) >= 50
+
+
+def test_format_json_output_parses(pulled):
+    r = cli(pulled["env"], "run", MODEL, "Give a JSON object with keys name and age for a person.",
+            "--format", "json", "-o", "temperature=0", "-o", "num_predict=96")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), (dict, list))
+
+
+def test_ps_stop_and_keepalive(pulled):
+    env = pulled["env"]
+    r = cli(env, "run", MODEL, "Hi", *FAST, "--keepalive", "10m")
+    assert r.returncode == 0, r.stderr
+    r = cli(env, "ps")
+    assert r.returncode == 0, r.stderr
+    header, *rows = r.stdout.strip().splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"]
+    row = next(x for x in rows if x.startswith(MODEL))
+    assert "CPU" in row and "from now" in row
+    assert re.search(r"\b(9|10) minutes from now", row), row
+    r = cli(env, "stop", MODEL)
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 10
+    while MODEL in cli(env, "ps").stdout:
+        assert time.monotonic() < deadline, "stop did not unload the model"
+        time.sleep(0.3)
+    r = cli(env, "stop", MODEL)
+    assert "not running" in assert_clean_error(r, code=1)
+
+
+def test_cp_and_rm(pulled):
+    env = pulled["env"]
+    r = cli(env, "cp", MODEL, "mycopy")
+    assert r.returncode == 0, r.stderr
+    assert "mycopy:latest" in cli(env, "list").stdout
+    r = cli(env, "rm", "mycopy")
+    assert r.returncode == 0 and "deleted 'mycopy'" in r.stdout
+    listing = cli(env, "list").stdout
+    assert "mycopy" not in listing and MODEL in listing  # the shared blob survives
+    r = cli(env, "rm", "mycopy")
+    assert_clean_error(r, code=1)
+
+
+def test_create_resolves_paths_next_to_the_modelfile(pulled, smollm2_gguf, tmp_path):
+    env = pulled["env"]
+    d = tmp_path / "proj"
+    d.mkdir()
+    os.symlink(smollm2_gguf, d / "weights.gguf")
+    (d / "Modelfile").write_text('FROM ./weights.gguf\nPARAMETER temperature 0.25\nSYSTEM """You are a pirate."""\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = cli(env, "create", "pirate", "-f", str(Path("..") / "proj" / "Modelfile"), cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert "success" in r.stderr
+    assert "pirate" in cli(env, "show", "pirate", "--system").stdout
+    assert "0.25" in cli(env, "show", "pirate", "--parameters").stdout
+    r = cli(env, "run", "pirate", "Hello", *FAST)
+    assert r.returncode == 0, r.stderr
+    r = cli(env, "create", "broken", "-f", str(tmp_path / "nope" / "Modelfile"))
+    assert "no Modelfile" in assert_clean_error(r, code=1)
+
+
+def test_create_from_repo_modelfiles(pulled):
+    examples = sorted((REPO / "modelfiles").glob("*")) if (REPO / "modelfiles").is_dir() else []
+    examples = [p for p in examples if p.is_file() and "FROM smollm2" in p.read_text(errors="replace")]
+    if not examples:
+        pytest.skip("no modelfiles/ example built on smollm2 in this checkout")
+    r = cli(pulled["env"], "create", "example-model", "-f", str(examples[0]))
+    assert r.returncode == 0, r.stderr
+    assert "example-model:latest" in cli(pulled["env"], "list").stdout
+
+
+def test_unknown_model_is_a_clear_error(pulled):
+    env = pulled["env"]
+    r = cli(env, "run", "no-such-model:7b", "hi")
+    err = assert_clean_error(r, code=1)
+    assert "no-such-model" in err
+    r = cli(env, "show", "no-such-model")
+    assert "no-such-model" in assert_clean_error(r, code=1)
+    r = cli(env, "pull", "bad..name")
+    assert_clean_error(r, code=1)
+
+
+def test_repl_from_piped_stdin(pulled):
+    script = "\n".join([
+        "/set parameter num_predict 6",
+        "/set parameter temperature 0",
+        "/set system You answer briefly.",
+        "/show parameters",
+        "/frob",
+        '"""Line one',
+        'line two"""',
+        "/bye",
+        "never sent",
+    ]) + "\n"
+    r = cli(pulled["env"], "run", MODEL, "--plain", "--verbose", input=script)
+    assert r.returncode == 0, r.stderr
+    assert "Set parameter 'num_predict' to '6'" in r.stdout
+    assert "Unknown command '/frob'" in r.stdout
+    assert r.stderr.count("prompt eval count:") == 1  # one answer (the multi-line message); /bye ended it
+    assert re.search(r"^eval count:\s+[1-6] token", r.stderr, re.M), r.stderr  # num_predict 6 was applied
+
+
+def test_repl_on_a_terminal(pulled):
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "run", MODEL, "--plain"], env=pulled["env"],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO, close_fds=True)
+    os.close(slave)
+    out = b""
+
+    def read_until(token: bytes, timeout: float = 60) -> None:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while token not in out:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    out += os.read(master, 4096)
+                except OSError:
+                    break
+
+    try:
+        read_until(b">>> ")
+        os.write(master, b"/set parameter num_predict 4\n")
+        read_until(b"Set parameter")
+        out = b""
+        os.write(master, b"Hi\n")
+        read_until(b">>> ")
+        os.write(master, b"/bye\n")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+def test_ctrl_c_stops_a_stream(pulled):
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "run", MODEL, "Write a very long story about a dragon.",
+                             "-o", "num_predict=2000", "-o", "num_ctx=2048"], env=pulled["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        deadline = time.monotonic() + 60
+        got = b""
+        while len(got) < 20:
+            assert time.monotonic() < deadline and proc.poll() is None, got
+            got += proc.stdout.read() or b""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 130
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the daemon is fine afterwards
+    r = cli(pulled["env"], "run", MODEL, "Hi", *FAST)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# The client library itself (the TUI uses the async one)
+# ---------------------------------------------------------------------------------------
+
+
+def test_client_sync_and_async(pulled):
+    from localrun.client import APIError, AsyncDaemonClient, DaemonClient
+
+    with DaemonClient(pulled["url"]) as c:
+        assert c.is_up() and c.version().get("version")
+        assert any(m["name"] == MODEL for m in c.tags())
+        chunks = list(c.chat(MODEL, [{"role": "user", "content": "Hi"}], options={"num_predict": 4, "temperature": 0}))
+        assert chunks[-1]["done"] and chunks[-1]["eval_count"] >= 1
+        with pytest.raises(APIError) as e:
+            c.show("no-such-model")
+        assert e.value.status == 404
+        stream = c.generate(MODEL, "Count to one hundred:", options={"num_predict": 500})
+        next(stream)
+        stream.close()  # closing early closes the response; the daemon aborts the request
+
+    async def go():
+        async with AsyncDaemonClient(pulled["url"]) as a:
+            assert await a.is_up()
+            assert any(m["name"] == MODEL for m in await a.tags())
+            parts = [ch async for ch in a.chat(MODEL, [{"role": "user", "content": "Hi"}],
+                                                options={"num_predict": 4, "temperature": 0})]
+            assert parts[-1]["done"]
+            with pytest.raises(APIError):
+                await a.show("no-such-model")
+
+    import asyncio
+
+    asyncio.run(go())
