@@ -353,3 +353,17 @@ def test_disk_full(tmp_path, lib):
         assert not any(small.store.tmp.iterdir())
     finally:
         os.system(f"umount {mnt}")
+
+
+def test_tampered_manifest_is_refused(smol_lib):
+    """A manifest edited to point outside blobs/ is refused, never followed."""
+    lib = smol_lib
+    lib.copy("smollm2:135m", "evil")
+    path = lib.store.manifest_path(parse_name("evil"))
+    path.write_text(path.read_text().replace(SMOL_SHA, "sha256:../../../../etc/passwd" + "0" * 37))
+    with pytest.raises(LocalrunError) as e:
+        lib.resolve("evil")
+    assert e.value.status == 500 and "corrupt" in e.value.message
+    assert "evil:latest" not in [m.name for m in lib.list()]
+    lib.remove("evil")
+    assert lib.resolve("smollm2:135m").weights.is_file()

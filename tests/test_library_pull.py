@@ -44,6 +44,8 @@ def hub(tmp_path_factory):
     h.add_file("org/Tiny", "tokenizer.json", b'{"version": "1.0"}')
     h.add_file("org/Tiny", "pytorch_model.bin", b"pickles are never downloaded")
     h.add_path("Qwen/Qwen2.5-0.5B-Instruct-GGUF", make_gguf(d / "q.gguf"), "qwen2.5-0.5b-instruct-q4_k_m.gguf")
+    for fn, data in h.repos["org/Tiny"].items():  # the catalog's safetensors repo for smollm2:135m
+        h.add_file("HuggingFaceTB/SmolLM2-135M-Instruct", fn, data)
     h.start()
     yield h
     h.stop()
@@ -119,6 +121,9 @@ def test_catalog_alias_through_the_hub(hub, lib):
     r = lib.pull("qwen2.5:0.5b")
     assert r.name == "qwen2.5:0.5b" and r.format == "gguf"
     assert lib.show("qwen2.5")["source"]["repo"] == "Qwen/Qwen2.5-0.5B-Instruct-GGUF"
+    st = lib.pull("smollm2:135m-safetensors")  # the native engine's safetensors variant
+    assert st.format == "safetensors" and (st.weights / "model.safetensors").is_file()
+    assert st.parameters == {"stop": ["<|im_end|>"]}
 
 
 def test_wrong_bytes_rejected(hub, lib):
