@@ -19,7 +19,6 @@ import ctypes
 import json
 import logging
 import os
-import queue
 import random
 import threading
 import time
@@ -107,6 +106,15 @@ def _token_piece(llama_cpp, vocab, token: int) -> bytes:
     return buf.raw[: max(n, 0)]
 
 
+def _common_prefix(llm, tokens: list[int]) -> int:
+    n = 0
+    for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class _StopScanner:
     """Holds back just enough text to catch stop strings that span tokens."""
 
@@ -153,13 +161,14 @@ class LlamaCppBackend:
         self.n_threads = int(spec.extra.get("n_threads") or physical_cores())
         self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
         slots = max(1, spec.num_parallel)
-        self._pool: queue.SimpleQueue = queue.SimpleQueue()
+        self._free: list = []  # idle contexts; a request takes the one sharing the longest prefix
+        self._free_cv = threading.Condition()
         self._contexts = []
         try:
             for _ in range(slots):
                 llm = self._new_llama(n_ctx=spec.num_ctx)
                 self._contexts.append(llm)
-                self._pool.put(llm)
+                self._free.append(llm)
         except Exception as exc:
             self.close()
             raise BackendError(f"llama.cpp failed to load {spec.name}: {exc}") from None
@@ -229,36 +238,50 @@ class LlamaCppBackend:
         finally:
             cancel.set()
 
-    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event) -> None:
-        llm = self._pool.get()
-        try:
-            self._generate(llm, request, emit, cancel)
-        except LookupError as exc:  # noqa: PERF203
-            emit(InvalidRequest(str(exc)))
-        except Exception as exc:
-            log.exception("generation failed")
-            emit(exc if isinstance(exc, (InvalidRequest, BackendError)) else BackendError(f"llama.cpp: {exc}"))
-        finally:
-            self._pool.put(llm)
+    def _take_slot(self, tokens: list[int]):
+        """Block until a context is free; prefer the one whose KV already holds the longest
+        prefix of `tokens` (its cached prompt is reused)."""
+        with self._free_cv:
+            while not self._free:
+                self._free_cv.wait()
+            best = max(self._free, key=lambda llm: _common_prefix(llm, tokens))
+            self._free.remove(best)
+            return best
 
-    def _generate(self, llm, request: GenerationRequest, emit, cancel: threading.Event) -> None:
+    def _give_slot(self, llm) -> None:
+        with self._free_cv:
+            self._free.append(llm)
+            self._free_cv.notify()
+
+    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event) -> None:
+        try:
+            tokens = list(request.prompt_token_ids or self.tokenize(request.prompt, request.add_special))
+        except Exception as exc:
+            emit(BackendError(f"llama.cpp could not tokenize the prompt: {exc}"))
+            return
+        llm = self._take_slot(tokens)
+        try:
+            self._generate(llm, tokens, request, emit, cancel)
+        except Exception as exc:
+            if not isinstance(exc, (InvalidRequest, BackendError)):
+                log.exception("generation failed")
+                exc = BackendError(f"llama.cpp: {exc}")
+            emit(exc)
+        finally:
+            self._give_slot(llm)
+
+    def _generate(self, llm, tokens: list[int], request: GenerationRequest, emit, cancel: threading.Event) -> None:
         import numpy as np
 
         llama_cpp = self._llama_cpp
         o = request.options
         t0 = time.perf_counter()
-        tokens = list(request.prompt_token_ids or self.tokenize(request.prompt, request.add_special))
         n_ctx = llm.n_ctx()
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         if len(tokens) >= n_ctx:
             raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {n_ctx} tokens")
-        cached = 0
-        for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
-            if a != b:
-                break
-            cached += 1
-        cached = min(cached, len(tokens) - 1)
+        cached = min(_common_prefix(llm, tokens), len(tokens) - 1)
         grammar = None
         if o.json_schema is not None or o.json_mode:
             grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)

@@ -310,8 +310,9 @@ async def embeddings(request: Request):
     body = await json_body(request)
     model = c.get_str(body, "model", required=True)
     texts = _embed_inputs(body.get("input"), "input")
-    if body.get("encoding_format") not in (None, "float"):
-        raise InvalidRequest("'encoding_format' must be 'float'")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidRequest("'encoding_format' must be 'float' or 'base64'")
     resolved = await st.resolve(model)
     async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
         vectors = await lease.backend.embed(texts)
@@ -319,6 +320,11 @@ async def embeddings(request: Request):
     dims = c.get_int(body, "dimensions", 1)
     if dims is not None:
         vectors = [v[:dims] for v in vectors]
+    if fmt == "base64":  # little-endian float32, as OpenAI sends it (the SDK's default)
+        import base64
+        import struct
+
+        vectors = [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in vectors]
     return {"object": "list", "model": resolved.name,
             "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}

@@ -1,0 +1,398 @@
+"""The real daemon (`python -m localrun.server`) on a free 127.0.0.1 port, the real
+library (offline smollm2:135m pull through /api/pull), the real llama.cpp and SmolLM2.
+
+Daemon A (NUM_PARALLEL=2, an API key): the OpenAI SDK against /v1, httpx against /api,
+security.md bad inputs, NUM_PARALLEL+1 concurrent chats x 3 rounds.
+Daemon B (NUM_PARALLEL=1, MAX_QUEUE=1, MAX_LOADED_MODELS=1): a client leaving
+mid-stream frees the slot, queue overflow answers 503 + Retry-After, a second model
+(created from a Modelfile) evicts the first, keep_alive 0 unloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "smollm2:135m"
+KEY = "test-secret-key"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, home: Path, **env: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.home = home
+        self.key = env.get("LOCALRUN_API_KEY")
+        self.log = home / "daemon.log"
+        home.mkdir(parents=True, exist_ok=True)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+        full_env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{self.port}", LOCALRUN_LOG_LEVEL="info",
+                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "localrun.server"], env=full_env, cwd=str(home),
+                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.url, timeout=120, headers=self.headers())
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if self.http.get("/").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("daemon did not start:\n" + self.log.read_text(errors="replace")[-3000:])
+            time.sleep(0.2)
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    def pull(self, name: str = MODEL) -> list[dict]:
+        with self.http.stream("POST", "/api/pull", json={"model": name}) as r:
+            assert r.status_code == 200, r.read()
+            events = [json.loads(line) for line in r.iter_lines() if line.strip()]
+        assert events[-1] == {"status": "success"}, events[-3:]
+        return events
+
+    def ps(self) -> list[dict]:
+        r = self.http.get("/api/ps")
+        assert r.status_code == 200
+        return r.json()["models"]
+
+    def wait_ps(self, pred, timeout: float = 20.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            models = self.ps()
+            if pred(models):
+                return models
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/api/ps never matched: {models}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def daemon_a(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home_a"), LOCALRUN_API_KEY=KEY, LOCALRUN_NUM_PARALLEL="2",
+               LOCALRUN_MAX_QUEUE="8", LOCALRUN_CONTEXT_LENGTH="2048")
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon_b(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home_b"), LOCALRUN_NUM_PARALLEL="1", LOCALRUN_MAX_QUEUE="1",
+               LOCALRUN_MAX_LOADED_MODELS="1", LOCALRUN_CONTEXT_LENGTH="1024")
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(daemon_a):
+    from openai import OpenAI
+
+    return OpenAI(base_url=daemon_a.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# A schema whose grammar forces a long answer: holds a slot for several seconds.
+LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400}}, "required": ["story"]}
+
+
+# -- OpenAI SDK ------------------------------------------------------------------------------
+def test_models_list_and_get(oai):
+    ids = [m.id for m in oai.models.list().data]
+    assert MODEL in ids
+    assert oai.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, seed=1)
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.message.content
+    assert ch.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 5 and 0 < u.completion_tokens <= 8 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens is not None
+    # same seed + greedy, same answer; the second run reuses the cached prompt prefix
+    r2 = oai.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0, seed=1)
+    assert r2.choices[0].message.content == ch.message.content
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_stream_with_usage_and_n(oai):
+    stream = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, stream=True, n=2,
+                                         stream_options={"include_usage": True}, temperature=0.7, seed=3)
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert texts[0] and texts[1] and set(finishes) == {0, 1}
+    assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
+
+
+def test_sse_ends_with_done(daemon_a):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True}
+    with daemon_a.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_completions_logprobs_and_stop(oai):
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                               logprobs=2)
+    ch = r.choices[0]
+    assert ch.text and len(ch.logprobs.tokens) == r.usage.completion_tokens
+    assert all(lp <= 0 for lp in ch.logprobs.token_logprobs) and len(ch.logprobs.top_logprobs[0]) == 2
+    first_word = ch.text.strip().split()[0]
+    r2 = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                stop=[first_word])
+    assert first_word not in r2.choices[0].text and r2.choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and len(content[0].top_logprobs) == 3
+
+
+def test_json_schema_output(oai):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
+                                    response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert isinstance(obj["city"], str) and isinstance(obj["population"], int)
+    r2 = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                     response_format={"type": "json_object"})
+    assert isinstance(json.loads(r2.choices[0].message.content), dict)
+
+
+def test_embeddings(oai):
+    r = oai.embeddings.create(model=MODEL, input=["hello world", "bonjour le monde"])
+    assert len(r.data) == 2 and len(r.data[0].embedding) == 576
+    assert r.usage.prompt_tokens > 0
+
+
+def test_openai_errors(oai):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="no-such-model:1b", messages=CHAT)
+    assert "not found" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, n=1000)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, temperature=9)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=99)
+    with pytest.raises(openai.BadRequestError) as e:  # invalid JSON schema -> 400, next request works
+        oai.chat.completions.create(model=MODEL, messages=CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "not-a-type"}}})
+    assert "schema" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # prompt longer than the window: 400 naming it
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=2)
+    assert "2048" in str(e.value)
+    assert oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices[0].message.content is not None
+
+
+def test_generation_hits_window_length(daemon_a):
+    r = daemon_a.http.post("/v1/completions", json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 500,
+                                                     "num_ctx": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 24
+
+
+# -- security.md ---------------------------------------------------------------------------------
+def test_security_bad_inputs(daemon_a):
+    h = daemon_a.http
+    assert httpx.get(daemon_a.url + "/api/tags").status_code == 401  # no API key
+    assert httpx.get(daemon_a.url + "/api/tags", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert h.get("/api/tags", headers={"Host": "evil.example.com"}).status_code == 403  # DNS rebinding
+    assert h.get("/api/tags", headers={"Host": "localhost:1234"}).status_code == 200
+    r = h.post("/api/chat", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    r = h.post("/v1/chat/completions", content=b"[1,2]")
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = h.post("/api/chat", json={"model": "ghost:7b", "messages": CHAT})
+    assert r.status_code == 404 and "ghost" in r.json()["error"]
+    r = h.post("/api/chat", json={"model": "../../etc/passwd", "messages": CHAT})
+    assert r.status_code in (400, 404)
+    r = h.post("/api/generate", content=b"{" + b" " * (33 * 2**20) + b"}")
+    assert r.status_code == 413
+    r = h.post("/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": ""}]})
+    assert r.status_code == 400
+    r = h.post("/api/chat", json={"model": MODEL, "messages": CHAT, "options": {"temperature": "hot"}})
+    assert r.status_code == 400
+    r = h.post("/api/generate", json={"model": MODEL, "prompt": "hi " * 3000, "stream": False})
+    assert r.status_code == 400 and "2048" in r.json()["error"]
+    r = h.post("/api/chat", json={"model": MODEL, "messages": CHAT, "format": {"type": 12}})
+    assert r.status_code == 400
+    assert h.get("/").text == "localrun is running"  # still alive
+
+
+# -- Ollama-shaped API -------------------------------------------------------------------------------
+def test_api_version_tags_show(daemon_a):
+    h = daemon_a.http
+    assert h.get("/api/version").json()["version"]
+    names = [m["name"] for m in h.get("/api/tags").json()["models"]]
+    assert MODEL in names
+    show = h.post("/api/show", json={"model": MODEL}).json()
+    assert show["details"]["family"] == "llama" and "template" in show
+
+
+def test_api_chat_stream_stats(daemon_a):
+    with daemon_a.http.stream("POST", "/api/chat", json={"model": MODEL, "messages": CHAT,
+                                                        "options": {"num_predict": 5, "temperature": 0}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        chunks = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    final = chunks[-1]
+    assert final["done"] is True and final["done_reason"] in ("stop", "length")
+    for k in ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count",
+              "eval_duration", "cached_tokens"):
+        assert isinstance(final[k], int), k
+    assert final["eval_count"] <= 5 and "".join(c["message"]["content"] for c in chunks[:-1])
+
+
+def test_api_generate_json_format_and_embed(daemon_a):
+    h = daemon_a.http
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    r = h.post("/api/generate", json={"model": MODEL, "prompt": "Give a JSON object with a name.", "format": schema,
+                                      "stream": False, "options": {"num_predict": 40, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["done_reason"] == "stop"
+    assert isinstance(json.loads(r.json()["response"])["name"], str)
+    r = h.post("/api/generate", json={"model": MODEL, "prompt": "Give a JSON object.", "format": "json",
+                                      "stream": False, "options": {"num_predict": 5}})
+    assert r.status_code == 200 and r.json()["response"].lstrip().startswith("{")
+    e = h.post("/api/embed", json={"model": MODEL, "input": ["a", "b", "c"]}).json()
+    assert len(e["embeddings"]) == 3 and len(e["embeddings"][0]) == 576
+
+
+def test_ps_shows_backend_and_reason(daemon_a):
+    models = daemon_a.wait_ps(lambda ms: any(m["name"] == MODEL for m in ms))
+    m = next(m for m in models if m["name"] == MODEL)
+    assert m["backend"] == "llama.cpp" and m["processor"] == "100% CPU"
+    assert "CPU" in m["reason"] and m["size"] > 0 and m["expires_at"]
+    assert m["details"]["family"] == "llama"
+
+
+def test_concurrent_chats_rounds(daemon_a):
+    """NUM_PARALLEL+1 concurrent chats x 3 rounds: all complete, nothing hangs."""
+    def one(i: int) -> str:
+        r = daemon_a.http.post("/api/chat", json={"model": MODEL, "messages": [{"role": "user", "content": f"Say {i}"}],
+                                                  "stream": False, "options": {"num_predict": 6}})
+        assert r.status_code == 200, r.text
+        return r.json()["done_reason"]
+
+    with ThreadPoolExecutor(3) as ex:
+        for _ in range(3):
+            assert all(x in ("stop", "length") for x in ex.map(one, range(3)))
+
+
+# -- daemon B: slots, queue, eviction, keep_alive ----------------------------------------------------
+def _long_stream(d: Daemon, started: threading.Event | None = None, out: list | None = None):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
+            "format": LONG, "options": {"num_predict": 400, "temperature": 0.5}}
+    with httpx.Client(base_url=d.url, timeout=300) as c, c.stream("POST", "/api/chat", json=body) as r:
+        if started:
+            started.set()
+        lines = [json.loads(x) for x in r.iter_lines() if x.strip()]
+    if out is not None:
+        out.append((r.status_code, lines[-1] if lines else None))
+
+
+def test_disconnect_frees_slot(daemon_b):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
+            "format": LONG, "options": {"num_predict": 400}}
+    with httpx.Client(base_url=daemon_b.url, timeout=60) as c:
+        with c.stream("POST", "/api/chat", json=body) as r:
+            it = r.iter_lines()
+            next(it), next(it)  # two tokens arrived: the only slot is busy
+            assert daemon_b.ps()[0]["active"] == 1
+        # the client went away mid-stream
+    daemon_b.wait_ps(lambda ms: ms and ms[0]["active"] == 0, timeout=10)
+    t0 = time.monotonic()
+    r = daemon_b.http.post("/api/chat", json={"model": MODEL, "messages": CHAT, "stream": False,
+                                              "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.json()["done"] and time.monotonic() - t0 < 30
+
+
+def test_queue_overflow_503(daemon_b):
+    results: list = []
+    t1 = threading.Thread(target=_long_stream, args=(daemon_b, None, results))
+    t1.start()
+    daemon_b.wait_ps(lambda ms: ms and ms[0]["active"] == 1)
+    t2 = threading.Thread(target=_long_stream, args=(daemon_b, None, results))
+    t2.start()
+    daemon_b.wait_ps(lambda ms: ms and ms[0]["waiting"] == 1)
+    r = daemon_b.http.post("/api/chat", json={"model": MODEL, "messages": CHAT, "stream": False})
+    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1 and "LOCALRUN_MAX_QUEUE" in r.json()["error"]
+    r = daemon_b.http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+    t1.join(240)
+    t2.join(240)
+    assert len(results) == 2 and all(code == 200 and last["done"] for code, last in results), results
+
+
+def test_second_model_evicts_first_and_keep_alive_zero(daemon_b):
+    h = daemon_b.http
+    h.post("/api/generate", json={"model": MODEL}).raise_for_status()  # load only
+    assert [m["name"] for m in daemon_b.ps()] == [MODEL]
+    modelfile = f"FROM {MODEL}\nSYSTEM You answer in one word.\nPARAMETER temperature 0\n"
+    with h.stream("POST", "/api/create", json={"model": "oneword:latest", "modelfile": modelfile}) as r:
+        events = [json.loads(x) for x in r.iter_lines() if x.strip()]
+    assert r.status_code == 200 and events[-1]["status"] == "success", events
+    r = h.post("/api/chat", json={"model": "oneword", "messages": CHAT, "stream": False, "options": {"num_predict": 4}})
+    assert r.status_code == 200, r.text
+    assert [m["name"] for m in daemon_b.ps()] == ["oneword:latest"]  # LOCALRUN_MAX_LOADED_MODELS=1: first evicted
+    r = h.post("/api/chat", json={"model": "oneword", "messages": CHAT, "stream": False, "keep_alive": 0,
+                                  "options": {"num_predict": 2}})
+    assert r.status_code == 200
+    daemon_b.wait_ps(lambda ms: ms == [], timeout=10)  # keep_alive 0 unloads after the request
+    h.post("/api/generate", json={"model": MODEL, "keep_alive": "1m"}).raise_for_status()
+    assert daemon_b.ps()[0]["name"] == MODEL
+    r = h.post("/api/generate", json={"model": MODEL, "keep_alive": 0})  # Ollama's `stop`
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload" and daemon_b.ps() == []
+    assert h.request("DELETE", "/api/delete", json={"model": "oneword"}).status_code == 200
+    assert h.post("/api/show", json={"model": "oneword"}).status_code == 404
