@@ -176,12 +176,57 @@ def show_progress(events: Iterable[dict]) -> dict | None:
 
 
 class RunSettings:
-    def __init__(self, options: dict | None = None, keep_alive=None, format=None, verbose=False, system=None):
+    def __init__(self, options: dict | None = None, keep_alive=None, format=None, verbose=False, system=None,
+                 wordwrap=True):
         self.options = dict(options or {})
         self.keep_alive = keep_alive
         self.format = format
         self.verbose = verbose
         self.system = system
+        self.wordwrap = wordwrap
+
+
+class WordWrapper:
+    """Streams text to a terminal, breaking lines between words at the terminal's width
+    (a word is held back until the whitespace after it arrives)."""
+
+    def __init__(self, out, width: int):
+        self.out, self.width, self.col, self.word = out, max(width, 20), 0, ""
+
+    def write(self, text: str) -> None:
+        for ch in text:
+            if ch in " \n":
+                self._flush_word()
+                if ch == "\n":
+                    self.out.write("\n")
+                    self.col = 0
+                elif self.col < self.width:
+                    self.out.write(" ")
+                    self.col += 1
+            else:
+                self.word += ch
+        self.out.flush()
+
+    def _flush_word(self) -> None:
+        if self.word:
+            if self.col and self.col + len(self.word) > self.width:
+                self.out.write("\n")
+                self.col = 0
+            self.out.write(self.word)
+            self.col += len(self.word)
+            self.word = ""
+
+    def flush(self) -> None:
+        self._flush_word()
+        self.out.flush()
+
+
+def _writer(rs: RunSettings):
+    if rs.wordwrap and not rs.format and sys.stdout.isatty():
+        import shutil
+
+        return WordWrapper(sys.stdout, shutil.get_terminal_size().columns - 1)
+    return sys.stdout
 
 
 def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunSettings) -> str:
@@ -192,6 +237,7 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
     ttft = None
     final: dict = {}
     parts: list[str] = []
+    out = _writer(rs)
     stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format)
     try:
         for chunk in stream:
@@ -200,12 +246,13 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 parts.append(piece)
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                out.write(piece)
+                out.flush()
             if chunk.get("done"):
                 final = chunk
     finally:
         stream.close()
+        out.flush()
     text = "".join(parts)
     sys.stdout.write("\n" if not text.endswith("\n") else "")
     sys.stdout.flush()
@@ -490,7 +537,8 @@ def cmd_run(args, client: DaemonClient) -> int:
         if not sep:
             raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
         set_option(options, name, value)
-    rs = RunSettings(options, keep_alive=args.keepalive, format=args.format, verbose=args.verbose)
+    rs = RunSettings(options, keep_alive=args.keepalive, format=args.format, verbose=args.verbose,
+                     wordwrap=not args.nowordwrap)
     ensure_model(client, args.model)
     if prompt.strip():
         stream_chat(client, args.model, [{"role": "user", "content": prompt}], rs)
@@ -622,7 +670,12 @@ def cmd_serve(args) -> int:
         os.environ["LOCALRUN_HOST"] = args.host  # settings() reads it; the server sees the flag
     from localrun.server import serve
 
-    return serve(settings())  # a malformed LOCALRUN_* variable fails here with a message naming it
+    s = settings()
+    with DaemonClient(s.base_url, api_key=s.api_key) as probe:
+        if probe.is_up():
+            raise CLIError(f"a localrun daemon is already running at {s.base_url} (stop it first, or pick another "
+                           "address with --host or LOCALRUN_HOST)")
+    return serve(s)
 
 
 def _serve_epilog() -> str:
@@ -676,6 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keepalive", metavar="DURATION", help="how long the model stays loaded (e.g. 5m, 0, -1)")
     s.add_argument("-o", "--option", action="append", metavar="NAME=VALUE",
                    help="a generation option, e.g. -o temperature=0 -o num_predict=64 (repeatable)")
+    s.add_argument("--nowordwrap", action="store_true", help="don't break lines between words on a terminal")
     s.add_argument("--plain", action="store_true",
                    help="chat in a plain line REPL instead of the TUI (with piped stdin: one message per line)")
 

@@ -338,39 +338,75 @@ def test_repl_from_piped_stdin(pulled):
     assert re.search(r"^eval count:\s+[1-6] token", r.stderr, re.M), r.stderr  # num_predict 6 was applied
 
 
-def test_repl_on_a_terminal(pulled):
-    import pty
+class Pty:
+    """A CLI process on a pseudo-terminal (stdin and stdout are TTYs, as for a user)."""
 
-    master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "run", MODEL, "--plain"], env=pulled["env"],
-                            stdin=slave, stdout=slave, stderr=slave, cwd=REPO, close_fds=True)
-    os.close(slave)
-    out = b""
+    def __init__(self, env: dict, *args: str):
+        import pty
 
-    def read_until(token: bytes, timeout: float = 60) -> None:
-        nonlocal out
+        self.master, slave = pty.openpty()
+        os.set_blocking(self.master, True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "localrun", *args], env=dict(env, COLUMNS="100", LINES="30"),
+                                     stdin=slave, stdout=slave, stderr=slave, cwd=REPO, close_fds=True,
+                                     start_new_session=True)
+        os.close(slave)
+        self.out = b""
+
+    def read_until(self, token: bytes, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
-        while token not in out:
-            assert time.monotonic() < deadline, out.decode(errors="replace")
-            if select.select([master], [], [], 0.5)[0]:
+        while token not in self.out:
+            assert time.monotonic() < deadline, self.out.decode(errors="replace")[-3000:]
+            if select.select([self.master], [], [], 0.5)[0]:
                 try:
-                    out += os.read(master, 4096)
+                    self.out += os.read(self.master, 65536)
                 except OSError:
                     break
 
+    def send(self, data: bytes) -> None:
+        self.out = b""
+        os.write(self.master, data)
+
+    def wait(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if select.select([self.master], [], [], 0.2)[0]:  # keep draining so the child never blocks
+                try:
+                    os.read(self.master, 65536)
+                except OSError:
+                    pass
+        return self.proc.wait(timeout=1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+def test_repl_on_a_terminal(pulled):
+    t = Pty(pulled["env"], "run", MODEL, "--plain")
     try:
-        read_until(b">>> ")
-        os.write(master, b"/set parameter num_predict 4\n")
-        read_until(b"Set parameter")
-        out = b""
-        os.write(master, b"Hi\n")
-        read_until(b">>> ")
-        os.write(master, b"/bye\n")
-        assert proc.wait(timeout=30) == 0
+        t.read_until(b">>> ")
+        t.send(b"/set parameter num_predict 4\n")
+        t.read_until(b"Set parameter")
+        t.send(b"Hi\n")
+        t.read_until(b">>> ")
+        t.send(b"/bye\n")
+        assert t.wait() == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+        t.close()
+
+
+def test_run_on_a_terminal_opens_the_chat_tui(pulled):
+    t = Pty(pulled["env"], "run", MODEL)
+    try:
+        t.read_until(b"\x1b[?1049h")  # the TUI switched to the alternate screen
+        t.read_until(MODEL.encode())  # and shows the model it was opened with
+        time.sleep(1)
+        t.send(b"\x11")  # ctrl+q quits
+        assert t.wait() == 0
+    finally:
+        t.close()
 
 
 def test_ctrl_c_stops_a_stream(pulled):
@@ -429,3 +465,21 @@ def test_client_sync_and_async(pulled):
     import asyncio
 
     asyncio.run(go())
+
+
+def test_serve_refuses_a_second_daemon_on_the_same_address(daemon):
+    r = cli(daemon["env"], "serve", timeout=30)
+    assert "already running" in assert_clean_error(r, code=1)
+
+
+def test_word_wrap_breaks_between_words():
+    import io
+
+    from localrun.cli import WordWrapper
+
+    out = io.StringIO()
+    w = WordWrapper(out, 20)
+    for piece in ["Hello the", "re, this is a lo", "ng sentence that should wrap nicely\nacross ", "lines."]:
+        w.write(piece)
+    w.flush()
+    assert out.getvalue() == "Hello there, this is\na long sentence that\nshould wrap nicely\nacross lines."
