@@ -108,7 +108,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if interpreting():
         block_m, block_n, warps = 16, 16, 4
     else:
-        block_m, block_n, warps = (128, 64, 8) if head_dim <= 64 else (64, 64, 4)
+        block_m, block_n, warps = (128, 64, 8) if head_dim <= 64 else (64, 64, 4) if head_dim <= 128 else (32, 32, 4)
     grid = (batch, num_q_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, cu_seqlens_q, seq_lens,

@@ -311,6 +311,16 @@ class TestTriton:
         assert_close(K.silu_and_mul(x), K.silu_and_mul_ref(x.float()), dtype)
 
 
+    @pytest.mark.skipif(not INTERPRETED, reason="on a GPU, run the benchmark itself (it takes minutes)")
+    def test_bench_kernels_smoke(self, capsys):
+        from localrun.kernels import bench_kernels
+
+        assert bench_kernels.main(["--tiny"]) == 0
+        out = capsys.readouterr().out
+        for group in ("ceiling", "decode", "extend", "rmsnorm", "silu_mul", "rope", "store_kv"):
+            assert f"{group} " in out, out
+
+
 # --------------------------------------------------------------------------- GPU, real shapes
 
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")]

@@ -1,0 +1,226 @@
+"""GPU micro-benchmark of localrun.kernels against the torch references and the machine's ceilings.
+
+    python -m localrun.kernels.bench_kernels [--json results.json]
+
+On a CUDA GPU it measures, at Llama-3.1-8B shapes in bf16:
+  * the ceilings: device-to-device memcpy bandwidth (GB/s) and an 8192^3 bf16 matmul (TFLOP/s);
+  * paged decode attention: achieved GB/s (K/V bytes read / time) for Triton vs the reference;
+  * extend (prefill) attention: achieved TFLOP/s (causal FLOPs / time) for Triton vs the
+    reference, and vs torch's dense scaled_dot_product_attention where the batch has no prefix;
+  * store_kv, add+RMSNorm, RoPE, SiLU-and-mul: GB/s for Triton vs the reference.
+Each Triton result is also checked against the reference (max relative error printed).
+Times come from triton.testing.do_bench (L2 flushed between runs; mean of repetitions).
+
+`--tiny` runs the same code at toy shapes, for a CPU smoke test under TRITON_INTERPRET=1
+(its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from localrun import kernels as K
+from localrun.kernels._common import interpreting
+
+
+def _time_ms(fn: Callable[[], object], cuda: bool) -> float:
+    if cuda:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    fn()
+    reps, t0 = 3, time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1000 / reps
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+class Bench:
+    def __init__(self, device: str, tiny: bool):
+        self.device, self.tiny, self.cuda = device, tiny, device == "cuda"
+        self.rows: list[dict] = []
+
+    def record(self, group: str, case: str, unit: str, amount: float, triton_fn, ref_fn=None, check=None,
+               baseline: tuple[str, Callable] | None = None, label: str = "triton") -> None:
+        """amount: bytes (unit GB/s) or FLOPs (unit TFLOP/s) one call moves or computes."""
+        scale = 1e9 if unit == "GB/s" else 1e12
+        row = {"group": group, "case": case, "unit": unit}
+        row[f"{label}_ms"] = _time_ms(triton_fn, self.cuda)
+        row[label] = amount / (row[f"{label}_ms"] / 1e3) / scale
+        if ref_fn is not None:
+            row["ref_ms"] = _time_ms(ref_fn, self.cuda)
+            row["ref"] = amount / (row["ref_ms"] / 1e3) / scale
+        if baseline is not None:
+            row["baseline_name"] = baseline[0]
+            row["baseline_ms"] = _time_ms(baseline[1], self.cuda)
+            row["baseline"] = amount / (row["baseline_ms"] / 1e3) / scale
+        if check is not None:
+            row["max_rel_err"] = check()
+        self.rows.append(row)
+        extra = f"  {row['baseline_name']} {row['baseline']:8.2f}" if baseline else ""
+        ref = f"ref {row['ref']:9.2f} ({row['ref_ms']:8.3f} ms)" if ref_fn else ""
+        err = f"  err {row['max_rel_err']:.1e}" if check else ""
+        print(f"{group:>10} {case:<34} {label:>8} {row[label]:9.2f} {unit:<7} ({row[f'{label}_ms']:8.3f} ms)  "
+              f"{ref}{extra}{err}", flush=True)
+
+
+def _shapes(tiny: bool) -> dict:
+    if tiny:
+        return dict(hq=4, hkv=2, d=16, page=4, hidden=48, inter=40, mm=64, copy_mb=1,
+                    decode=[(2, 19)], extend=[[(0, 7), (5, 9)], [(0, 8)] * 2], tokens=9, max_pos=64)
+    return dict(hq=32, hkv=8, d=128, page=16, hidden=4096, inter=14336, mm=8192, copy_mb=1024,
+                decode=[(1, 1024), (1, 8192), (8, 2048), (32, 2048), (64, 1024), (128, 4096)],
+                extend=[[(0, 2048)], [(0, 512)] * 4, [(2048, 512)] * 2, [(0, 1000), (3000, 100), (0, 1)]],
+                tokens=8192, max_pos=131072)
+
+
+def _paged(seq_lens, hkv, d, page, dtype, device):
+    """A pool holding seq_lens tokens on shuffled pages; returns caches, page table, seq_lens."""
+    pages = [math.ceil(n / page) for n in seq_lens]
+    perm = torch.randperm(sum(pages), device=device).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=device)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    k_cache = torch.randn(sum(pages), page, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    return k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def run(bench: Bench) -> None:
+    s, dev = _shapes(bench.tiny), bench.device
+    dt = torch.bfloat16
+    hq, hkv, d = s["hq"], s["hkv"], s["d"]
+    scale = d ** -0.5
+    elt = torch.finfo(dt).bits // 8
+
+    # Ceilings.
+    src = torch.empty(s["copy_mb"] << 20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    bench.record("ceiling", f"memcpy {s['copy_mb']} MiB", "GB/s", 2 * src.numel(), lambda: dst.copy_(src),
+                 label="measured")
+    del src, dst
+    n = s["mm"]
+    a, b = torch.randn(n, n, dtype=dt, device=dev), torch.randn(n, n, dtype=dt, device=dev)
+    bench.record("ceiling", f"bf16 matmul {n}^3", "TFLOP/s", 2 * n ** 3, lambda: a @ b, label="measured")
+    del a, b
+
+    # Paged decode attention: bytes = the K and V rows read (+ q and o).
+    for batch, seq_len in s["decode"]:
+        kc, vc, table, lens = _paged([seq_len] * batch, hkv, d, s["page"], dt, dev)
+        q = torch.randn(batch, hq, d, dtype=dt, device=dev)
+        amount = (2 * batch * seq_len * hkv * d + 2 * batch * hq * d) * elt
+        args = (q, kc, vc, table, lens, scale)
+        small = batch * seq_len <= 64 * 1024  # the reference materialises fp32 copies of K and V
+        bench.record("decode", f"B={batch} L={seq_len}", "GB/s", amount,
+                     lambda: K.paged_decode_attention(*args),
+                     (lambda: K.paged_decode_attention_ref(*args)) if small else None,
+                     (lambda: _rel_err(K.paged_decode_attention(*args), K.paged_decode_attention_ref(*args)))
+                     if small else None)
+        del kc, vc
+
+    # Extend attention: FLOPs = 4 * D * Hq * (keys each query sees), causal.
+    for spans in s["extend"]:
+        seq_lens = [p + m for p, m in spans]
+        kc, vc, table, lens = _paged(seq_lens, hkv, d, s["page"], dt, dev)
+        q_lens = [m for _, m in spans]
+        cu = torch.tensor([0] + q_lens, device=dev).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(q_lens), hq, d, dtype=dt, device=dev)
+        flops = 4 * d * hq * sum(m * p + m * (m + 1) // 2 for p, m in spans)
+        args = (q, kc, vc, table, cu, lens, scale)
+        baseline = None
+        if all(p == 0 for p, _ in spans) and len(set(q_lens)) == 1:  # dense equivalent exists
+            qd = q.view(len(spans), q_lens[0], hq, d).transpose(1, 2)
+            kd = torch.randn(len(spans), hkv, q_lens[0], d, dtype=dt, device=dev)
+            baseline = ("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
+                qd, kd, kd, is_causal=True, enable_gqa=True))
+        label = "+".join(f"{p}/{m}" for p, m in spans[:3]) + ("..." if len(spans) > 3 else "")
+        bench.record("extend", f"prefix/new {label}", "TFLOP/s", flops,
+                     lambda: K.extend_attention(*args, max_q_len=max(q_lens)),
+                     lambda: K.extend_attention_ref(*args),
+                     lambda: _rel_err(K.extend_attention(*args), K.extend_attention_ref(*args)), baseline)
+        del kc, vc
+
+    # Pointwise ops at a prefill-sized batch of tokens: bytes read + written.
+    t, h, inter = s["tokens"], s["hidden"], s["inter"]
+    x, r, w = (torch.randn(t, h, dtype=dt, device=dev), torch.randn(t, h, dtype=dt, device=dev),
+               torch.randn(h, dtype=dt, device=dev))
+    bench.record("rmsnorm", f"add+rmsnorm T={t} H={h}", "GB/s", 4 * t * h * elt,
+                 lambda: K.fused_add_rmsnorm(x, r, w, 1e-5), lambda: K.fused_add_rmsnorm_ref(x, r, w, 1e-5),
+                 lambda: _rel_err(K.fused_add_rmsnorm(x, r, w, 1e-5)[0], K.fused_add_rmsnorm_ref(x, r, w, 1e-5)[0]))
+    gu = torch.randn(t, 2 * inter, dtype=dt, device=dev)
+    bench.record("silu_mul", f"T={t} I={inter}", "GB/s", 3 * t * inter * elt,
+                 lambda: K.silu_and_mul(gu), lambda: K.silu_and_mul_ref(gu),
+                 lambda: _rel_err(K.silu_and_mul(gu), K.silu_and_mul_ref(gu)))
+    del gu
+    cache = K.rope_cos_sin_cache(d, s["max_pos"], 500000.0, {"rope_type": "llama3", "factor": 8.0}, device=dev)
+    pos = torch.randint(0, s["max_pos"], (t,), device=dev)
+    qr, kr = torch.randn(t, hq, d, dtype=dt, device=dev), torch.randn(t, hkv, d, dtype=dt, device=dev)
+    bench.record("rope", f"T={t}", "GB/s", 2 * t * (hq + hkv) * d * elt,
+                 lambda: K.apply_rope(qr, kr, pos, cache), lambda: K.apply_rope_ref(qr, kr, pos, cache),
+                 lambda: _rel_err(K.apply_rope(qr, kr, pos, cache)[0], K.apply_rope_ref(qr, kr, pos, cache)[0]))
+    kc, vc, _, _ = _paged([t], hkv, d, s["page"], dt, dev)
+    slots = torch.randperm(kc.shape[0] * kc.shape[1], device=dev)[:t]
+    bench.record("store_kv", f"T={t}", "GB/s", 4 * t * hkv * d * elt,
+                 lambda: K.store_kv(kr, kr, kc, vc, slots), lambda: K.store_kv_ref(kr, kr, kc, vc, slots))
+
+
+def _versions() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                                        capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU smoke run under TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not interpreting()
+    if not K.triton_available():
+        print("triton is not installed: pip install triton", file=sys.stderr)
+        return 2
+    if not cuda and not (args.tiny and interpreting()):
+        print("bench_kernels needs a CUDA GPU (for a CPU smoke run: TRITON_INTERPRET=1 ... --tiny)", file=sys.stderr)
+        return 2
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name() if cuda else f"cpu (Triton interpreter) {platform.processor()}"
+    print(f"device: {name}  {_versions()}", flush=True)
+    bench = Bench(device, args.tiny)
+    with torch.inference_mode():
+        run(bench)
+    if args.json:
+        args.json.write_text(json.dumps({"device": name, **_versions(), "tiny": args.tiny, "results": bench.rows},
+                                        indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
