@@ -234,6 +234,7 @@ def test_sigkill_mid_pull_then_clean_pull(hub, lib):
 
 def test_hub_unreachable(hub, lib, monkeypatch):
     lib.pull(f"hf.co/{GGUF_REPO}:q8_0")
+    lib.pull("qwen2.5:0.5b")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     t0 = time.monotonic()
     with pytest.raises(LocalrunError) as e:
@@ -242,8 +243,11 @@ def test_hub_unreachable(hub, lib, monkeypatch):
     # a model we already have still "pulls" (the local copy is used)
     assert lib.pull(f"hf.co/{GGUF_REPO}:q8_0").name == f"hf.co/{GGUF_REPO}:q8_0"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    events = []
+    assert lib.pull("qwen2.5:0.5b", progress=events.append).name == "qwen2.5:0.5b"
+    assert events[-1].status == "success"
     with pytest.raises(LocalrunError, match="HF_HUB_OFFLINE"):
-        lib.pull("qwen2.5:0.5b")
+        lib.pull("qwen2.5:1.5b")
 
 
 def test_disk_full_during_pull(hub, tmp_path, lib):

@@ -66,19 +66,16 @@ class Library:
         pins: list[str] = []
         try:
             src = _catalog.lookup(mn)
-            if src is not None:
-                layers, extra = self._pull_catalog(src, prog, pins)
-            elif mn.is_hf:
-                try:
-                    layers, extra = self._pull_hf(mn, prog, pins)
-                except HubUnreachable:
-                    if self.exists(mn.display):  # offline, but we already have it
-                        prog.emit("success", check=False)
-                        return self.resolve(mn.display)
-                    raise
-            else:
+            if src is None and not mn.is_hf:
                 raise NotFound(f"model '{mn.display}' is not in the catalog; known names: {', '.join(_catalog.catalog_names())}, "
                                "or pull hf.co/ORG/REPO[:QUANT] from the Hugging Face hub")
+            try:
+                layers, extra = self._pull_catalog(src, prog, pins) if src else self._pull_hf(mn, prog, pins)
+            except HubUnreachable:
+                if self.exists(mn.display):  # offline, but we already have it: keep using it
+                    prog.emit("success", check=False)
+                    return self.resolve(mn.display)
+                raise
             prog.check()
             prog.emit("writing manifest")
             self._write(mn, layers, extra, pins)
@@ -110,8 +107,10 @@ class Library:
             prog.emit(status, src.sha256, src.size, 0)
             prog.emit("verifying sha256 digest", src.sha256)
             try:
-                digest, size, _ = self.store.put_file(local, src.sha256, what=src.file or local.name,
-                                                      check=lambda p: read_gguf_info(p, display_name=src.file))
+                digest, size, _ = self.store.put_file(
+                    local, src.sha256, what=src.file or local.name,
+                    hash_progress=prog.counter("verifying sha256 digest", src.sha256, src.size),
+                    check=lambda p: read_gguf_info(p, display_name=src.file))
                 self._pin(pins, digest)
                 prog.emit(status, digest, size, size)
                 extra["source"]["local_package"] = src.local_package
@@ -244,8 +243,9 @@ class Library:
             check_regular_file(path, shown)
             read_gguf_info(path, display_name=path.name)  # validate before anything is stored
             prog.emit("copying file")
-            digest, size, _ = self.store.put_file(path, what=path.name,
-                                                  check=lambda p: read_gguf_info(p, display_name=path.name))
+            digest, size, _ = self.store.put_file(
+                path, what=path.name, hash_progress=prog.counter("copying file", None, path.stat().st_size),
+                check=lambda p: read_gguf_info(p, display_name=path.name))
             self._pin(pins, digest)
             prog.emit(f"using layer {digest[:19]}", digest, size, size)
             return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": path.name}}

@@ -132,6 +132,20 @@ class Progress:
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled("pull cancelled; nothing was installed (a later pull resumes the download)")
 
+    def counter(self, status: str, digest: str | None, total: int | None) -> Callable[[int], None]:
+        """A callback taking a running byte count (hashing, copying), throttled to ~4 events/s."""
+        last = [0.0]
+
+        def update(done: int) -> None:
+            self.check()
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_INTERVAL or (total and done >= total):
+                last[0] = now
+                if self.callback is not None:
+                    self.callback(PullEvent(status, digest, total, done))
+
+        return update
+
     def bar_class(self, status: str, digest: str | None, total: int | None):
         """A tqdm stand-in for huggingface-hub's http_get: reports progress, raises on cancel."""
         outer = self
@@ -255,7 +269,8 @@ class Hub:
                                         status=502, code="hub_error") from None
                 raise _hub_error(e, self.repo_id, rf.filename) from None
             progress.emit("verifying sha256 digest", expected)
-            sha, sha1 = _hash_with_git(partial)
+            total = partial.stat().st_size
+            sha, sha1 = _hash_with_git(partial, progress.counter("verifying sha256 digest", expected, total))
             got = ("sha256:" + sha.hexdigest(), partial.stat().st_size)
             if expected is None and rf.git_oid and sha1 != rf.git_oid:
                 with contextlib.suppress(OSError):
@@ -272,11 +287,12 @@ class Hub:
             return store.adopt(partial, expected, what=rf.filename, hashed=got)
 
 
-def _hash_with_git(path: Path) -> tuple["hashlib._Hash", str]:
+def _hash_with_git(path: Path, progress: Callable[[int], None] | None = None) -> tuple["hashlib._Hash", str]:
     """sha256 of the file, and its git blob id (sha1 of 'blob <size>\\0' + bytes)."""
     size = path.stat().st_size
     sha = hashlib.sha256()
     sha1 = hashlib.sha1(f"blob {size}\0".encode())
+    done = 0
     with open(path, "rb") as f:
         while True:
             b = f.read(1 << 20)
@@ -284,6 +300,9 @@ def _hash_with_git(path: Path) -> tuple["hashlib._Hash", str]:
                 break
             sha.update(b)
             sha1.update(b)
+            done += len(b)
+            if progress is not None:
+                progress(done)
     return sha, sha1.hexdigest()
 
 
