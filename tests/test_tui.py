@@ -122,8 +122,8 @@ def replies(app) -> list[MessageView]:
 
 
 async def reply_done(pilot) -> None:
-    await wait_for(pilot, lambda: not pilot.app.generating, 120, "the reply to finish")
-    await pilot.pause(0.1)
+    await wait_for(pilot, lambda: pilot.app.idle, 120, "the reply to finish")
+    await pilot.pause(0.2)
 
 
 # ---------------------------------------------------------------------------------- no daemon needed
@@ -373,15 +373,49 @@ async def test_resume_saved_conversation(models, store):
         assert app2.conv.messages == [] and first_id not in {c.id for c in store.list()}
 
 
-async def test_load_failure_is_reported(models, store):
-    """A num_ctx the machine cannot hold: the daemon refuses the load; the app says so and lives."""
-    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+def _broken_gguf(path: Path) -> Path:
+    """A GGUF with a valid header whose tensors are missing: the library accepts it, llama.cpp cannot load it."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_feed_forward_length(128)
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+async def test_load_failure_and_request_errors_are_reported(models, store, tmp_path):
+    url = models["url"]
+    gguf_path = _broken_gguf(tmp_path / "broken.gguf")
+    with httpx.stream("POST", url + "/api/create", timeout=60,
+                      json={"model": "broken:latest", "modelfile": f"FROM {gguf_path}\n"}) as r:
+        assert r.status_code == 200
+        _ndjson(r)
+    app = ChatApp(model="broken:latest", base_url=url, store=store)
     async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
-        await type_and_send(pilot, "/set num_ctx 100000000")
+        await ready(pilot, "broken:latest")
         await type_and_send(pilot, "hello")
-        await wait_for(pilot, lambda: not app.generating and app.last_error is not None, 60, "the load error")
+        await wait_for(pilot, lambda: app.idle and app.last_error is not None, 60, "the load error")
+        assert "failed to load" in app.last_error and "broken" in app.last_error
         assert app.is_running and app.conv.messages == [] and app.input_box.text == "hello"
+        # a request the daemon rejects (400): said plainly, nothing lost
+        await type_and_send(pilot, "/model smollm2:135m")
+        await ready(pilot)
+        app.last_error = None
+        await type_and_send(pilot, "/set num_ctx 100000000")
+        app.input_box.text = "hello"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.idle and app.last_error is not None, 60, "the request error")
+        assert "num_ctx" in app.last_error and app.input_box.text == "hello"
         await type_and_send(pilot, "/unset num_ctx")
         await type_and_send(pilot, "/set num_predict 2")
         app.last_error = None
@@ -415,9 +449,15 @@ async def test_screenshots(models, store, tmp_path):
     small = ChatApp(model=MODEL, base_url=models["url"], store=store)
     async with small.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 40")
+        await type_and_send(pilot, "Give me three tips for writing clear **Markdown**, as a list.")
+        await reply_done(pilot)
+        small.save_screenshot("chat_80x24.svg", path=str(out))
         await type_and_send(pilot, "/help")
+        await pilot.pause(0.3)
+        small.log_view.scroll_to_widget(small.query(MessageView).last(), top=True, animate=False)
         await pilot.pause(0.2)
         small.save_screenshot("help_80x24.svg", path=str(out))
-    for name in ("chat.svg", "model_picker.svg", "saved_chats.svg", "help_80x24.svg"):
+    for name in ("chat.svg", "model_picker.svg", "saved_chats.svg", "chat_80x24.svg", "help_80x24.svg"):
         svg = (out / name).read_text()
         assert svg.startswith("<svg") and MODEL in svg.replace("&#160;", " ")

@@ -130,6 +130,11 @@ class ChatApp(App[int]):
         yield Footer(compact=True)
 
     @property
+    def idle(self) -> bool:
+        """No reply streaming and the last one fully wrapped up (view, status, save)."""
+        return not self.generating and (self._gen_worker is None or self._gen_worker.is_finished)
+
+    @property
     def log_view(self) -> VerticalScroll:
         return self.query_one("#log", VerticalScroll)
 

@@ -91,7 +91,7 @@ HELP = """\
 
 **Keys**: Enter sends · Ctrl+J (or Shift+Enter where the terminal reports it, or
 Alt+Enter) inserts a newline · Esc or Ctrl+C stops a reply · Ctrl+N new · Ctrl+L clear ·
-Ctrl+O model picker · Ctrl+R saved chats · Ctrl+Y copy last reply · F2 settings panel ·
+Ctrl+O model picker · Ctrl+R saved chats · F3 copy last reply · F2 settings panel · F1 help ·
 Ctrl+Q quit
 """
 
