@@ -461,3 +461,76 @@ async def test_screenshots(models, store, tmp_path):
     for name in ("chat.svg", "model_picker.svg", "saved_chats.svg", "chat_80x24.svg", "help_80x24.svg"):
         svg = (out / name).read_text()
         assert svg.startswith("<svg") and MODEL in svg.replace("&#160;", " ")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pty")
+def test_localrun_chat_in_a_real_terminal(models):
+    """`localrun chat MODEL` in a pseudo-terminal at 80x24: the real key bytes a terminal sends
+    (Enter = CR sends, Ctrl+J = LF inserts a newline, Ctrl+Q quits) drive the real app."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    home, port = models["home"], models["url"].rsplit(":", 1)[1]
+    chats = home / "chats"
+    before = set(chats.glob("*.json")) if chats.is_dir() else set()
+    env = dict(os.environ, LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{port}", TERM="xterm-256color")
+    env.pop("NO_COLOR", None)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "chat", MODEL], stdin=slave, stdout=slave,
+                            stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    screen = bytearray()
+
+    def drain():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            screen.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+
+    def new_chats() -> list[Path]:
+        return [p for p in chats.glob("*.json") if p not in before] if chats.is_dir() else []
+
+    def wait(cond, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{what}: rc={proc.poll()} screen tail={bytes(screen[-2000:])!r}")
+            time.sleep(0.1)
+
+    try:
+        wait(lambda: b"Send" in screen and MODEL.encode() in screen, 60, "the app did not draw")
+        time.sleep(1.0)
+        os.write(master, b"/set num_predict 4\r")
+        time.sleep(0.5)
+        os.write(master, b"line one\nline two\r")
+
+        def replied() -> bool:
+            for p in new_chats():
+                msgs = json.loads(p.read_text())["messages"]
+                if len(msgs) == 2:
+                    return True
+            return False
+
+        wait(replied, 120, "no reply was saved")
+        msgs = json.loads(new_chats()[0].read_text())["messages"]
+        assert msgs[0] == {"role": "user", "content": "line one\nline two"}
+        assert msgs[1]["role"] == "assistant" and msgs[1]["content"]
+        time.sleep(0.5)
+        os.write(master, b"\x11")  # Ctrl+Q
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)

@@ -14,7 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown
 from textual.worker import Worker, WorkerState
 
-from localrun.cli import cached_tokens
+from localrun.cli import cached_tokens, normalize_name
 from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
@@ -182,6 +182,7 @@ class ChatApp(App[int]):
 
     async def use_model(self, name: str) -> None:
         """Switch to `name`; pull it first when the library lacks it."""
+        name = normalize_name(name.strip())
         try:
             info = await self.client.show(name)
         except APIError as exc:
