@@ -19,3 +19,43 @@ def mma(a, b, PRECISION: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def attend_kv_block(
+    acc, m_i, l_i, q, q_pos, n0, kv_end,
+    K, V, page_row, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
+    offs_d, mask_d,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BOUNDED: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """One online-softmax step over cache positions [n0, n0 + BLOCK_N), read through the page table.
+
+    acc [M, BLOCK_D] / m_i, l_i [M] (fp32, logits in base 2) are updated and returned.
+    page_row: pointer to the sequence's page-table row. BOUNDED: mask positions >= kv_end.
+    CAUSAL: mask positions > q_pos [M]. A block with neither mask is read without masks.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if BOUNDED:
+        mask_n = offs_n < kv_end
+        page = tl.load(page_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    else:
+        page = tl.load(page_row + offs_n // PAGE_SIZE).to(tl.int64)
+        kv_mask = mask_d[None, :]
+    slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
+    k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    qk = mma(q, tl.trans(k), PRECISION) * scale_log2
+    if BOUNDED:
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    if CAUSAL:
+        qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, l_i

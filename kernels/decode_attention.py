@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_common import mma
+from .attn_common import attend_kv_block
 from ._common import check_cache, dot_precision, inner_contiguous, interpreting, next_pow2, num_sms
 
 MAX_KV_SPLITS = 16
@@ -57,24 +57,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    page_row = PageTable + b * stride_pt
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = mma(q, tl.trans(k), PRECISION) * scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_kv_block(
+            acc, m_i, l_i, q, offs_h, n0, end, K, V, page_row, kv_head,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
+            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=True, CAUSAL=False)
 
     has_keys = l_i > 0.0  # False for an empty split (short sequence, many splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -5,8 +5,9 @@ belong to sequence b) attends causally to the sequence's cached prefix and to it
 new tokens' K/V were already written to the cache (store_kv), so one loop over cache
 positions, read through the page table, covers the prefix and the new tokens alike.
 
-Grid (batch, q_head, query block). A query block at positions [p0, p1) stops reading keys at
-p1: keys past it are masked for every row, so they are never loaded.
+Grid (batch, q_head, query block). A query block at positions [p0, p1) reads keys below p0
+(rounded down to a key block) without any mask, then the diagonal blocks up to p1 with the
+causal mask; keys past p1 are masked for every row, so they are never loaded.
 Same math as reference.extend_attention_ref.
 """
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_common import mma
+from .attn_common import attend_kv_block
 from ._common import check_cache, dot_precision, inner_contiguous, interpreting, next_pow2
 
 
@@ -57,26 +58,22 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    page_row = PageTable + b * stride_pt
+    # Keys before the block's first query position are visible to every row: no masks.
+    full_end = (prefix_len + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_block(
+            acc, m_i, l_i, q, q_pos, n0, full_end, K, V, page_row, kv_head,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
+            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=False, CAUSAL=False)
+    # The diagonal: causal mask (key 0 is always visible, so no row ends up empty); keys past
+    # the block's last query are masked for every row and never read.
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < kv_end
-        page = tl.load(PageTable + b * stride_pt + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = mma(q, tl.trans(k), PRECISION) * scale_log2
-        # Causal: key position <= query position (key 0 is always allowed, so no row is empty).
-        qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
-        m_i = m_new
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_block(
+            acc, m_i, l_i, q, q_pos, n0, kv_end, K, V, page_row, kv_head,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
+            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=True, CAUSAL=True)
 
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -88,8 +85,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      max_q_len: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] (new tokens of all sequences, concatenated) -> o [T, Hq, D].
 
-    max_q_len (the longest q_len in the batch) sizes the grid; pass it when the caller
-    knows it, else it is read from cu_seqlens_q (one device-to-host sync).
+    max_q_len (the longest q_len in the batch) sizes the grid; pass it when the caller knows
+    it. Without it the grid assumes the bound T (no device-to-host sync): query blocks past a
+    sequence's q_len exit at once, which costs little next to the attention work.
     """
     check_cache(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -101,8 +99,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_tokens == 0 or batch == 0:
         return out
     q = inner_contiguous(q)
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    max_q_len = num_tokens if max_q_len is None else max_q_len
     if max_q_len == 0:
         return out
     if interpreting():

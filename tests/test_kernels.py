@@ -250,7 +250,7 @@ class TestTriton:
     @pytest.mark.parametrize("seq_lens,page_size,num_q_heads,num_kv_heads,head_dim,splits", [
         ([1, 7, 19], 4, 4, 2, 16, 3),  # more splits than a 1-token sequence can fill
         ([19, 8, 1], 8, 6, 2, 32, None),  # 3 query heads per KV head, default splits
-        ([33, 2], 4, 2, 2, 24, 1),  # MHA, head_dim not a power of two, one split
+        ([33, 2, 0], 4, 2, 2, 24, 1),  # MHA, head_dim not a power of two, one split, an empty (padding) row
     ])
     def test_paged_decode_attention(self, dtype, seq_lens, page_size, num_q_heads, num_kv_heads, head_dim, splits):
         scale = head_dim ** -0.5
@@ -261,16 +261,18 @@ class TestTriton:
         oracle = K.paged_decode_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table,
                                               batch.seq_lens, scale)
         assert_close(out, oracle, dtype)
+        assert torch.equal(out[batch.seq_lens == 0].float(), torch.zeros_like(out[batch.seq_lens == 0].float()))
 
     @pytest.mark.parametrize("dtype", DTYPES)
-    @pytest.mark.parametrize("spans,page_size,num_q_heads,num_kv_heads,head_dim", [
-        ([(0, 7), (12, 7), (3, 1), (0, 19)], 4, 4, 2, 16),  # (cached prefix, new tokens) per sequence
-        ([(5, 20), (0, 1), (17, 0)], 8, 6, 2, 32),  # q block crossing, an idle sequence
+    @pytest.mark.parametrize("spans,page_size,num_q_heads,num_kv_heads,head_dim,max_q_len", [
+        ([(0, 7), (12, 7), (3, 1), (0, 19), (40, 5)], 4, 4, 2, 16, None),  # (cached prefix, new) per sequence
+        ([(5, 20), (0, 1), (17, 0)], 8, 6, 2, 32, 20),  # q block crossing, an idle sequence, tight grid
     ])
-    def test_extend_attention(self, dtype, spans, page_size, num_q_heads, num_kv_heads, head_dim):
+    def test_extend_attention(self, dtype, spans, page_size, num_q_heads, num_kv_heads, head_dim, max_q_len):
         scale = head_dim ** -0.5
         batch, q, cu = extend_inputs(spans, num_q_heads, num_kv_heads, head_dim, page_size, dtype, DEVICE)
-        out = K.extend_attention(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, scale)
+        out = K.extend_attention(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, scale,
+                                 max_q_len=max_q_len)
         oracle = K.extend_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table, cu,
                                         batch.seq_lens, scale)
         assert_close(out, oracle, dtype)
