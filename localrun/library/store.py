@@ -173,20 +173,6 @@ class Store:
         finally:
             lk.release()
 
-    @contextlib.contextmanager
-    def pinned(self, digests) -> Iterator[None]:
-        ds = list(digests)
-        with _pins_lock:
-            _pins.update(ds)
-        try:
-            yield
-        finally:
-            with _pins_lock:
-                _pins.subtract(ds)
-                for d in ds:
-                    if _pins[d] <= 0:
-                        del _pins[d]
-
     def pin(self, digest: str) -> None:
         with _pins_lock:
             _pins[digest] += 1
