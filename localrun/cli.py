@@ -87,7 +87,7 @@ def human_until(value) -> str:
     if t is None:
         return "Forever"
     secs = (t - datetime.now(timezone.utc)).total_seconds()
-    if secs > 86400 * 365 * 50:
+    if secs > 86400 * 365 * 5:  # the daemon reports 'forever' as a far-future time
         return "Forever"
     return "Stopping..." if secs < 1 else f"{_span(secs)} from now"
 
@@ -597,9 +597,15 @@ def backend_name(m: dict) -> str:
 
 
 def cmd_ps(args, client: DaemonClient) -> int:
+    models = client.ps()
     rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
-             processor(m), backend_name(m), human_until(m.get("expires_at"))] for m in client.ps()]
+             processor(m), backend_name(m), human_until(m.get("expires_at"))] for m in models]
     print(table(["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"], rows))
+    if args.verbose:
+        for m in models:
+            print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens, "
+                  f"{m.get('slots', '-')} slot(s), {m.get('active', 0)} active, {m.get('waiting', 0)} waiting"
+                  + (f"\n  {m['reason']}" if m.get("reason") else ""))
     return 0
 
 
@@ -745,7 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{field}", action="store_true", help=f"print only the {field}")
     s.add_argument("--verbose", action="store_true", help="also print all model metadata")
 
-    add("ps", "list the loaded models")
+    s = add("ps", "list the loaded models")
+    s.add_argument("-v", "--verbose", action="store_true", help="also show context, slots and why this backend")
 
     s = add("stop", "unload a running model")
     s.add_argument("model")

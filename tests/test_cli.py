@@ -157,6 +157,10 @@ def test_autostart_starts_a_daemon_in_the_background(tmp_path):
         r2 = cli(env, "ps")
         assert r2.returncode == 0 and "started the daemon" not in r2.stderr
         assert (tmp_path / "logs" / "server.log").is_file()
+        # `run` pulls a model the library lacks first, as `ollama run` does
+        r3 = cli(env, "run", MODEL, "Hi", *FAST)
+        assert r3.returncode == 0, r3.stderr
+        assert "success" in r3.stderr and r3.stdout.strip()
     finally:
         if pid:
             os.kill(pid, signal.SIGTERM)
@@ -255,6 +259,8 @@ def test_ps_stop_and_keepalive(pulled):
     row = next(x for x in rows if x.startswith(MODEL))
     assert "CPU" in row and "from now" in row
     assert re.search(r"\b(9|10) minutes from now", row), row
+    r = cli(env, "ps", "--verbose")
+    assert r.returncode == 0 and "context" in r.stdout and "slot" in r.stdout
     r = cli(env, "stop", MODEL)
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 10
