@@ -517,7 +517,12 @@ def ensure_model(client: DaemonClient, model: str) -> None:
         show_progress(client.pull(model))
 
 
-def _open_tui(model: str | None, base_url: str):
+def _open_tui(model: str | None, base_url: str) -> int | None:
+    """Run the chat TUI; None when it cannot open here (not installed, or not a terminal)."""
+    import importlib.util
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()) or importlib.util.find_spec("textual") is None:
+        return None
     try:
         from localrun.tui import run_chat
     except ImportError:
@@ -561,7 +566,8 @@ def cmd_chat(args, client: DaemonClient) -> int:
     if code is not None:
         return code
     if not args.model:
-        raise CLIError("the chat TUI is not installed here; use `localrun run MODEL` for a plain chat")
+        raise CLIError("the chat TUI needs a terminal and the textual package; "
+                       "use `localrun run MODEL --plain` for a line-by-line chat")
     return Repl(client, args.model, RunSettings(), interactive=sys.stdin.isatty()).run()
 
 

@@ -172,6 +172,8 @@ def _bind(sender: str):
         def method(self, *args, **kwargs):
             return getattr(self, sender)(builder(self, *args, **kwargs))
 
+        # the builder returns a _Call; the bound method returns what the sender makes of it
+        method.__annotations__ = {k: v for k, v in builder.__annotations__.items() if k != "return"}
         return method
 
     def decorate(cls):

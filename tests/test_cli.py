@@ -250,8 +250,9 @@ def test_format_json_output_parses(pulled):
 
 def test_ps_stop_and_keepalive(pulled):
     env = pulled["env"]
-    r = cli(env, "run", MODEL, "Hi", *FAST, "--keepalive", "10m")
-    assert r.returncode == 0, r.stderr
+    r = cli(env, "stop", MODEL)  # (whatever an earlier test left loaded)
+    r = cli(env, "run", MODEL, "--keepalive", "10m", input="")  # empty stdin: just load the model
+    assert r.returncode == 0 and not r.stdout.strip(), r.stderr
     r = cli(env, "ps")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
