@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import os
 import subprocess
@@ -172,8 +173,8 @@ def _bind(sender: str):
         def method(self, *args, **kwargs):
             return getattr(self, sender)(builder(self, *args, **kwargs))
 
-        # the builder returns a _Call; the bound method returns what the sender makes of it
-        method.__annotations__ = {k: v for k, v in builder.__annotations__.items() if k != "return"}
+        # the builder returns a _Call; the method returns what the sender makes of it
+        method.__signature__ = inspect.signature(builder).replace(return_annotation=inspect.Signature.empty)
         return method
 
     def decorate(cls):
