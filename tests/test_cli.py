@@ -490,3 +490,9 @@ def test_word_wrap_breaks_between_words():
         w.write(piece)
     w.flush()
     assert out.getvalue() == "Hello there, this is\na long sentence that\nshould wrap nicely\nacross lines."
+
+
+def test_bench_is_delegated(tmp_path):
+    r = cli(make_env(tmp_path, free_port()), "--no-autostart", "bench", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage: localrun bench" in r.stdout and "throughput" in r.stdout
