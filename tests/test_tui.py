@@ -183,7 +183,7 @@ async def test_daemon_down_shows_message_and_keeps_running(store, tmp_path):
         assert "cannot reach the localrun daemon" in app.last_error and url in app.last_error
         app.last_error = None
         await type_and_send(pilot, "hello?")
-        await wait_for(pilot, lambda: app.last_error is not None and not app.generating, 20, "the send error")
+        await wait_for(pilot, lambda: app.last_error is not None and app.idle, 20, "the send error")
         assert "localrun serve" in app.last_error
         # nothing was lost: the message is back in the input box, no reply, nothing half-stored
         assert app.input_box.text == "hello?"
@@ -275,7 +275,7 @@ async def test_stop_mid_reply_with_escape_and_ctrl_c(models, store):
             await wait_for(pilot, lambda: replies(app) and replies(app)[-1].body.source, 60, "the first tokens")
             t = time.monotonic()
             await pilot.press(key)
-            await wait_for(pilot, lambda: not app.generating, 10, "the stop")
+            await wait_for(pilot, lambda: app.idle, 10, "the stop")
             assert time.monotonic() - t < 5
             assert app.is_running and app.last_error is None
             assert len(app.conv.messages) == n_before + 2  # partial reply kept
@@ -307,6 +307,9 @@ async def test_switch_model_and_change_parameters(models, store):
         panel.query_one("#set-temperature").value = "0"
         await pilot.pause()
         assert app.conv.options == {"num_predict": 5, "temperature": 0.0}
+        await type_and_send(pilot, "/set system You are a terse pirate.")
+        assert app.conv.system == "You are a terse pirate."
+        assert panel.query_one("#set-system").text == "You are a terse pirate."
         panel.query_one("#set-top_p").value = "2"  # invalid: flagged, not applied
         await pilot.pause()
         assert "top_p" not in app.conv.options and panel.query_one("#set-top_p").has_class("-invalid")
@@ -315,6 +318,7 @@ async def test_switch_model_and_change_parameters(models, store):
         assert app.last_error is None
         assert 0 < app.status.stats["completion"] <= 5
         assert replies(app)[-1].label == SECOND
+        assert store.load(app.conv.id).system == "You are a terse pirate."
         running = {m.get("name") or m.get("model") for m in httpx.get(models["url"] + "/api/ps").json()["models"]}
         assert SECOND in running
         # the Ctrl+O picker lists both models and picking one switches back

@@ -14,7 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown
 from textual.worker import Worker, WorkerState
 
-from localrun.cli import cached_tokens, normalize_name
+from localrun.cli import normalize_name
 from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
@@ -57,7 +57,7 @@ def final_stats(final: dict | None, ttft: float | None, wall: float, completion_
         return stats
     prompt = final.get("prompt_eval_count")
     completion = final.get("eval_count")
-    cached = cached_tokens(final)  # the CLI's reading of the daemon's field, one place
+    cached = final.get("cached_tokens")  # prompt tokens served from the daemon's prefix cache
     eval_ns = final.get("eval_duration")
     if completion is not None:
         stats.update(prompt=prompt or 0, cached=cached or 0, completion=completion)
