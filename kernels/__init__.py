@@ -66,7 +66,7 @@ def _dispatch(module: str, ref: Callable) -> Callable:
 
     @functools.wraps(ref)
     def op(*args, **kwargs):
-        if not uses_triton(args[0]):
+        if not uses_triton(args[0] if args else next(iter(kwargs.values()))):
             return ref(*args, **kwargs)
         if not kernel:
             kernel.append(getattr(importlib.import_module(f".{module}", __name__), name))

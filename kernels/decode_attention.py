@@ -125,7 +125,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mid_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
     block_d = max(16, next_pow2(head_dim))
-    block_n = 16 if interpreting() else (64 if head_dim <= 128 else 32)
+    block_n = 16 if interpreting() else 32  # SGLang's grouped decode tile
 
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,

@@ -80,6 +80,25 @@ def _extend_kernel(
              out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+_configs: dict[tuple, tuple[int, int, int, int]] = {}  # (device, head_dim, dtype) -> a config that fits
+
+
+def _default_config(capability: tuple[int, int] | None, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a GPU of this compute capability (None: the
+    interpreter), after SGLang's choices for its extend kernel; bf16 tiles that fit the GPU's
+    shared memory (a launch that does not fit is retried with smaller tiles)."""
+    if capability is None:
+        return 16, 16, 4, 1  # small tiles: tiny test shapes still cross block boundaries
+    warps = 4 if head_dim <= 64 else 8
+    if capability[0] >= 9:  # Hopper and newer
+        tiles = (128, 64) if head_dim <= 256 else (32, 64)
+    elif capability == (8, 0):  # A100: large shared memory
+        tiles = (128, 128) if head_dim <= 128 else (64, 64) if head_dim <= 256 else (32, 64)
+    else:  # consumer Ampere/Ada (~100 KB shared memory) and older
+        tiles = (64, 64) if head_dim <= 128 else (32, 32)
+    return (*tiles, warps, 1)
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      max_q_len: int | None = None) -> torch.Tensor:
@@ -102,20 +121,29 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_q_len = num_tokens if max_q_len is None else max_q_len
     if max_q_len == 0:
         return out
-    if interpreting():
-        block_m, block_n, warps = 16, 16, 4
-    else:
-        block_m, block_n, warps = (128, 64, 8) if head_dim <= 64 else (64, 64, 4) if head_dim <= 128 else (32, 32, 4)
-    grid = (batch, num_q_heads, triton.cdiv(max_q_len, block_m))
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, page_table, cu_seqlens_q, seq_lens,
-        scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        page_table.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=2,
-    )
+    key = (q.device, head_dim, q.dtype)
+    config = _configs.get(key)
+    if config is None:
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and not interpreting() else None
+        config = _default_config(capability, head_dim)
+    block_m, block_n, warps, stages = config
+    while True:
+        try:
+            _extend_kernel[(batch, num_q_heads, triton.cdiv(max_q_len, block_m))](
+                q, k_cache, v_cache, out, page_table, cu_seqlens_q, seq_lens,
+                scale * math.log2(math.e),
+                q.stride(0), q.stride(1),
+                k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+                out.stride(0), out.stride(1),
+                page_table.stride(0),
+                GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+                BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
+                num_warps=warps, num_stages=stages,
+            )
+            break
+        except triton.OutOfResources:  # shared memory of a smaller GPU: halve the tiles and retry
+            if block_m <= 16 and block_n <= 16:
+                raise
+            block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+    _configs[key] = (block_m, block_n, warps, stages)
     return out

@@ -222,6 +222,59 @@ def test_triton_kernels_in_interpreter():
     print(f"interpreter run: {summary}")
 
 
+def _compile_for_gpu(kernel, capability: tuple[int, int], types: dict, consts: dict, **options):
+    """Compile a @triton.jit kernel down to a cubin for an NVIDIA GPU of this compute capability,
+    without a GPU (Triton ships ptxas). Returns the compiled kernel's metadata."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return compile(ASTSource(kernel, signature, consts), target=target, options=options).metadata
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces compilation")
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+def test_triton_kernels_compile_for_h100_and_rtx40():
+    """The GPU compiler (not the interpreter) accepts every kernel at Llama-3.1-8B shapes in bf16,
+    and the extend tiles chosen for each GPU fit its shared memory."""
+    from localrun.kernels import activation, decode_attention, extend_attn, kv_store, rmsnorm, rope
+
+    bf = "*bf16"
+    h100 = (9, 0)
+    meta = _compile_for_gpu(
+        decode_attention._decode_split_kernel, h100,
+        {"Q": bf, "K": bf, "V": bf, "PageTable": "*i32", "SeqLens": "*i32", "MidO": "*fp32", "MidLse": "*fp32",
+         "scale_log2": "fp32"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, NUM_SPLITS=8,
+             PRECISION="tf32"), num_warps=4, num_stages=2)
+    assert meta.shared > 0
+    _compile_for_gpu(decode_attention._decode_merge_kernel, h100, {"MidO": "*fp32", "MidLse": "*fp32", "O": bf},
+                     dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8), num_warps=4)
+    for capability, shared_limit in ((h100, 227 * 1024), ((8, 9), 99 * 1024)):
+        block_m, block_n, warps, stages = extend_attn._default_config(capability, 128)
+        meta = _compile_for_gpu(
+            extend_attn._extend_kernel, capability,
+            {"Q": bf, "K": bf, "V": bf, "O": bf, "PageTable": "*i32", "CuSeqlensQ": "*i32", "SeqLens": "*i32",
+             "scale_log2": "fp32"},
+            dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16,
+                 PRECISION="tf32"), num_warps=warps, num_stages=stages)
+        assert 0 < meta.shared <= shared_limit, (capability, meta.shared)
+    _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": bf, "VCache": bf,
+                                                       "SlotMapping": "*i64"},
+                     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK=1024), num_warps=4)
+    _compile_for_gpu(rmsnorm._add_rmsnorm_kernel, h100, {"X": bf, "Residual": bf, "Weight": bf, "Out": bf,
+                                                         "NewResidual": bf, "eps": "fp32"},
+                     dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), num_warps=16)
+    _compile_for_gpu(rope._rope_kernel, h100, {"Q": bf, "K": bf, "QOut": bf, "KOut": bf, "Positions": "*i64",
+                                               "CosSin": "*fp32"},
+                     dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32, BLOCK_HK=8, HEAD_DIM=128, HALF=64,
+                          BLOCK_HALF=64, BLOCK_PASS=0), num_warps=4)
+    _compile_for_gpu(activation._silu_and_mul_kernel, h100, {"X": bf, "Out": bf}, dict(INTER=14336, BLOCK=1024),
+                     num_warps=4)
+
+
 needs_triton_here = pytest.mark.skipif(
     not HAS_TRITON or not (INTERPRETED or HAS_CUDA),
     reason="Triton tests run on a GPU, or under TRITON_INTERPRET=1 via test_triton_kernels_in_interpreter")
