@@ -14,7 +14,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from localrun import __version__
 from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for
@@ -272,28 +272,18 @@ def _rate(count, ns) -> str:
     return f"{count / (ns / 1e9):.2f} tokens/s" if count and ns else "-"
 
 
-def cached_tokens(final: dict) -> int | None:
-    for key in ("prompt_cache_count", "cached_tokens", "prompt_cached_count", "prompt_eval_cached"):
-        if isinstance(final.get(key), int):
-            return final[key]
-    usage = final.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return details.get("cached_tokens")
-
-
-def format_stats(final: dict, ttft_client: float | None) -> str:
-    """Ollama's --verbose block, plus time to first token and cached prompt tokens."""
+def format_stats(final: dict, ttft: float | None) -> str:
+    """Ollama's --verbose block (from the final chunk's stats), plus the time to the
+    first token as this client saw it and the prompt tokens served from the cache."""
     pc, pd = final.get("prompt_eval_count"), final.get("prompt_eval_duration")
     ec, ed = final.get("eval_count"), final.get("eval_duration")
-    ttft_ns = final.get("ttft_ns") or final.get("time_to_first_token")
-    if not ttft_ns and (final.get("load_duration") is not None or pd):
-        ttft_ns = (final.get("load_duration") or 0) + (pd or 0)
+    cached = final.get("cached_tokens")
     rows = [
         ("total duration", _dur(final.get("total_duration"))),
         ("load duration", _dur(final.get("load_duration"))),
-        ("time to first token", _dur(ttft_ns) if ttft_ns else (f"{ttft_client * 1000:.3f}ms" if ttft_client else "-")),
+        ("time to first token", _dur(ttft * 1e9) if ttft is not None else "-"),
         ("prompt eval count", f"{pc if pc is not None else '-'} token(s)"),
-        ("cached prompt tokens", f"{cached_tokens(final) if cached_tokens(final) is not None else '-'} token(s)"),
+        ("cached prompt tokens", f"{cached if cached is not None else '-'} token(s)"),
         ("prompt eval duration", _dur(pd)),
         ("prompt eval rate", _rate(pc, pd)),
         ("eval count", f"{ec if ec is not None else '-'} token(s)"),
