@@ -166,13 +166,28 @@ def test_status_helpers():
     assert s["completion"] == 10 and s["prompt"] == 20 and abs(s["tps"] - 20.0) < 1e-9
 
 
+def _colourful(svg: str) -> int:
+    """How many distinct non-grey colours an SVG screenshot uses."""
+    import re
+
+    cols = {c.lower() for c in re.findall(r"#([0-9a-fA-F]{6})\b", svg)} - {"ff5f57", "febc2e", "28c840"}  # window dots
+    return sum(1 for c in cols if max(int(c[i:i + 2], 16) for i in (0, 2, 4)) - min(int(c[i:i + 2], 16) for i in (0, 2, 4)) > 8)
+
+
 async def test_no_color(monkeypatch, store):
-    monkeypatch.setenv("NO_COLOR", "1")
-    app = ChatApp(model=MODEL, base_url=f"http://127.0.0.1:{_free_port()}", store=store)
-    async with app.run_test(size=SIZE):
-        assert app.no_color
-    monkeypatch.delenv("NO_COLOR")
-    assert not ChatApp(base_url="http://127.0.0.1:9", store=store).no_color
+    url = f"http://127.0.0.1:{_free_port()}"
+    shots = {}
+    for no_color in (False, True):
+        if no_color:
+            monkeypatch.setenv("NO_COLOR", "1")
+        else:
+            monkeypatch.delenv("NO_COLOR", raising=False)
+        app = ChatApp(model=MODEL, base_url=url, store=store)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.last_error is not None, 20, "the error message")
+            assert app.no_color == no_color
+            shots[no_color] = app.export_screenshot()
+    assert _colourful(shots[False]) > 0 and _colourful(shots[True]) == 0
 
 
 async def test_daemon_down_shows_message_and_keeps_running(store, tmp_path):
