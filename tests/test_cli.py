@@ -143,7 +143,7 @@ def test_bad_environment_is_one_line(tmp_path):
 
 def test_autostart_starts_a_daemon_in_the_background(tmp_path):
     port = free_port()
-    env = make_env(tmp_path, port)
+    env = make_env(tmp_path, port, LOCALRUN_API_KEY="sekrit")  # the started daemon and the CLI share it
     r = cli(env, "list", timeout=90)
     pid = None
     try:
@@ -153,7 +153,8 @@ def test_autostart_starts_a_daemon_in_the_background(tmp_path):
         pid = int(m.group(1))
         assert "NAME" in r.stdout and "MODIFIED" in r.stdout
         # it outlives the CLI and keeps answering; a second command reuses it
-        assert httpx.get(f"http://127.0.0.1:{port}/api/version", timeout=5).status_code == 200
+        auth = {"Authorization": "Bearer sekrit"}
+        assert httpx.get(f"http://127.0.0.1:{port}/api/version", headers=auth, timeout=5).status_code == 200
         r2 = cli(env, "ps")
         assert r2.returncode == 0 and "started the daemon" not in r2.stderr
         assert (tmp_path / "logs" / "server.log").is_file()
@@ -161,6 +162,9 @@ def test_autostart_starts_a_daemon_in_the_background(tmp_path):
         r3 = cli(env, "run", MODEL, "Hi", *FAST)
         assert r3.returncode == 0, r3.stderr
         assert "success" in r3.stderr and r3.stdout.strip()
+        r4 = cli(dict(env, LOCALRUN_API_KEY="wrong"), "list")
+        assert "started the daemon" not in r4.stderr
+        assert_clean_error(r4, code=1)
     finally:
         if pid:
             os.kill(pid, signal.SIGTERM)
