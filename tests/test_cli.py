@@ -402,6 +402,15 @@ def test_repl_on_a_terminal(pulled):
         t.read_until(b"Set parameter")
         t.send(b"Hi\n")
         t.read_until(b">>> ")
+        # Ctrl+C during an answer stops it and returns to the prompt
+        t.send(b"/set parameter num_predict 2000\n")
+        t.read_until(b"Set parameter")
+        t.send(b"Tell me a very long story.\n")
+        t.read_until(b"story.\r\n")
+        time.sleep(3)
+        t.proc.send_signal(signal.SIGINT)
+        t.read_until(b">>> ", timeout=20)
+        assert t.proc.poll() is None
         t.send(b"/bye\n")
         assert t.wait() == 0
     finally:
