@@ -396,3 +396,42 @@ def test_second_model_evicts_first_and_keep_alive_zero(daemon_b):
     assert r.status_code == 200 and r.json()["done_reason"] == "unload" and daemon_b.ps() == []
     assert h.request("DELETE", "/api/delete", json={"model": "oneword"}).status_code == 200
     assert h.post("/api/show", json={"model": "oneword"}).status_code == 404
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call a tool. Reply with <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>. Tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                                                     "maxLength": 20}},
+                                                            "required": ["city"]}}}
+
+
+def test_tools_and_tool_choice(daemon_a, oai):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:  # SmolLM2's own template never renders tools
+        oai.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], max_tokens=4)
+    assert "tools" in str(e.value)
+    modelfile = f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n'
+    with daemon_a.http.stream("POST", "/api/create", json={"model": "toolsmol", "modelfile": modelfile}) as r:
+        assert [json.loads(x) for x in r.iter_lines() if x.strip()][-1]["status"] == "success"
+    r = oai.chat.completions.create(model="toolsmol", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                    tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                    max_tokens=40, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    # the tool's answer goes back in the conversation and renders
+    r = oai.chat.completions.create(model="toolsmol", tools=[WEATHER], tool_choice="none", max_tokens=4, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = daemon_a.http.post("/api/chat", json={"model": "toolsmol", "messages": CHAT, "tools": [WEATHER], "stream": False,
+                                              "options": {"num_predict": 8}})
+    assert r.status_code == 200 and r.json()["done"]

@@ -106,6 +106,12 @@ def _token_piece(llama_cpp, vocab, token: int) -> bytes:
     return buf.raw[: max(n, 0)]
 
 
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
+    return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
+                 finish_reason=b.finish_reason, usage=b.usage)
+
+
 def _common_prefix(llm, tokens: list[int]) -> int:
     n = 0
     for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
@@ -230,6 +236,13 @@ class LlamaCppBackend:
         try:
             while True:
                 item = await out.get()
+                # a slow consumer gets what piled up as one chunk (fewer events, same tokens)
+                while not out.empty() and not isinstance(item, BaseException) and item.finish_reason is None:
+                    nxt = out.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        item = nxt
+                        break
+                    item = _merge(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

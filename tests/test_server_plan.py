@@ -1,0 +1,58 @@
+"""Memory plan and backend choice: pure functions, no daemon (the daemon tests cover the wiring)."""
+
+from __future__ import annotations
+
+import pytest
+
+from localrun.backends.base import LoadSpec, MemoryEstimate
+from localrun.backends.select import GPU, choose
+from localrun.errors import BackendError, InsufficientMemory
+from localrun.server.app import _host_allowed, error_body, is_loopback
+from localrun.server.memory import plan_load
+
+GiB = 2**30
+
+
+def test_plan_full_gpu_partial_cpu_refuse():
+    est = MemoryEstimate(weights_bytes=8 * GiB, kv_bytes=2 * GiB, overhead_bytes=GiB // 2)
+    full = plan_load(est, 32, ram_free=64 * GiB, gpu_free=24 * GiB, gpu_kind="CUDA")
+    assert full.n_gpu_layers == -1 and full.processor == "100% GPU"
+    part = plan_load(est, 32, ram_free=64 * GiB, gpu_free=6 * GiB, gpu_kind="CUDA")
+    assert 0 < part.n_gpu_layers < 32 and "CPU/GPU" in part.processor and part.size_vram < 6 * GiB
+    cpu = plan_load(est, 32, ram_free=64 * GiB)
+    assert cpu.n_gpu_layers == 0 and cpu.processor == "100% CPU"
+    with pytest.raises(InsufficientMemory) as e:
+        plan_load(est, 32, ram_free=4 * GiB)
+    assert "10.50 GiB" in e.value.message and "4.00 GiB" in e.value.message and e.value.status == 507
+
+
+def test_llamacpp_estimate_from_gguf_header(smollm2_gguf):
+    from localrun.backends.llamacpp import estimate_memory
+    from localrun.library import read_gguf_info
+
+    info = read_gguf_info(smollm2_gguf)
+    small = estimate_memory(LoadSpec("s", smollm2_gguf, "gguf", num_ctx=1024, extra={"gguf_info": info}))
+    big = estimate_memory(LoadSpec("s", smollm2_gguf, "gguf", num_ctx=8192, num_parallel=2, extra={"gguf_info": info}))
+    # 30 layers x 3 KV heads x 64 dims x K+V x f16 = 23040 bytes per token
+    assert small.kv_bytes == 1024 * 23040 and big.kv_bytes == 2 * 8192 * 23040
+    assert small.weights_bytes == info.tensor_bytes
+
+
+def test_backend_choice():
+    assert choose("auto", "gguf", None).backend == "llamacpp"
+    old = GPU("Tesla T4", (7, 5), 15 * GiB, 16 * GiB)
+    c = choose("auto", "gguf", old)
+    assert c.backend == "llamacpp" and "7.5" in c.reason
+    assert choose("llamacpp", "gguf", None).reason.endswith("LOCALRUN_BACKEND=llamacpp")
+    with pytest.raises(BackendError):
+        choose("llamacpp", "safetensors", None)
+
+
+def test_host_and_error_shapes():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+    for ok in ("localhost", "localhost:11480", "127.0.0.1:80", "[::1]:11480", "app.localhost"):
+        assert _host_allowed(ok), ok
+    for bad in ("evil.com", "127.0.0.1.evil.com", "192.168.1.5:11480", "localhost.evil.com"):
+        assert not _host_allowed(bad), bad
+    assert error_body("/v1/models", 404, "m", "model_not_found")["error"]["message"] == "m"
+    assert error_body("/api/tags", 400, "m", "x") == {"error": "m"}
