@@ -98,7 +98,7 @@ class Daemon:
 @pytest.fixture(scope="module")
 def daemon_a(tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("home_a"), LOCALRUN_API_KEY=KEY, LOCALRUN_NUM_PARALLEL="2",
-               LOCALRUN_MAX_QUEUE="8", LOCALRUN_CONTEXT_LENGTH="2048")
+               LOCALRUN_MAX_QUEUE="8", LOCALRUN_CONTEXT_LENGTH="2048", LOCALRUN_ORIGINS="http://app.example")
     try:
         d.pull()
         yield d
@@ -269,6 +269,15 @@ def test_security_bad_inputs(daemon_a):
     assert r.status_code == 400 and "2048" in r.json()["error"]
     r = h.post("/api/chat", json={"model": MODEL, "messages": CHAT, "format": {"type": 12}})
     assert r.status_code == 400
+    pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(daemon_a.url + "/api/chat", headers=pre)  # CORS preflight: allowed origin
+    assert r.headers.get("access-control-allow-origin") == "http://app.example"
+    r = httpx.options(daemon_a.url + "/api/chat", headers={**pre, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = h.get("/api/tags", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = h.get("/api/tags", headers={"X-Big": "x" * 100_000})  # oversized headers: refused, daemon alive
+    assert r.status_code in (400, 413, 431)
     assert h.get("/").text == "localrun is running"  # still alive
 
 

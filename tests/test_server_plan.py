@@ -56,3 +56,14 @@ def test_host_and_error_shapes():
         assert not _host_allowed(bad), bad
     assert error_body("/v1/models", 404, "m", "model_not_found")["error"]["message"] == "m"
     assert error_body("/api/tags", 400, "m", "x") == {"error": "m"}
+
+
+def test_non_loopback_bind_needs_api_key():
+    from localrun.config import settings
+    from localrun.server.app import check_bind
+
+    with pytest.raises(SystemExit) as e:
+        check_bind(settings({"LOCALRUN_HOST": "0.0.0.0:11480"}))
+    assert "LOCALRUN_API_KEY" in str(e.value)
+    check_bind(settings({"LOCALRUN_HOST": "0.0.0.0:11480", "LOCALRUN_API_KEY": "k"}))
+    check_bind(settings({"LOCALRUN_HOST": "127.0.0.1:11480"}))

@@ -26,6 +26,7 @@ from localrun.errors import Busy, LocalrunError
 log = logging.getLogger("localrun.server")
 
 MAX_BODY_BYTES = 32 * 2**20
+MAX_HEADER_BYTES = 32 * 2**10
 
 
 def is_loopback(host: str) -> bool:
@@ -72,8 +73,11 @@ class SecurityMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        path = scope.get("path", "")
+        raw_headers = scope.get("headers") or []
+        if sum(len(k) + len(v) for k, v in raw_headers) > MAX_HEADER_BYTES:
+            return await self._deny(scope, send, 431, f"request headers too large (limit {MAX_HEADER_BYTES // 1024} KiB)",
+                                    "request_header_fields_too_large")
+        headers = dict(raw_headers)
         if self.check_host:
             host = headers.get(b"host", b"").decode("latin-1")
             if host and not _host_allowed(host):

@@ -137,12 +137,14 @@ class ModelManager:
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_idle())
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, grace: float = 5.0) -> None:
+        """Unload everything; in-flight requests get `grace` seconds, then their backends
+        are closed anyway (a backend's close() waits for its worker threads to stop)."""
         if self._reaper:
             self._reaper.cancel()
             self._reaper = None
         for name in list(self.runners):
-            await self.unload(name)
+            await self.unload(name, wait=grace)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -250,13 +252,15 @@ class ModelManager:
         if runner.active == 0 and runner.waiting == 0 and self.runners.get(runner.name) is runner:
             await self.unload(runner.name)
 
-    async def unload(self, name: str) -> bool:
+    async def unload(self, name: str, wait: float | None = None) -> bool:
+        """Unload once the model's in-flight requests end (or after `wait` seconds)."""
         r = self.runners.pop(name, None)
         if r is None:
             return False
         r.closing = True
-        while r.active:
-            await self._wait_change(1.0)
+        deadline = None if wait is None else time.monotonic() + wait
+        while r.active and (deadline is None or time.monotonic() < deadline):
+            await self._wait_change(0.5)
         try:
             await asyncio.to_thread(r.backend.close)
         except Exception:  # pragma: no cover
