@@ -69,6 +69,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--max-model-len", type=_positive_int, default=None)
     g.add_argument("--page-size", type=_positive_int, default=None)
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="CPU threads for torch (torch.set_num_threads; default: torch's choice)")
 
 
 def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -254,7 +256,8 @@ def _cmd_startup(a: argparse.Namespace) -> int:
     if a.target == "engine" and not a.random_weights:
         _source(a)  # validate the path / name before spawning
     res = run_startup(a.target, a.model, a.shape if a.random_weights else None, a.runs, a.home, a.timeout,
-                      {k: v for k, v in _engine_args(a).items() if v is not None}, console=_console())
+                      {k: v for k, v in _engine_args(a).items() if v is not None}, threads=a.threads,
+                      console=_console())
 
     def rows(con) -> None:
         keys = [k for k in res["runs"][0]]
@@ -315,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     from localrun.bench.startup import StartupError
     from localrun.bench.throughput import ThroughputError
 
+    restore_threads = None
+    if getattr(a, "threads", None):
+        import torch
+
+        restore_threads = torch.get_num_threads()
+        torch.set_num_threads(a.threads)
     known = (DatasetError, ServeBenchError, StartupError, ThroughputError, ValueError, FileNotFoundError)
     try:
         return COMMANDS[a.mode](a)
@@ -330,3 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = getattr(exc, "message", None) or str(exc) or exc.__class__.__name__
         print(f"localrun bench {a.mode}: error: {msg}", file=sys.stderr)
         return 1
+    finally:
+        if restore_threads:
+            import torch
+
+            torch.set_num_threads(restore_threads)

@@ -241,12 +241,17 @@ def hf_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer(text).input_ids)
 
 
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def load_hf_tokenizer(spec: str | Path):
     """A transformers tokenizer from a directory, a GGUF file, or a hub id already cached."""
     from transformers import AutoTokenizer
 
     p = Path(spec).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
+    if p.is_file() and _is_gguf(p):
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:
         return AutoTokenizer.from_pretrained(str(p) if p.exists() else str(spec))

@@ -61,12 +61,21 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def engine_start(model: str | None, shape: str | None, engine_args: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _child_env(threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads in the child
+    env.update(extra or {})
+    return env
+
+
+def engine_start(model: str | None, shape: str | None, engine_args: dict[str, Any], timeout: float,
+                 threads: int | None = None) -> dict[str, Any]:
     """One engine cold start in a fresh process."""
     t0 = time.time()
     proc = subprocess.Popen(
         [sys.executable, "-c", _ENGINE_CHILD, model or "", shape or "", json.dumps(engine_args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env(threads),
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -121,14 +130,14 @@ async def _first_token(url: str, model: str, deadline: float, proc: subprocess.P
         await client.close()
 
 
-def serve_start(model: str, home: Path | None, timeout: float, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+def serve_start(model: str, home: Path | None, timeout: float, threads: int | None = None) -> dict[str, Any]:
     """One daemon cold start: spawn -> ready -> first streamed token."""
     port = free_port()
-    env = dict(os.environ)
-    env["LOCALRUN_HOST"] = f"127.0.0.1:{port}"
+    # LOCALRUN_* names are settings' business: pass them through the child's environment only.
+    extra = {"LOCALRUN_HOST": f"127.0.0.1:{port}"}
     if home is not None:
-        env["LOCALRUN_HOME"] = str(home)
-    env.update(env_extra or {})
+        extra["LOCALRUN_HOME"] = str(home)
+    env = _child_env(threads, extra)
     log = tempfile.TemporaryFile(mode="w+")
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -152,6 +161,7 @@ def run_startup(
     home: Path | None = None,
     timeout: float = 600.0,
     engine_args: dict[str, Any] | None = None,
+    threads: int | None = None,
     console=None,
 ) -> dict[str, Any]:
     from localrun.bench.results import progress_bar
@@ -167,9 +177,9 @@ def run_startup(
     with prog:
         for i in range(runs):
             if target == "serve":
-                samples.append(serve_start(model, home, timeout))
+                samples.append(serve_start(model, home, timeout, threads))
             else:
-                samples.append(engine_start(model, shape, engine_args or {}, timeout))
+                samples.append(engine_start(model, shape, engine_args or {}, timeout, threads))
             update(i + 1)
     ft = [s["first_token_s"] for s in samples]
     return {

@@ -62,17 +62,17 @@ def resolve_model(model: str | None, random_weights: bool = False, shape: str | 
 
 def _resolve_library(name: str) -> ModelSource:
     try:
-        from localrun.library import resolve_weights  # type: ignore[attr-defined]
-    except ImportError:
+        from localrun.library.api import Library
+    except ImportError as exc:
         raise ThroughputError(
-            f"{name!r} is not a file or directory, and the model library is not available here: "
+            f"{name!r} is not a file or directory, and the model library is not available here ({exc}): "
             "pass a .gguf path or a safetensors directory"
         ) from None
     try:
-        path, fmt = resolve_weights(name)
-    except Exception as exc:  # the library's NotFound etc. carry a message
+        rm = Library().resolve(name)
+    except Exception as exc:  # the library's NotFound / InvalidRequest carry a message
         raise ThroughputError(f"{name}: {getattr(exc, 'message', exc)}") from None
-    return ModelSource(fmt, Path(path), name=name)
+    return ModelSource(rm.format, Path(rm.weights), name=rm.name)
 
 
 def engine_config(args: dict[str, Any]):
