@@ -229,6 +229,17 @@ def _writer(rs: RunSettings):
     return sys.stdout
 
 
+def _spinner():
+    """A transient spinner on stderr while waiting for the first token (terminals only)."""
+    if not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    status = Console(stderr=True).status("", spinner="dots")
+    status.start()
+    return status
+
+
 def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunSettings) -> str:
     """Stream one answer to stdout; return its text. Ctrl+C closes the stream (the
     daemon aborts the request) and propagates."""
@@ -238,9 +249,13 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
     final: dict = {}
     parts: list[str] = []
     out = _writer(rs)
+    spinner = _spinner()  # loading a big model can take a while: show that something happens
     stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format)
     try:
         for chunk in stream:
+            if spinner is not None:
+                spinner.stop()
+                spinner = None
             piece = (chunk.get("message") or {}).get("content") or chunk.get("response") or ""
             if piece:
                 if ttft is None:
@@ -251,6 +266,8 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
             if chunk.get("done"):
                 final = chunk
     finally:
+        if spinner is not None:
+            spinner.stop()
         stream.close()
         out.flush()
     text = "".join(parts)
