@@ -238,8 +238,8 @@ class _Base(_Requests):
         """Start `python -m localrun serve` detached, bound to this client's address."""
         parts = urlsplit(self.base_url)
         env = dict(os.environ)
-        host = parts.hostname or "127.0.0.1"
-        env["LOCALRUN_HOST"] = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port or 80}"
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        env["LOCALRUN_HOST"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         log = _log_path()
         log.parent.mkdir(parents=True, exist_ok=True)
         kwargs: dict = {}
