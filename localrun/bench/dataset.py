@@ -17,6 +17,7 @@ workload. Its first line is ``{"_meta": {...}}``.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -247,10 +248,16 @@ def _is_gguf(path: Path) -> bool:
 
 
 def load_hf_tokenizer(spec: str | Path):
-    """A transformers tokenizer from a directory, a GGUF file, or a hub id already cached."""
+    """A transformers tokenizer from a directory, a GGUF file, or a hub id already cached
+    (memoised per process: building one from a GGUF takes seconds)."""
+    return _load_hf_tokenizer(str(Path(spec).expanduser()))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_hf_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    p = Path(spec).expanduser()
+    p = Path(spec)
     if p.is_file() and _is_gguf(p):
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:

@@ -64,10 +64,11 @@ def build_prompt(input_len: int, seed: int, tokenizer=None) -> str:
     """A distinct prompt of exactly ``input_len`` tokens (with a tokenizer; special tokens
     not counted) or ~``input_len`` one-token words without one."""
     rng = random.Random(seed)
-    words = [f"Request {seed}:"] + [rng.choice(_WORDS) for _ in range(input_len * 2 + 8)]
+    # distinct from the first token on, so requests share no prefix a cache could reuse
+    words = [_WORDS[(seed * 7919) % len(_WORDS)]] + [rng.choice(_WORDS) for _ in range(input_len * 2 + 8)]
     text = " ".join(words)
     if tokenizer is None:
-        return " ".join(words[: max(1, input_len - 2)])
+        return " ".join(words[:input_len])
     enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     ids = enc(text)[:input_len]
     for _ in range(8):  # decode/re-encode can merge or split a token at the cut
