@@ -8,6 +8,7 @@ code, never a traceback; Ctrl+C stops a stream cleanly (exit 130).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -537,6 +538,25 @@ def _open_tui(model: str | None, base_url: str) -> int | None:
     return run_chat(model, base_url=base_url)
 
 
+def parse_format(value: str | None) -> str | dict | None:
+    """--format: 'json', an inline JSON schema, or the path of a JSON schema file."""
+    if value is None or value == "json":
+        return value
+    text = value
+    if not value.lstrip().startswith("{"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise CLIError(f"--format wants 'json', a JSON schema or a schema file; {value!r} is none of these")
+        text = path.read_text(encoding="utf-8")
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise CLIError(f"--format: the schema is not valid JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise CLIError("--format: a JSON schema must be an object")
+    return schema
+
+
 def cmd_run(args, client: DaemonClient) -> int:
     prompt = " ".join(args.prompt)
     piped = not sys.stdin.isatty()
@@ -549,7 +569,7 @@ def cmd_run(args, client: DaemonClient) -> int:
         if not sep:
             raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
         set_option(options, name, value)
-    rs = RunSettings(options, keep_alive=args.keepalive, format=args.format, verbose=args.verbose,
+    rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
                      wordwrap=not args.nowordwrap)
     ensure_model(client, args.model)
     if prompt.strip():
@@ -744,7 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("prompt", nargs="*", help="the prompt (piped stdin is appended)")
     s.add_argument("--verbose", action="store_true", help="print timing stats (TTFT, tok/s, token counts)")
-    s.add_argument("--format", choices=["json"], help="constrain the answer to JSON")
+    s.add_argument("--format", metavar="json|SCHEMA",
+                   help="constrain the answer to JSON: 'json', or a JSON schema (inline or a .json file)")
     s.add_argument("--keepalive", metavar="DURATION", help="how long the model stays loaded (e.g. 5m, 0, -1)")
     s.add_argument("-o", "--option", action="append", metavar="NAME=VALUE",
                    help="a generation option, e.g. -o temperature=0 -o num_predict=64 (repeatable)")

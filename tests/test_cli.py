@@ -245,11 +245,19 @@ def test_piped_stdin_is_the_prompt_and_verbose_stats(pulled):
     assert prompt_tokens(only) >= 50
 
 
-def test_format_json_output_parses(pulled):
+def test_format_json_output_parses(pulled, tmp_path):
     r = cli(pulled["env"], "run", MODEL, "Give a JSON object with keys name and age for a person.",
             "--format", "json", "-o", "temperature=0", "-o", "num_predict=96")
     assert r.returncode == 0, r.stderr
     assert isinstance(json.loads(r.stdout), (dict, list))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    (tmp_path / "person.json").write_text(json.dumps(schema))
+    r = cli(pulled["env"], "run", MODEL, "Name one animal.", "--format", str(tmp_path / "person.json"),
+            "-o", "temperature=0", "-o", "num_predict=40")
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout)["name"], str)
+    r = cli(pulled["env"], "run", MODEL, "hi", "--format", "yaml")
+    assert "--format" in assert_clean_error(r, code=1)
 
 
 def test_ps_stop_and_keepalive(pulled):
