@@ -141,6 +141,16 @@ def test_bad_environment_is_one_line(tmp_path):
     assert "LOCALRUN_NUM_PARALLEL" in err
 
 
+def test_daemon_that_cannot_start_is_a_clear_error(tmp_path):
+    with socket.socket() as squatter:  # something else holds the port and never answers HTTP
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        r = cli(make_env(tmp_path, port), "list", timeout=90)
+    err = assert_clean_error(r, code=1)
+    assert "exited at start" in err and "server.log" in err, err
+
+
 def test_autostart_starts_a_daemon_in_the_background(tmp_path):
     port = free_port()
     env = make_env(tmp_path, port, LOCALRUN_API_KEY="sekrit")  # the started daemon and the CLI share it
