@@ -81,14 +81,15 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None) -> Choice:
             raise BackendError("LOCALRUN_BACKEND=llamacpp runs GGUF files only; this model is safetensors "
                                "(set LOCALRUN_BACKEND=auto or native)")
         return Choice("llamacpp", "llama.cpp: LOCALRUN_BACKEND=llamacpp")
-    # auto
-    err = native_import_error()
+    # auto (the native engine is imported only where it could be chosen: it pulls in torch)
     if fmt != "gguf":
+        err = native_import_error()
         if err:
             raise BackendError(f"safetensors models need the native engine, which cannot be imported ({err}); "
                                "install localrun[native] or import a GGUF instead")
         return Choice("native", "native engine: safetensors models run only on the native engine")
     if gpu is not None and gpu.capability >= (8, 0):
+        err = native_import_error()
         if err is None:
             return Choice("native", f"native engine: CUDA GPU {gpu.name} has compute capability "
                                     f"{gpu.capability[0]}.{gpu.capability[1]} (>= 8.0)")
