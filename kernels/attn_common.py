@@ -11,8 +11,8 @@ def mma(a, b, PRECISION: tl.constexpr):
     """tl.dot(a, b) with an fp32 accumulator.
 
     PRECISION "interp_upcast" works around Triton's CPU interpreter (3.x), whose tl.dot
-    returns garbage for bf16/fp16 operands: the operands (already rounded to 16 bits by
-    the caller) are widened to fp32, which gives the same products as a tensor-core dot.
+    returns garbage for bf16/fp16 operands: the operands are widened to fp32, which gives
+    the same products as a tensor-core dot.
     """
     if PRECISION == "interp_upcast":
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -57,5 +57,8 @@ def attend_kv_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
+    if PRECISION == "interp_upcast":  # the interpreter narrows by truncation (biased): keep p in fp32
+        acc = acc * alpha[:, None] + mma(p, v, PRECISION)
+    else:
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION)
     return acc, m_new, l_i
