@@ -152,3 +152,35 @@ def test_bad_arguments_give_clear_errors(tmp_path, capsys):
     assert "unknown --shape" in capsys.readouterr().err
     assert bench_main(["serve", "--concurrency", "0,1"]) == 2  # argparse usage error
     assert "positive" in capsys.readouterr().err
+
+
+BLOCKER = r"""
+import sys, importlib.abc
+BLOCK = {"fastapi", "uvicorn", "pydantic", "gguf", "platformdirs", "textual", "llama_cpp"}
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCK:
+            raise ImportError(f"{name} is not installed on a GPU box")
+sys.meta_path.insert(0, Blocker())
+from localrun.bench.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_throughput_runs_without_server_dependencies(tmp_path):
+    """A GPU box has torch/transformers/httpx/rich/psutil but none of the server stack."""
+    import subprocess
+    import sys
+
+    src = ds.read_prompt_file(ds.Path(__file__).resolve().parents[1] / "localrun/bench/data/sharegpt-smollm2-1000.jsonl.gz", 1)
+    src.requests[0].output_len = 2
+    pf = tmp_path / "one.jsonl"
+    ds.write_prompt_file(pf, src)
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run([sys.executable, "-c", BLOCKER, "throughput", "--random-weights", "--shape", "smollm2-135m",
+                        "--prompts", str(pf), "--num-prompts", "1", "--warmup", "0", "--threads", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=ds.Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["engine"]["output_tokens"] == 2 and rec["engine"]["input_tokens"] == src.requests[0].prompt_len

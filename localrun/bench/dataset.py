@@ -258,9 +258,9 @@ def _load_hf_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     p = Path(spec)
-    if p.is_file() and _is_gguf(p):
-        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     try:
+        if p.is_file() and _is_gguf(p):  # transformers needs the gguf package for this
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         return AutoTokenizer.from_pretrained(str(p) if p.exists() else str(spec))
     except Exception as exc:  # transformers raises OSError/ValueError with long texts
         raise DatasetError(f"cannot load a tokenizer from {spec}: {str(exc).splitlines()[0]}") from None
