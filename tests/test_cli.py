@@ -248,11 +248,11 @@ def test_piped_stdin_is_the_prompt_and_verbose_stats(pulled):
     for label in ("total duration", "time to first token", "cached prompt tokens", "eval rate"):
         assert label in alone.stderr
     assert re.search(r"eval rate:\s+\d+\.\d+ tokens/s", alone.stderr)
-    story = "The quick brown fox jumps over the lazy dog. " * 6
+    story = "The quick brown fox jumps over the lazy dog. " * 3
     both = cli(env, "run", MODEL, "Summarize:", "--verbose", *FAST, input=story)
-    assert prompt_tokens(both) >= n_alone + 50  # stdin (~60 tokens) was appended to PROMPT
+    assert prompt_tokens(both) >= n_alone + 25  # stdin (~30 tokens) was appended to PROMPT
     only = cli(env, "run", MODEL, "--verbose", *FAST, input=story)
-    assert prompt_tokens(only) >= 50
+    assert prompt_tokens(only) >= n_alone + 20
 
 
 def test_format_json_output_parses(pulled, tmp_path):
