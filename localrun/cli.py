@@ -841,7 +841,13 @@ def _dispatch(argv: list[str]) -> int:
         return _bench(rest)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # `run MODEL --verbose PROMPT`: argparse stops filling `prompt` at the first option,
+        # so words after an option arrive here; they belong to the prompt, as in Ollama.
+        if extra and args.command == "run" and not any(e.startswith("-") for e in extra):
+            args.prompt += extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help (0) or a usage error (2): argparse already printed
         return exc.code if isinstance(exc.code, int) else 0
     if args.command is None and not args.version:

@@ -234,6 +234,10 @@ def test_run_with_prompt_streams_answer(pulled):
     r = cli(pulled["env"], "run", MODEL, "Say hello.", *FAST)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
+    # options before the prompt words, as people type it: `run MODEL --verbose PROMPT`
+    r = cli(pulled["env"], "run", MODEL, "--verbose", *FAST, "Say", "hello.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "prompt eval count" in r.stderr
 
 
 def test_piped_stdin_is_the_prompt_and_verbose_stats(pulled):
