@@ -9,7 +9,9 @@ On a CUDA GPU it measures, at Llama-3.1-8B shapes in bf16:
     reference, and vs torch's dense scaled_dot_product_attention where the batch has no prefix;
   * store_kv, add+RMSNorm, RoPE, SiLU-and-mul: GB/s for Triton vs the reference.
 Each Triton result is also checked against the reference (max relative error printed).
-Times come from triton.testing.do_bench (L2 flushed between runs; mean of repetitions).
+Times are means over repetitions: Triton kernels replayed from a CUDA graph
+(triton.testing.do_bench_cudagraph, no CPU launch cost), the references and ceilings with
+triton.testing.do_bench (they sync with the host or are large enough not to care).
 
 `--tiny` runs the same code at toy shapes, for a CPU smoke test under TRITON_INTERPRET=1
 (its numbers mean nothing).
@@ -33,10 +35,19 @@ from localrun import kernels as K
 from localrun.kernels._common import interpreting
 
 
-def _time_ms(fn: Callable[[], object], cuda: bool) -> float:
+def _time_ms(fn: Callable[[], object], cuda: bool, graph: bool = False) -> float:
+    """Mean milliseconds per call. graph=True replays fn from a CUDA graph, so CPU launch cost
+    (which decode at small batch would otherwise show) stays out; it falls back to plain
+    timing when fn cannot be captured (e.g. it syncs with the host)."""
     if cuda:
         import triton.testing
 
+        if graph:
+            try:
+                return float(triton.testing.do_bench_cudagraph(fn, rep=100))
+            except Exception as exc:  # noqa: BLE001 - capture failed: time it launch by launch
+                torch.cuda.synchronize()
+                print(f"  (CUDA graph capture failed: {type(exc).__name__}; timing launch by launch)")
         return float(triton.testing.do_bench(fn, warmup=25, rep=100))
     fn()
     reps, t0 = 3, time.perf_counter()
@@ -59,7 +70,7 @@ class Bench:
         """amount: bytes (unit GB/s) or FLOPs (unit TFLOP/s) one call moves or computes."""
         scale = 1e9 if unit == "GB/s" else 1e12
         row = {"group": group, "case": case, "unit": unit}
-        row[f"{label}_ms"] = _time_ms(triton_fn, self.cuda)
+        row[f"{label}_ms"] = _time_ms(triton_fn, self.cuda, graph=label == "triton")
         row[label] = amount / (row[f"{label}_ms"] / 1e3) / scale
         if ref_fn is not None:
             row["ref_ms"] = _time_ms(ref_fn, self.cuda)
@@ -120,19 +131,24 @@ def run(bench: Bench) -> None:
     bench.record("ceiling", f"bf16 matmul {n}^3", "TFLOP/s", 2 * n ** 3, lambda: a @ b, label="measured")
     del a, b
 
-    # Paged decode attention: bytes = the K and V rows read (+ q and o).
+    # Paged decode attention: bytes = the K and V rows read (+ q and o). One timed call runs
+    # the kernel over several layers' caches, as a decode step does, so that the KV bytes
+    # exceed the L2 cache (a CUDA-graph replay does not flush it) and come from memory.
     for batch, seq_len in s["decode"]:
         kc, vc, table, lens = _paged([seq_len] * batch, hkv, d, s["page"], dt, dev)
         q = torch.randn(batch, hq, d, dtype=dt, device=dev)
-        amount = (2 * batch * seq_len * hkv * d + 2 * batch * hq * d) * elt
+        per_layer = (2 * batch * seq_len * hkv * d + 2 * batch * hq * d) * elt
+        layers = 1 if bench.tiny else max(1, min(32, math.ceil((512 << 20) / per_layer)))
+        caches = [(kc, vc)] + [(torch.randn_like(kc), torch.randn_like(vc)) for _ in range(layers - 1)]
         args = (q, kc, vc, table, lens, scale)
         small = batch * seq_len <= 64 * 1024  # the reference materialises fp32 copies of K and V
-        bench.record("decode", f"B={batch} L={seq_len}", "GB/s", amount,
-                     lambda: K.paged_decode_attention(*args),
-                     (lambda: K.paged_decode_attention_ref(*args)) if small else None,
+        bench.record("decode", f"B={batch} L={seq_len} x{layers} layers", "GB/s", per_layer * layers,
+                     lambda: [K.paged_decode_attention(q, k, v, table, lens, scale) for k, v in caches],
+                     (lambda: [K.paged_decode_attention_ref(q, k, v, table, lens, scale) for k, v in caches])
+                     if small else None,
                      (lambda: _rel_err(K.paged_decode_attention(*args), K.paged_decode_attention_ref(*args)))
                      if small else None)
-        del kc, vc
+        del kc, vc, caches
 
     # Extend attention: FLOPs = 4 * D * Hq * (keys each query sees), causal.
     for spans in s["extend"]:
