@@ -66,8 +66,8 @@ def _extend_kernel(
             acc, m_i, l_i, q, q_pos, n0, full_end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
             BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=False, CAUSAL=False)
-    # The diagonal: causal mask (key 0 is always visible, so no row ends up empty); keys past
-    # the block's last query are masked for every row and never read.
+    # The diagonal, causally masked. Its first key (full_end) is <= every row's position, so
+    # no row's softmax is ever empty; keys past the block's last query are never read.
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_block(
