@@ -77,22 +77,15 @@ class Command:
 HELP = """\
 **Commands**
 
-| command | what it does |
-|---|---|
-| `/set temperature 0.2` | set a parameter: temperature, top_p, num_predict (max_tokens), num_ctx, seed |
-| `/set system TEXT` | set the system prompt (`/unset system` removes it) |
-| `/unset NAME` | back to the model's default |
-| `/model NAME` | switch model (pulls it first when it is not in the library) |
-| `/models` | open the model picker |
-| `/new` · `/clear` | start a new conversation · clear this one |
-| `/chats` | resume a saved conversation |
-| `/copy` | copy the last reply to the clipboard |
-| `/bye` | quit |
+- `/set temperature 0.2` — also top_p, num_predict (max_tokens), num_ctx, seed
+- `/set system TEXT` — the system prompt; `/unset NAME` back to the model's default
+- `/model NAME` — switch model (pulled first when not in the library); `/models` picker
+- `/new` · `/clear` — new conversation (the old one stays saved) · clear this one
+- `/chats` — resume a saved conversation · `/copy` the last reply · `/bye` quit
 
-**Keys**: Enter sends · Ctrl+J (or Shift+Enter where the terminal reports it, or
-Alt+Enter) inserts a newline · Esc or Ctrl+C stops a reply · Ctrl+N new · Ctrl+L clear ·
-Ctrl+O model picker · Ctrl+R saved chats · F3 copy last reply · F2 settings panel · F1 help ·
-Ctrl+Q quit
+**Keys**: Enter sends · Ctrl+J (or Shift+Enter / Alt+Enter where the terminal reports
+them) newline · Esc or Ctrl+C stops a reply · Ctrl+N new · Ctrl+L clear · Ctrl+O models ·
+Ctrl+R saved chats · F3 copy last reply · F2 settings · F1 help · Ctrl+Q quit
 """
 
 _SIMPLE = {

@@ -119,7 +119,7 @@ class StatusBar(Static):
             setattr(self, k, v)
         self.refresh_text()
 
-    def text(self) -> str:
+    def parts(self) -> list[str]:
         parts = [self.model or "no model"]
         if self.processor:
             parts.append(self.processor)
@@ -131,11 +131,25 @@ class StatusBar(Static):
         if s.get("tps") is not None:
             parts.append(f"{s['tps']:.1f} tok/s")
         if s.get("completion") is not None:
-            parts.append(f"prompt {s.get('prompt', 0)} / cached {s.get('cached', 0)} / completion {s['completion']}")
-        return " │ ".join(parts)
+            parts.append(f"prompt {s.get('prompt', 0)} / cached {s.get('cached') or 0} / completion {s['completion']}")
+        return parts
+
+    def text(self) -> str:
+        return " │ ".join(self.parts())
 
     def refresh_text(self) -> None:
-        self.update(self.text())
+        """One line when it fits; else break between parts (never inside one) at 80 columns."""
+        width = max(self.content_size.width, 20) if self.is_mounted else 10_000
+        lines: list[str] = []
+        for part in self.parts():
+            if lines and len(lines[-1]) + 3 + len(part) <= width:
+                lines[-1] += " │ " + part
+            else:
+                lines.append(part)
+        self.update("\n".join(lines))
+
+    def on_resize(self) -> None:
+        self.refresh_text()
 
 
 class PullBar(Horizontal):
