@@ -68,6 +68,16 @@ def _compile(template: str):
     return _env().from_string(template)
 
 
+def check_template(template: str) -> None:
+    """Compile `template` in the sandbox; raise TemplateRenderError naming the problem."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
+    try:
+        _compile(template)
+    except Exception as exc:  # TemplateSyntaxError and friends
+        raise TemplateRenderError(f"chat template does not compile: {exc}") from None
+
+
 def render_chat(
     template: str | None,
     messages: list[dict[str, Any]],

@@ -218,16 +218,12 @@ def parse_modelfile(text: str) -> Modelfile:
 
 def _check_template(template: str, lineno: int) -> None:
     """TEMPLATE is a Jinja chat template (rendered in the sandbox): it must compile."""
+    from localrun.chat_template import check_template
+
     try:
-        from localrun.chat_template import _compile
-    except ImportError:  # pragma: no cover - chat_template is part of localrun
-        return
-    try:
-        _compile(template)
+        check_template(template)
     except InvalidRequest as e:
-        raise _err(lineno, f"TEMPLATE does not compile: {e.message}") from None
-    except Exception as e:  # jinja2 TemplateSyntaxError and friends
-        raise _err(lineno, f"TEMPLATE does not compile: {e}") from None
+        raise _err(lineno, "TEMPLATE " + e.message.removeprefix("chat template ")) from None
 
 
 def _quote(text: str) -> str:
