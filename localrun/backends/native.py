@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from functools import lru_cache
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -37,13 +38,19 @@ MAX_BATCH = 64  # sequences one engine batches (the daemon's slots for this mode
 
 
 def _model_config(spec: LoadSpec) -> ModelConfig:
-    if spec.format == "gguf":
+    p = Path(spec.weights)
+    return _read_config(str(p), spec.format, p.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _read_config(path: str, fmt: str, mtime_ns: int) -> ModelConfig:
+    if fmt == "gguf":
         from localrun.engine.loader import read_gguf
 
-        return read_gguf(spec.weights)[0]
+        return read_gguf(path)[0]
     import json
 
-    return ModelConfig.from_hf_config(json.loads((Path(spec.weights) / "config.json").read_text()))
+    return ModelConfig.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
 def _device_dtype(spec: LoadSpec) -> tuple[str, torch.dtype]:
@@ -52,7 +59,7 @@ def _device_dtype(spec: LoadSpec) -> tuple[str, torch.dtype]:
     return device, parse_dtype(dtype)
 
 
-def _kv_tokens(spec: LoadSpec, device: str) -> int:
+def _kv_tokens(spec: LoadSpec) -> int:
     """CPU: num_ctx for each of max(num_parallel, 4) sequences (preemption handles the rest)."""
     return spec.num_ctx * max(spec.num_parallel, 4)
 
@@ -60,12 +67,12 @@ def _kv_tokens(spec: LoadSpec, device: str) -> int:
 def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     try:
         cfg = _model_config(spec)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, OSError) as exc:
         raise InvalidRequest(f"the native engine cannot run {spec.name}: {exc}") from None
     device, dtype = _device_dtype(spec)
     elem = torch.empty((), dtype=dtype).element_size()
     weights = cfg.num_params * elem
-    kv = cfg.kv_bytes_per_token(dtype) * _kv_tokens(spec, device)
+    kv = cfg.kv_bytes_per_token(dtype) * _kv_tokens(spec)
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
 
@@ -168,8 +175,7 @@ def load(spec: LoadSpec) -> NativeBackend:
     cfg = EngineConfig(
         dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
         max_num_seqs=max(spec.num_parallel, MAX_BATCH),
-        kv_memory_bytes=None if device == "cuda" else
-        _model_config_kv(spec, dtype),
+        kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec),
     )
     if device == "cuda":
         from localrun.config import settings
@@ -184,7 +190,3 @@ def load(spec: LoadSpec) -> NativeBackend:
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None
     log.info("native engine loaded %s in %.1fs on %s (%s)", spec.name, time.perf_counter() - t0, device, dtype)
     return NativeBackend(spec, engine, device)
-
-
-def _model_config_kv(spec: LoadSpec, dtype: torch.dtype) -> int:
-    return _model_config(spec).kv_bytes_per_token(dtype) * _kv_tokens(spec, "cpu")

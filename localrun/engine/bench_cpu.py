@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-sequential", type=int, default=8, help="requests HF runs one by one (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--prefix-system-tokens", type=int, default=512)
+    ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"HF generate 1-by-1 : {dt_s:7.2f} s  {n_s / dt_s:8.1f} output tok/s (first {k} requests)  "
                   f"-> native is {native / (n_s / dt_s):.2f}x")
         del hf
+    if args.skip_prefix:
+        return
     print(f"shared prefix: {args.requests} requests = {args.prefix_system_tokens}-token system prompt + 16 tokens, "
           f"16 output tokens each")
     bench_prefix(engine, args.requests, args.prefix_system_tokens, 16)

@@ -100,6 +100,7 @@ class EngineConfig:
     device: str | None = None  # default: cuda if available
     page_size: int = 16
     kv_memory_bytes: int | None = None  # KV pool budget (CPU; on CUDA derived from gpu_memory_fraction)
+    kv_cache_tokens: int | None = None  # or: size the pool for this many tokens (when kv_memory_bytes is None)
     gpu_memory_fraction: float = 0.8  # CUDA: weights + KV pool <= this fraction of total memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget: prefill chunks + decodes

@@ -126,6 +126,8 @@ class LLMEngine:
         useful = (cfg.max_num_seqs * cfg.max_model_len // cfg.page_size + 1) * per_page
         if cfg.kv_memory_bytes is not None:
             return cfg.kv_memory_bytes
+        if cfg.kv_cache_tokens is not None:
+            return (-(-cfg.kv_cache_tokens // cfg.page_size) + 1) * per_page
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             weights = sum(p.numel() * p.element_size() for p in model.parameters())

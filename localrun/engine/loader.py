@@ -103,8 +103,10 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         t = tensors.get(name)
         if t is None:
             raise KeyError(f"GGUF file lacks tensor {name}")
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(tuple(reversed(t.shape.tolist())))
+        arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+            arr = arr.copy()
+        w = torch.from_numpy(arr).reshape(tuple(reversed(t.shape.tolist())))
         if permuted and ".q_proj." in name:
             w = unpermute_qk(w, cfg.num_heads)
         elif permuted and ".k_proj." in name:
