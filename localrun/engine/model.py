@@ -134,14 +134,14 @@ class LlamaModel(nn.Module):
 
     def init_random(self, seed: int = 0) -> None:
         """Random weights with sane scales (for throughput benchmarks of exact shapes)."""
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        dev = self.embed_tokens.device
+        g = torch.Generator(device=dev).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if p.dim() == 1:
                     p.fill_(1.0) if "layernorm" in name or name == "norm" else p.zero_()
-                else:
-                    std = 1.0 / math.sqrt(p.shape[1])
-                    # fill on CPU in slices, so a big model never needs a second full copy in fp32
-                    for rows in torch.arange(p.shape[0]).split(4096):
-                        chunk = torch.randn(len(rows), p.shape[1], generator=g) * std
-                        p[rows[0]: rows[-1] + 1].copy_(chunk)
+                    continue
+                std = 1.0 / math.sqrt(p.shape[1])
+                for start in range(0, p.shape[0], 4096):  # in slices: never a second full fp32 copy
+                    rows = min(4096, p.shape[0] - start)
+                    p[start:start + rows].copy_(torch.randn(rows, p.shape[1], generator=g, device=dev) * std)
