@@ -176,7 +176,7 @@ def _cmd_throughput(a: argparse.Namespace) -> int:
     )
 
     def rows(con) -> None:
-        cols = ["", "requests/s", "input tok/s", "output tok/s", "total tok/s", "peak RSS", "peak CUDA"]
+        cols = ["", "req/s", "in tok/s", "out tok/s", "total tok/s", "peak RSS", "peak CUDA"]
         table = []
         for label, key in (("localrun", "engine"), ("transformers", "baseline")):
             r = res.get(key)

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from localrun.bench.results import PeakMemory, percentile, progress_bar
-from localrun.bench.throughput import ModelSource, engine_config, free_engine, load_engine
+from localrun.bench.throughput import ModelSource, engine_config, load_engine, release_memory, shutdown_engine
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -124,6 +124,8 @@ def run_prefix(
             vocab = engine.model_config.vocab_size
             if warmup:  # unrelated prompts: warm kernels/allocator, not the cache
                 _measure(engine, [_ids(random.Random(99 + i), 64, vocab) for i in range(warmup)], 4)
+                if callable(getattr(engine, "clear_prefix_cache", None)):
+                    engine.clear_prefix_cache()
             shared = build_shared(vocab, system_len, num_questions, question_len)
             with PeakMemory() as mem:
                 runs[label] = {
@@ -136,7 +138,9 @@ def run_prefix(
                 s = stats()
                 runs[label]["engine_stats"] = {k: s.get(k) for k in ("prefix_hit_tokens", "prefix_query_tokens") if k in s}
         finally:
-            free_engine(engine)
+            shutdown_engine(engine)
+            engine = None  # the last reference: cache-off's engine loads into the freed memory
+            release_memory()
     speedup = {}
     for w in ("shared", "multiturn"):
         on, off = runs["cache_on"][w], runs["cache_off"][w]

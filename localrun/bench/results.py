@@ -58,6 +58,13 @@ def device_name() -> str:
     return "cpu"
 
 
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)  # a busy machine explains slow numbers
+    except (OSError, AttributeError):
+        return None
+
+
 def environment() -> dict[str, Any]:
     """Machine, device and versions, recorded with every result."""
     import psutil
@@ -79,6 +86,7 @@ def environment() -> dict[str, Any]:
             "cores": psutil.cpu_count(logical=True),
             "physical_cores": psutil.cpu_count(logical=False),
             "ram_bytes": psutil.virtual_memory().total,
+            "load_avg_1m": _loadavg(),
             "os": platform.platform(),
         },
         "device": device_name(),
@@ -181,7 +189,7 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]], console=N
 
     table = Table(title=title)
     for i, c in enumerate(columns):
-        table.add_column(c, justify="left" if i == 0 else "right")
+        table.add_column(c, justify="left" if i == 0 else "right", overflow="fold", min_width=12 if i == 0 else None)
     for row in rows:
         table.add_row(*[fmt_num(v) if not isinstance(v, str) else v for v in row])
     (console or Console()).print(table)

@@ -198,7 +198,8 @@ async def run_level(
                 await client.request(prompts[next(counter) % len(prompts)], output_len, tr)
             except httpx.HTTPError as exc:
                 tr.error = f"{exc.__class__.__name__}: {exc}"
-                await asyncio.sleep(0.05)
+            if tr.error:  # e.g. 503 queue full: back off instead of hammering
+                await asyncio.sleep(0.1)
 
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
     try:

@@ -102,7 +102,9 @@ async def _first_token(url: str, model: str, deadline: float, proc: subprocess.P
 
     from localrun.bench.serve import RequestTrace, _Client
 
-    client = _Client(url, model, "completions", None, 1)
+    from localrun.config import settings
+
+    client = _Client(url, model, "completions", settings().api_key, 1)  # the child has our environment
     try:
         while True:
             if proc.poll() is not None:

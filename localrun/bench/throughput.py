@@ -145,9 +145,12 @@ def run_engine(engine, prompts: PromptSet, warmup: int, passes: int, console=Non
         prog, update = progress_bar("warm-up", len(w), console)
         with prog:
             engine.generate([r.prompt_token_ids for r in w], _params(w), progress=update)
+    clear = getattr(engine, "clear_prefix_cache", None)
     pass_results = []
     with PeakMemory() as mem:
         for i in range(passes):
+            if callable(clear):  # no pass may reuse the KV of the warm-up or of an earlier pass
+                clear()
             prog, update = progress_bar(f"pass {i + 1}/{passes}", len(reqs), console)
             with prog:
                 _sync(device)
@@ -298,18 +301,20 @@ def model_flops_fraction(total_tok_s: float, num_params: int, device: str) -> di
     return {"model_tflops": tflops, "peak_tflops": peak, "fraction_of_peak": (tflops / peak) if peak else None}
 
 
-def free_engine(engine) -> None:
+def shutdown_engine(engine) -> None:
+    """Stop the engine's loop if it runs; the caller then drops its last reference and
+    calls release_memory() (an 8B model and its KV pool must be gone before the next load)."""
+    fn = getattr(engine, "shutdown", None)
+    if callable(fn):
+        try:
+            fn()
+        except Exception:
+            pass
+
+
+def release_memory() -> None:
     import torch
 
-    for name in ("shutdown", "close"):
-        fn = getattr(engine, name, None)
-        if callable(fn):
-            try:
-                fn()
-            except Exception:
-                pass
-            break
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -385,7 +390,8 @@ def run_throughput(
         "engine_config": {k: getattr(config, k) for k in vars(config)},
         "workload": {**prompts.meta, "num_prompts": len(prompts.requests), "input_tokens": prompts.input_tokens,
                      "output_tokens": prompts.output_tokens, "warmup": warm, "passes": passes,
-                     "temperature": 1.0, "top_p": 1.0, "ignore_eos": True},
+                     "temperature": 1.0, "top_p": 1.0, "ignore_eos": True,
+                     "prefix_cache_cleared_before_each_pass": callable(getattr(engine, "clear_prefix_cache", None))},
         "load_s": load_s,
         "device": device,
     }
@@ -393,23 +399,27 @@ def run_throughput(
     result["engine"].update(model_flops_fraction(result["engine"]["total_tok_s"], mc.num_params, device))
     if baseline == "transformers":
         dtype = config.torch_dtype
-        free_engine(engine)
+        shutdown_engine(engine)
         engine = None
+        release_memory()
         hf = load_hf_model(src, mc, dtype, str(config.device))
         if warm:
             run_hf_baseline(hf, PromptSet(prompts.requests[:warm], prompts.meta), hf_max_batch_size, str(config.device))
         result["baseline"] = {"name": "transformers", **run_hf_baseline(hf, prompts, hf_max_batch_size, str(config.device), console)}
         result["ratio_total_tok_s"] = result["engine"]["total_tok_s"] / result["baseline"]["total_tok_s"]
-        del hf
+        hf = None
+        release_memory()
     elif baseline:
         raise ThroughputError(f"unknown --baseline {baseline!r}: only 'transformers'")
     if engine is not None:
-        free_engine(engine)
+        shutdown_engine(engine)
+        engine = None
+        release_memory()
     return result
 
 
 __all__ = [
     "ModelSource", "ThroughputError", "DatasetError", "resolve_model", "engine_config", "load_engine",
     "engine_encoder", "check_vocab", "run_engine", "run_hf_baseline", "hf_batches", "rates",
-    "load_hf_model", "model_flops_fraction", "free_engine", "BUNDLED_PROMPTS", "get_prompts", "run_throughput",
+    "load_hf_model", "model_flops_fraction", "shutdown_engine", "release_memory", "BUNDLED_PROMPTS", "get_prompts", "run_throughput",
 ]
