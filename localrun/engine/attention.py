@@ -155,13 +155,26 @@ class Ops:
         self.store_kv(k, v, kc, vc, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.is_decode_only:
-            return self.paged_decode_attention(q, kc, vc, meta.page_table, meta.seq_lens, scale)
+            return self._decode(q, kc, vc, meta.page_table, meta.seq_lens, scale, meta.seq_lens_list)
         if nd == 0:
             return self._extend(q, kc, vc, meta.page_table, meta.cu_seqlens_q, meta.seq_lens, scale, meta, 0)
         out = torch.empty_like(q)
-        out[:nd] = self.paged_decode_attention(q[:nd], kc, vc, meta.page_table[:nd], meta.seq_lens[:nd], scale)
+        out[:nd] = self._decode(q[:nd], kc, vc, meta.page_table[:nd], meta.seq_lens[:nd], scale, meta.seq_lens_list[:nd])
         cu = meta.cu_seqlens_q[nd:] - nd
         out[nd:] = self._extend(q[nd:], kc, vc, meta.page_table[nd:], cu, meta.seq_lens[nd:], scale, meta, nd)
+        return out
+
+    def _decode(self, q, kc, vc, pt, seq_lens, scale, lens: list[int], group: int = 8):
+        """The torch path gathers K/V padded to the longest sequence; in groups of similar
+        length that padding (and the memory traffic) stays small."""
+        if self.triton or len(lens) <= group:
+            return self.paged_decode_attention(q, kc, vc, pt, seq_lens, scale)
+        order = sorted(range(len(lens)), key=lens.__getitem__)
+        out = torch.empty_like(q)
+        for g in range(0, len(order), group):
+            idx = order[g:g + group]
+            ix = torch.tensor(idx, device=q.device)
+            out[ix] = paged_decode_attention(q[ix], kc, vc, pt[ix], seq_lens[ix], scale, max_len=lens[idx[-1]])
         return out
 
     def _extend(self, q, kc, vc, pt, cu, lens, scale, meta, nd):
