@@ -316,6 +316,8 @@ def test_api_generate_json_format_and_embed(daemon_a):
     assert r.status_code == 200 and r.json()["response"].lstrip().startswith("{")
     e = h.post("/api/embed", json={"model": MODEL, "input": ["a", "b", "c"]}).json()
     assert len(e["embeddings"]) == 3 and len(e["embeddings"][0]) == 576
+    legacy = h.post("/api/embeddings", json={"model": MODEL, "prompt": "a"}).json()["embedding"]
+    assert legacy == pytest.approx(e["embeddings"][0], abs=1e-4)
 
 
 def test_ps_shows_backend_and_reason(daemon_a):

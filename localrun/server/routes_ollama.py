@@ -371,3 +371,15 @@ async def embed(request: Request):
         n = sum(len(lease.backend.tokenize(t, add_special=True)) for t in texts)
     return {"model": resolved.name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - t0,
             "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": n}
+
+
+@router.post("/embeddings")
+async def embeddings_legacy(request: Request):
+    """Ollama's older single-text endpoint: {"model", "prompt"} -> {"embedding": [...]}."""
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    resolved = await st.resolve(_name(body))
+    text = _embed_inputs(body.get("prompt"), "prompt")
+    async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
+        vectors = await lease.backend.embed(text)
+    return {"embedding": vectors[0]}

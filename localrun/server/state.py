@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -20,12 +21,22 @@ class State:
         self.settings = settings
         self.library = library
         self.manager = ModelManager(settings, library)
-        self.write_lock = asyncio.Lock()  # library writes go through one path, one at a time
+        self._quick: set[str] = set()  # names whose last resolve was cheap (see resolve)
 
     async def resolve(self, name: str):
         if not isinstance(name, str) or not name.strip():
             raise InvalidRequest("'model' must be a non-empty string")
-        return await asyncio.to_thread(self.library.resolve, name)
+        if name in self._quick:  # resolved fast before (a few small reads): skip the thread hop
+            t0 = time.perf_counter()
+            r = self.library.resolve(name)
+            if time.perf_counter() - t0 > 0.005:
+                self._quick.discard(name)
+            return r
+        t0 = time.perf_counter()
+        r = await asyncio.to_thread(self.library.resolve, name)
+        if time.perf_counter() - t0 < 0.005 and len(self._quick) < 1024:
+            self._quick.add(name)
+        return r
 
     async def list_models(self):
         return await asyncio.to_thread(self.library.list)
