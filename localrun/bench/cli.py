@@ -238,7 +238,7 @@ def _cmd_prefix(a: argparse.Namespace) -> int:
         for w in ("shared", "multiturn"):
             for c in ("cache_on", "cache_off"):
                 r = res[c][w]
-                table.append([f"{w} / {c.replace('_', ' ')}", r["total_tok_s"], r["output_tok_s"], r["ttft_ms_p50"],
+                table.append([f"{w}, cache {c.split('_')[1]}", r["total_tok_s"], r["output_tok_s"], r["ttft_ms_p50"],
                               r["ttft_ms_p95"], f"{r['hit_rate']:.1%}"])
         print_table(f"prefix reuse: {res['model']}", ["", "total tok/s", "output tok/s", "TTFT p50 ms", "TTFT p95 ms",
                                                        "hit rate"], table, con)
@@ -261,7 +261,7 @@ def _cmd_startup(a: argparse.Namespace) -> int:
 
     def rows(con) -> None:
         keys = [k for k in res["runs"][0]]
-        print_table(f"cold start ({res['target']}): {res['model']}", ["run"] + [k.replace("_s", " s") for k in keys],
+        print_table(f"cold start ({res['target']}): {res['model']}", ["run"] + [k.removesuffix("_s").replace("_", " ") + " s" for k in keys],
                     [[str(i + 1)] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
 
     return _finish(res, a, rows)
