@@ -90,28 +90,6 @@ def test_throughput_with_transformers_baseline(smollm2_gguf, sharegpt_file, tmp_
     assert env["git_commit"]
 
 
-def test_throughput_random_weights_with_prompt_file(tmp_path, capsys):
-    # The offline-machine path: a sampled prompt file and a random model of a named shape.
-    src = ds.read_prompt_file(ds.Path(__file__).resolve().parents[1] / "localrun/bench/data/sharegpt-smollm2-1000.jsonl.gz")
-    short = [r for r in src.requests if r.prompt_len <= 24 and r.output_len <= 400][:3]
-    for r in short:
-        r.output_len = 3 + r.prompt_len % 3  # tiny outputs for CPU
-    pf = tmp_path / "p.jsonl"
-    ds.write_prompt_file(pf, ds.PromptSet(short, {"seed": 0}))
-    res = run_json(["throughput", "--random-weights", "--shape", "smollm2-135m", "--prompts", str(pf),
-                    "--num-prompts", "3", "--warmup", "0", "--passes", "2", "--no-save", "--threads", "1"], capsys)
-    eng = res["engine"]
-    assert res["model"] == "random:smollm2-135m" and len(eng["passes"]) == 2
-    out = sum(r.output_len for r in short)
-    inp = sum(r.prompt_len for r in short)
-    for p in eng["passes"]:
-        assert (p["input_tokens"], p["output_tokens"], p["mismatched_requests"]) == (inp, out, 0)
-    # two passes: rates are all tokens over all generate time
-    total_t = sum(p["elapsed_s"] for p in eng["passes"])
-    assert math.isclose(eng["total_tok_s"], 2 * (inp + out) / total_t, rel_tol=1e-9)
-    assert math.isclose(eng["elapsed_s"], total_t / 2, rel_tol=1e-9)
-
-
 def test_prefix_cache_on_vs_off(capsys):
     res = run_json(["prefix", "--random-weights", "--shape", "smollm2-135m", "--system-len", "64",
                     "--num-questions", "3", "--question-len", "4", "--chats", "2", "--turns", "2",
@@ -167,20 +145,32 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_throughput_runs_without_server_dependencies(tmp_path):
-    """A GPU box has torch/transformers/httpx/rich/psutil but none of the server stack."""
+def test_throughput_random_weights_without_server_dependencies(tmp_path):
+    """The GPU-box path: a sampled prompt file, a random model of a named shape, and an
+    interpreter where the server stack (fastapi, pydantic, gguf, ...) cannot be imported."""
     import subprocess
     import sys
 
-    src = ds.read_prompt_file(ds.Path(__file__).resolve().parents[1] / "localrun/bench/data/sharegpt-smollm2-1000.jsonl.gz", 1)
-    src.requests[0].output_len = 2
-    pf = tmp_path / "one.jsonl"
-    ds.write_prompt_file(pf, src)
+    src = ds.read_prompt_file(ds.Path(__file__).resolve().parents[1] / "localrun/bench/data/sharegpt-smollm2-1000.jsonl.gz")
+    short = [r for r in src.requests if r.prompt_len <= 24][:2]
+    for r in short:
+        r.output_len = 2 + r.prompt_len % 3  # tiny outputs for CPU
+    pf = tmp_path / "p.jsonl"
+    ds.write_prompt_file(pf, ds.PromptSet(short, {"seed": 0}))
     out = tmp_path / "r.jsonl"
     p = subprocess.run([sys.executable, "-c", BLOCKER, "throughput", "--random-weights", "--shape", "smollm2-135m",
-                        "--prompts", str(pf), "--num-prompts", "1", "--warmup", "0", "--threads", "1",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                        "--prompts", str(pf), "--num-prompts", "2", "--warmup", "1", "--passes", "2",
+                        "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
                        cwd=ds.Path(__file__).resolve().parents[1])
     assert p.returncode == 0, p.stderr[-2000:]
-    rec = json.loads(out.read_text())
-    assert rec["engine"]["output_tokens"] == 2 and rec["engine"]["input_tokens"] == src.requests[0].prompt_len
+    res = json.loads(out.read_text())
+    eng = res["engine"]
+    assert res["model"] == "random:smollm2-135m" and len(eng["passes"]) == 2
+    inp, outp = sum(r.prompt_len for r in short), sum(r.output_len for r in short)
+    for ps in eng["passes"]:
+        assert (ps["input_tokens"], ps["output_tokens"], ps["mismatched_requests"]) == (inp, outp, 0)
+        assert ps["cached_tokens"] == 0  # the prefix cache is cleared before each pass
+    # two passes: rates are all tokens over all generate time
+    total_t = sum(ps["elapsed_s"] for ps in eng["passes"])
+    assert math.isclose(eng["total_tok_s"], 2 * (inp + outp) / total_t, rel_tol=1e-9)
+    assert math.isclose(eng["elapsed_s"], total_t / 2, rel_tol=1e-9)
