@@ -369,6 +369,14 @@ def test_disconnect_frees_slot(daemon_b):
     assert r.status_code == 200 and r.json()["done"] and time.monotonic() - t0 < 30
 
 
+def test_disconnect_mid_non_stream_aborts(daemon_b):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": False,
+            "format": LONG, "options": {"num_predict": 400}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(daemon_b.url + "/api/chat", json=body, timeout=httpx.Timeout(60, read=3))
+    daemon_b.wait_ps(lambda ms: ms and ms[0]["active"] == 0, timeout=10)  # aborted, not run to the end
+
+
 def test_queue_overflow_503(daemon_b):
     results: list = []
     t1 = threading.Thread(target=_long_stream, args=(daemon_b, None, results))
