@@ -343,8 +343,9 @@ def test_concurrent_chats_rounds(daemon_a):
 
 # -- daemon B: slots, queue, eviction, keep_alive ----------------------------------------------------
 def _long_stream(d: Daemon, started: threading.Event | None = None, out: list | None = None):
+    longer = {**LONG, "properties": {"story": {"type": "string", "minLength": 1200}}}  # ~300 tokens
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
-            "format": LONG, "options": {"num_predict": 400, "temperature": 0.5}}
+            "format": longer, "options": {"num_predict": 600, "temperature": 0.5}}
     with httpx.Client(base_url=d.url, timeout=300) as c, c.stream("POST", "/api/chat", json=body) as r:
         if started:
             started.set()
@@ -370,11 +371,14 @@ def test_disconnect_frees_slot(daemon_b):
 
 
 def test_disconnect_mid_non_stream_aborts(daemon_b):
+    longer = {**LONG, "properties": {"story": {"type": "string", "minLength": 4000}}}  # ~1000 tokens
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": False,
-            "format": LONG, "options": {"num_predict": 400}}
+            "format": longer, "options": {"num_predict": 1500}}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(daemon_b.url + "/api/chat", json=body, timeout=httpx.Timeout(60, read=3))
+        httpx.post(daemon_b.url + "/api/chat", json=body, timeout=httpx.Timeout(60, read=1.5))
+    t0 = time.monotonic()
     daemon_b.wait_ps(lambda ms: ms and ms[0]["active"] == 0, timeout=10)  # aborted, not run to the end
+    assert time.monotonic() - t0 < 5
 
 
 def test_queue_overflow_503(daemon_b):

@@ -228,11 +228,12 @@ class LlamaCppBackend:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
+        delivered = threading.Event()  # set once the consumer took the first chunk
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(out.put_nowait, item)
 
-        self._executor.submit(self._worker, request, emit, cancel)
+        self._executor.submit(self._worker, request, emit, cancel, delivered)
         try:
             while True:
                 item = await out.get()
@@ -246,10 +247,12 @@ class LlamaCppBackend:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                delivered.set()
                 if item.finish_reason is not None:
                     return
         finally:
             cancel.set()
+            delivered.set()
 
     def _take_slot(self, tokens: list[int]):
         """Block until a context is free; prefer the one whose KV already holds the longest
@@ -266,7 +269,7 @@ class LlamaCppBackend:
             self._free.append(llm)
             self._free_cv.notify()
 
-    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event) -> None:
+    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event, delivered: threading.Event) -> None:
         try:
             tokens = list(request.prompt_token_ids or self.tokenize(request.prompt, request.add_special))
         except Exception as exc:
@@ -274,7 +277,7 @@ class LlamaCppBackend:
             return
         llm = self._take_slot(tokens)
         try:
-            self._generate(llm, tokens, request, emit, cancel)
+            self._generate(llm, tokens, request, emit, cancel, delivered)
         except Exception as exc:
             if not isinstance(exc, (InvalidRequest, BackendError)):
                 log.exception("generation failed")
@@ -283,7 +286,8 @@ class LlamaCppBackend:
         finally:
             self._give_slot(llm)
 
-    def _generate(self, llm, tokens: list[int], request: GenerationRequest, emit, cancel: threading.Event) -> None:
+    def _generate(self, llm, tokens: list[int], request: GenerationRequest, emit, cancel: threading.Event,
+                  delivered: threading.Event) -> None:
         import numpy as np
 
         llama_cpp = self._llama_cpp
@@ -346,6 +350,10 @@ class LlamaCppBackend:
                     break
                 if text or lp:
                     emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
+                    if not delivered.is_set():
+                        # time to first token: let the server send the first chunk before the next
+                        # decode takes the CPU (bounded, so a stalled consumer cannot stall us)
+                        delivered.wait(0.05)
         finally:
             gen.close()
         t_end = time.perf_counter()
