@@ -343,7 +343,7 @@ def test_concurrent_chats_rounds(daemon_a):
 
 # -- daemon B: slots, queue, eviction, keep_alive ----------------------------------------------------
 def _long_stream(d: Daemon, started: threading.Event | None = None, out: list | None = None):
-    longer = {**LONG, "properties": {"story": {"type": "string", "minLength": 1200}}}  # ~300 tokens
+    longer = {**LONG, "properties": {"story": {"type": "string", "minLength": 700}}}  # ~180 tokens
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
             "format": longer, "options": {"num_predict": 600, "temperature": 0.5}}
     with httpx.Client(base_url=d.url, timeout=300) as c, c.stream("POST", "/api/chat", json=body) as r:
