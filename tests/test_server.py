@@ -417,6 +417,10 @@ def test_second_model_evicts_first_and_keep_alive_zero(daemon_b):
     assert daemon_b.ps()[0]["name"] == MODEL
     r = h.post("/api/generate", json={"model": MODEL, "keep_alive": 0})  # Ollama's `stop`
     assert r.status_code == 200 and r.json()["done_reason"] == "unload" and daemon_b.ps() == []
+    r = h.post("/api/chat", json={"model": MODEL, "messages": CHAT, "stream": False, "keep_alive": "1s",
+                                  "options": {"num_predict": 2}})
+    assert r.status_code == 200 and daemon_b.ps()[0]["name"] == MODEL
+    daemon_b.wait_ps(lambda ms: ms == [], timeout=10)  # the idle reaper unloads after keep_alive
     assert h.request("DELETE", "/api/delete", json={"model": "oneword"}).status_code == 200
     assert h.post("/api/show", json={"model": "oneword"}).status_code == 404
 
