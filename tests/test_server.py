@@ -184,6 +184,15 @@ def test_completions_logprobs_and_stop(oai):
     assert first_word not in r2.choices[0].text and r2.choices[0].finish_reason == "stop"
 
 
+def test_ignore_eos_generates_exactly_max_tokens(oai):
+    msgs = [{"role": "user", "content": "Reply with the single word: yes"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 48
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 48
+
+
 def test_chat_logprobs(oai):
     r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
                                     top_logprobs=3)

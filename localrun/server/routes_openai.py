@@ -61,6 +61,7 @@ def _common_options(body: dict, resolved: Any, chat: bool):
     n = c.get_int(body, "n", 1, c.MAX_N, default=1)
     if (v := c.get_int(body, "num_ctx", 16, 1 << 20)) is not None:  # localrun extension
         num_ctx = v
+    opts.ignore_eos = c.get_bool(body, "ignore_eos")  # vLLM/SGLang extension, for benchmarks
     if body.get("best_of") not in (None, 1):
         raise InvalidRequest("'best_of' is not supported")
     if body.get("logit_bias"):
