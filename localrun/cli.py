@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from localrun import __version__
-from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for
+from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for, normalize_name
 from localrun.config import ENV_VARS, parse_duration, settings
 from localrun.errors import LocalrunError
 
@@ -508,11 +508,6 @@ class Repl:
 # --------------------------------------------------------------------------------------
 # Verbs
 # --------------------------------------------------------------------------------------
-
-
-def normalize_name(name: str) -> str:
-    last = name.rsplit("/", 1)[-1]
-    return name if ":" in last else f"{name}:latest"
 
 
 def ensure_model(client: DaemonClient, model: str) -> None:

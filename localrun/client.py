@@ -426,3 +426,10 @@ class AsyncDaemonClient(_Base):
                         yield _check_event(json.loads(line))
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from None
+
+
+def normalize_name(name: str) -> str:
+    """'smollm2' -> 'smollm2:latest'; names with a tag are unchanged (display only: the
+    daemon's library does the real parsing and validation)."""
+    last = name.rsplit("/", 1)[-1]
+    return name if ":" in last else f"{name}:latest"

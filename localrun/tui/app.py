@@ -14,8 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown
 from textual.worker import Worker, WorkerState
 
-from localrun.cli import normalize_name
-from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable
+from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable, normalize_name
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
 from localrun.tui.widgets import (
