@@ -1,7 +1,7 @@
 """CPU benchmark of the native engine (prints numbers; not a test).
 
-    python -m localrun.engine.bench_cpu [--gguf PATH] [--requests 32] [--max-tokens 64]
-                                        [--threads N] [--hf-sequential 8] [--skip-hf]
+    python -m localrun.engine.bench_cpu [--gguf PATH] [--requests 32] [--max-tokens 256]
+                                        [--threads N] [--hf-sequential 4] [--skip-hf] [--skip-prefix]
 
 1. Throughput: SmolLM2 fp32, N concurrent requests (ShareGPT prompts bundled with
    localrun.bench, output lengths capped at --max-tokens, ignore_eos): the native engine's
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None)
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--hf-sequential", type=int, default=8, help="requests HF runs one by one (0: skip)")
+    ap.add_argument("--hf-sequential", type=int, default=4, help="requests HF runs one by one (0: skip)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--prefix-system-tokens", type=int, default=512)
     ap.add_argument("--skip-prefix", action="store_true")
