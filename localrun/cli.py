@@ -250,9 +250,10 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
     final: dict = {}
     parts: list[str] = []
     out = _writer(rs)
-    spinner = _spinner()  # loading a big model can take a while: show that something happens
+    spinner = None
     stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format)
     try:
+        spinner = _spinner()  # loading a big model can take a while: show that something happens
         for chunk in stream:
             if spinner is not None:
                 spinner.stop()
@@ -266,11 +267,13 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
                 out.flush()
             if chunk.get("done"):
                 final = chunk
-    finally:
-        if spinner is not None:
-            spinner.stop()
-        stream.close()
-        out.flush()
+    finally:  # close the stream first: that is what makes the daemon abort the request
+        try:
+            stream.close()
+        finally:
+            if spinner is not None:
+                spinner.stop()
+            out.flush()
     text = "".join(parts)
     sys.stdout.write("\n" if not text.endswith("\n") else "")
     sys.stdout.flush()
