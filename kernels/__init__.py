@@ -58,9 +58,11 @@ def uses_triton(t: torch.Tensor) -> bool:
     return (t.is_cuda or interpreting()) and triton_available()
 
 
-def _dispatch(module: str, ref: Callable) -> Callable:
+def _dispatch(module: str, ref: Callable, ref_hints: tuple[str, ...] = ()) -> Callable:
     # Kernel modules are named unlike the ops (kv_store, extend_attn): importing a submodule
     # binds its name on this package, which must keep meaning the op.
+    # ref_hints: keyword arguments only the reference takes (host-side lengths that spare it
+    # device syncs and padding); they are dropped when the Triton kernel runs.
     name = ref.__name__.removesuffix("_ref")
     kernel: list[Callable] = []
 
@@ -70,6 +72,8 @@ def _dispatch(module: str, ref: Callable) -> Callable:
             return ref(*args, **kwargs)
         if not kernel:
             kernel.append(getattr(importlib.import_module(f".{module}", __name__), name))
+        for hint in ref_hints:
+            kwargs.pop(hint, None)
         return kernel[0](*args, **kwargs)
 
     op.__name__ = op.__qualname__ = name
@@ -77,8 +81,8 @@ def _dispatch(module: str, ref: Callable) -> Callable:
 
 
 store_kv = _dispatch("kv_store", store_kv_ref)
-paged_decode_attention = _dispatch("decode_attention", paged_decode_attention_ref)
-extend_attention = _dispatch("extend_attn", extend_attention_ref)
+paged_decode_attention = _dispatch("decode_attention", paged_decode_attention_ref, ("lens", "group"))
+extend_attention = _dispatch("extend_attn", extend_attention_ref, ("lens",))
 fused_add_rmsnorm = _dispatch("rmsnorm", fused_add_rmsnorm_ref)
 apply_rope = _dispatch("rope", apply_rope_ref)
 silu_and_mul = _dispatch("activation", silu_and_mul_ref)

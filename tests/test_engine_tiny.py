@@ -152,7 +152,8 @@ def test_bad_params_and_prompts_are_rejected():
 
 
 def test_grouped_decode_matches_padded_reference():
-    from localrun.engine.attention import Ops, paged_decode_attention
+    from localrun.engine.attention import Ops
+    from localrun.kernels import paged_decode_attention
 
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(64, 4, 2, 8, generator=g), torch.randn(64, 4, 2, 8, generator=g)

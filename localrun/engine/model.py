@@ -16,38 +16,7 @@ from torch import nn
 
 from localrun.engine.attention import AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type") or sc.get("type") or "default"
-    if kind == "default":
-        return inv_freq
-    if kind == "freq_factors":  # GGUF rope_freqs tensor (llama.cpp's form of llama3 scaling)
-        return inv_freq / torch.tensor(sc["factors"], dtype=torch.float32)
-    if kind == "linear":
-        return inv_freq / float(sc["factor"])
-    if kind == "llama3":  # same arithmetic as transformers' _compute_llama3_parameters
-        factor, low, high = float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
-        old_ctx = float(sc["original_max_position_embeddings"])
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        out = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        return torch.where(medium, smoothed, out)
-    raise ValueError(f"rope scaling {kind!r} is not supported by the native engine (default, linear, llama3)")
-
-
-def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[max_pos, head_dim]: cos in the first half, sin in the second (NeoX half-split)."""
-    inv_freq = rope_inv_freq(cfg)
-    t = torch.arange(max_pos, dtype=torch.float32)
-    freqs = t[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype=dtype, device=device)
+from localrun.kernels import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
@@ -90,7 +59,9 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.to(dtype=dtype, device=device)
-        self.register_buffer("cos_sin", rope_cos_sin_cache(cfg, max_pos, dtype, device), persistent=False)
+        # [max_pos, head_dim]: cos | sin (NeoX half-split), with the config's rope scaling
+        cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
