@@ -395,6 +395,13 @@ class Pty:
                 except OSError:
                     break
 
+    def poll_once(self, timeout: float = 0.2) -> None:
+        if select.select([self.master], [], [], timeout)[0]:
+            try:
+                self.out += os.read(self.master, 65536)
+            except OSError:
+                pass
+
     def send(self, data: bytes) -> None:
         self.out = b""
         os.write(self.master, data)
@@ -429,7 +436,14 @@ def test_repl_on_a_terminal(pulled):
         t.read_until(b"Set parameter")
         t.send(b"Tell me a very long story.\n")
         t.read_until(b"story.\r\n")
-        time.sleep(3)
+        # interrupt as soon as the answer is streaming (a fixed sleep raced with short stories:
+        # a Ctrl+C that lands on the next prompt makes readline drop the line typed after it)
+        echoed = len(t.out)
+        deadline = time.monotonic() + 60
+        while len(t.out) < echoed + 12:
+            assert time.monotonic() < deadline, t.out.decode(errors="replace")
+            t.poll_once()
+        assert b">>> " not in t.out[echoed:], "the answer ended before it could be interrupted"
         t.proc.send_signal(signal.SIGINT)
         t.read_until(b">>> ", timeout=20)
         assert t.proc.poll() is None
