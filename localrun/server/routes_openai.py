@@ -111,6 +111,45 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _Totals:
+    """Usage summed over the n choices of one streamed answer."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.cached = self.completion = 0
+
+    def add(self, usage) -> None:
+        self.prompt_tokens, self.cached = usage.prompt_tokens, usage.cached_tokens
+        self.completion += usage.completion_tokens
+
+
+def _sse_stream(obj_type: str, cid: str, created: int, name: str, include_usage: bool, release, produce):
+    """The SSE response shared by chat and text completions: `produce(chunk, totals)` yields the
+    choices' chunks; this adds the usage chunk, `data: [DONE]`, errors in OpenAI's shape, and
+    releases the model lease however the stream ends."""
+
+    def chunk(choices: list, usage: dict | None = None) -> bytes:
+        obj = {"id": cid, "object": obj_type, "created": created, "model": name, "choices": choices,
+               "system_fingerprint": "localrun"}
+        if include_usage:
+            obj["usage"] = usage
+        return _sse(obj)
+
+    async def events() -> AsyncIterator[bytes]:
+        totals = _Totals()
+        try:
+            async for data in produce(chunk, totals):
+                yield data
+            if include_usage:
+                yield chunk([], _usage(totals.prompt_tokens, totals.completion, totals.cached))
+            yield b"data: [DONE]\n\n"
+        except LocalrunError as exc:
+            yield _sse({"error": {"message": exc.public_message, "type": exc.code, "code": exc.status}})
+        finally:
+            await release()
+
+    return sse_response(events(), release)
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     st: State = request.app.state.lr
@@ -176,49 +215,31 @@ async def chat_completions(request: Request):
         await release()
         raise
 
-    def chunk(choices: list, usage: dict | None = None) -> bytes:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-               "system_fingerprint": "localrun", "choices": choices}
-        if include_usage:
-            obj["usage"] = usage
-        return _sse(obj)
+    async def produce(chunk, totals: _Totals) -> AsyncIterator[bytes]:
+        for i, req in enumerate(reqs):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            held: list[str] = []
+            async for ch in c.stream(lease, req):
+                if ch.text or ch.logprobs:
+                    if tools:  # tool calls are parsed from the whole answer
+                        held.append(ch.text)
+                    else:
+                        delta = {"index": i, "delta": {"content": ch.text}, "finish_reason": None,
+                                 "logprobs": _chat_logprobs(ch.logprobs) if ch.logprobs else None}
+                        yield chunk([delta])
+                if ch.finish_reason:
+                    totals.add(ch.usage)
+                    res = c.Result(text="".join(held) + (ch.text if tools else ""), finish_reason=ch.finish_reason)
+                    msg, reason = finish(res) if tools else ({}, res.finish_reason if res.finish_reason != "abort" else "stop")
+                    delta: dict[str, Any] = {}
+                    if tools:
+                        if msg.get("content"):
+                            delta["content"] = msg["content"]
+                        if msg.get("tool_calls"):
+                            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+                    yield chunk([{"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}])
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            prompt_tokens = cached = completion = 0
-            for i, req in enumerate(reqs):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-                held: list[str] = []
-                async for ch in c.stream(lease, req):
-                    if ch.text or ch.logprobs:
-                        if tools:  # tool calls are parsed from the whole answer
-                            held.append(ch.text)
-                        else:
-                            delta = {"index": i, "delta": {"content": ch.text}, "finish_reason": None,
-                                     "logprobs": _chat_logprobs(ch.logprobs) if ch.logprobs else None}
-                            yield chunk([delta])
-                    if ch.finish_reason:
-                        u = ch.usage
-                        prompt_tokens, cached = u.prompt_tokens, u.cached_tokens
-                        completion += u.completion_tokens
-                        res = c.Result(text="".join(held) + (ch.text if tools else ""), finish_reason=ch.finish_reason)
-                        msg, reason = finish(res) if tools else ({}, res.finish_reason if res.finish_reason != "abort" else "stop")
-                        delta: dict[str, Any] = {}
-                        if tools:
-                            if msg.get("content"):
-                                delta["content"] = msg["content"]
-                            if msg.get("tool_calls"):
-                                delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
-                        yield chunk([{"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}])
-            if include_usage:
-                yield chunk([], _usage(prompt_tokens, completion, cached))
-            yield b"data: [DONE]\n\n"
-        except LocalrunError as exc:
-            yield _sse({"error": {"message": exc.public_message, "type": exc.code, "code": exc.status}})
-        finally:
-            await release()
-
-    return sse_response(events(), release)
+    return _sse_stream("chat.completion.chunk", cid, created, name, include_usage, release, produce)
 
 
 @router.post("/completions")
@@ -272,37 +293,20 @@ async def completions(request: Request):
         await release()
         raise
 
-    def chunk(choices: list, usage: dict | None = None) -> bytes:
-        obj = {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
-               "system_fingerprint": "localrun"}
-        if include_usage:
-            obj["usage"] = usage
-        return _sse(obj)
+    async def produce(chunk, totals: _Totals) -> AsyncIterator[bytes]:
+        for i, req in enumerate(reqs):
+            if echo:
+                yield chunk([{"index": i, "text": prompt, "finish_reason": None, "logprobs": None}])
+            async for ch in c.stream(lease, req):
+                if ch.text or ch.finish_reason:
+                    reason = None
+                    if ch.finish_reason:
+                        reason = ch.finish_reason if ch.finish_reason != "abort" else "stop"
+                        totals.add(ch.usage)
+                    yield chunk([{"index": i, "text": ch.text, "finish_reason": reason,
+                                  "logprobs": _completion_logprobs(ch.logprobs) if ch.logprobs else None}])
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            prompt_tokens = cached = completion = 0
-            for i, req in enumerate(reqs):
-                if echo:
-                    yield chunk([{"index": i, "text": prompt, "finish_reason": None, "logprobs": None}])
-                async for ch in c.stream(lease, req):
-                    if ch.text or ch.finish_reason:
-                        reason = None
-                        if ch.finish_reason:
-                            reason = ch.finish_reason if ch.finish_reason != "abort" else "stop"
-                            prompt_tokens, cached = ch.usage.prompt_tokens, ch.usage.cached_tokens
-                            completion += ch.usage.completion_tokens
-                        yield chunk([{"index": i, "text": ch.text, "finish_reason": reason,
-                                      "logprobs": _completion_logprobs(ch.logprobs) if ch.logprobs else None}])
-            if include_usage:
-                yield chunk([], _usage(prompt_tokens, completion, cached))
-            yield b"data: [DONE]\n\n"
-        except LocalrunError as exc:
-            yield _sse({"error": {"message": exc.public_message, "type": exc.code, "code": exc.status}})
-        finally:
-            await release()
-
-    return sse_response(events(), release)
+    return _sse_stream("text_completion", cid, created, name, include_usage, release, produce)
 
 
 @router.post("/embeddings")
