@@ -320,14 +320,20 @@ def _loads(s: str):
         return s
 
 
+async def _resolve_with_options(st: State, body: dict):
+    """The model, its sampling options (Modelfile PARAMETERs, then the request's `options`)
+    and the context window for a /api/generate or /api/chat request."""
+    resolved = await st.resolve(_name(body))
+    opts, num_ctx = c.base_options(resolved)
+    req_ctx = c.apply_ollama_options(opts, body.get("options"))
+    return resolved, opts, req_ctx or num_ctx
+
+
 @router.post("/generate")
 async def generate(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
-    resolved = await st.resolve(_name(body))
-    opts, num_ctx = c.base_options(resolved)
-    req_ctx = c.apply_ollama_options(opts, body.get("options"))
-    num_ctx = req_ctx or num_ctx
+    resolved, opts, num_ctx = await _resolve_with_options(st, body)
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string")
@@ -345,10 +351,7 @@ async def generate(request: Request):
 async def chat(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
-    resolved = await st.resolve(_name(body))
-    opts, num_ctx = c.base_options(resolved)
-    req_ctx = c.apply_ollama_options(opts, body.get("options"))
-    num_ctx = req_ctx or num_ctx
+    resolved, opts, num_ctx = await _resolve_with_options(st, body)
     messages = body.get("messages")
     if messages is None or messages == []:
         return await _load_only(st, resolved, body, num_ctx, chat=True)

@@ -111,6 +111,26 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+async def _lease_requests(st: State, resolved: Any, body: dict, num_ctx: int, prompt: str, opts, n: int):
+    """Lease the model for a streamed answer and prepare its n requests; errors (queue full,
+    load failure, prompt too long) raise here, before the 200, and release the lease."""
+    lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
+    try:
+        reqs = [c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True) for i in range(n)]
+    except BaseException:
+        await release()
+        raise
+    return lease, release, reqs
+
+
+def _completion_body(obj_type: str, cid: str, created: int, name: str, choices: list, results: list) -> dict:
+    """A non-streamed answer: the n choices and their usage (the prompt counted once)."""
+    u = results[0].usage
+    return {"id": cid, "object": obj_type, "created": created, "model": name, "choices": choices,
+            "usage": _usage(u.prompt_tokens, sum(r.usage.completion_tokens for r in results), u.cached_tokens),
+            "system_fingerprint": "localrun"}
+
+
 class _Totals:
     """Usage summed over the n choices of one streamed answer."""
 
@@ -202,18 +222,9 @@ async def chat_completions(request: Request):
             if opts.logprobs:
                 ch["logprobs"] = _chat_logprobs(res.logprobs)
             choices.append(ch)
-        u = results[0].usage
-        return {"id": cid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
-                "usage": _usage(u.prompt_tokens, sum(r.usage.completion_tokens for r in results), u.cached_tokens),
-                "system_fingerprint": "localrun"}
+        return _completion_body("chat.completion", cid, created, name, choices, results)
 
-    # errors (queue full, load failure, prompt too long) answer before the 200
-    lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
-    try:
-        reqs = [c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True) for i in range(n)]
-    except BaseException:
-        await release()
-        raise
+    lease, release, reqs = await _lease_requests(st, resolved, body, num_ctx, prompt, opts, n)
 
     async def produce(chunk, totals: _Totals) -> AsyncIterator[bytes]:
         for i, req in enumerate(reqs):
@@ -281,17 +292,9 @@ async def completions(request: Request):
                     "finish_reason": r.finish_reason if r.finish_reason != "abort" else "stop",
                     "logprobs": _completion_logprobs(r.logprobs) if opts.logprobs else None}
                    for i, r in enumerate(results)]
-        u = results[0].usage
-        return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": choices,
-                "usage": _usage(u.prompt_tokens, sum(r.usage.completion_tokens for r in results), u.cached_tokens),
-                "system_fingerprint": "localrun"}
+        return _completion_body("text_completion", cid, created, name, choices, results)
 
-    lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
-    try:
-        reqs = [c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True) for i in range(n)]
-    except BaseException:
-        await release()
-        raise
+    lease, release, reqs = await _lease_requests(st, resolved, body, num_ctx, prompt, opts, n)
 
     async def produce(chunk, totals: _Totals) -> AsyncIterator[bytes]:
         for i, req in enumerate(reqs):
