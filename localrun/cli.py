@@ -634,9 +634,13 @@ def cmd_ps(args, client: DaemonClient) -> int:
     print(table(["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"], rows))
     if args.verbose:
         for m in models:
+            runner = m.get("runner") or {}
+            proc = (f"\n  runner process {runner['pid']}: {human_size(runner.get('rss_bytes'))} resident"
+                    + (f", {human_size(runner['vram_bytes'])} VRAM" if runner.get("vram_bytes") else "")
+                    if runner.get("pid") else "")
             print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens, "
                   f"{m.get('slots', '-')} slot(s), {m.get('active', 0)} active, {m.get('waiting', 0)} waiting"
-                  + (f"\n  {m['reason']}" if m.get("reason") else ""))
+                  + proc + (f"\n  {m['reason']}" if m.get("reason") else ""))
     return 0
 
 

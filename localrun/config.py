@@ -33,6 +33,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
+    "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
+    "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
 }
 
@@ -128,6 +130,8 @@ class Settings:
     context_length: int
     gpu_memory_fraction: float
     log_level: str
+    llamacpp_extra_buffers: str = "auto"
+    load_timeout: float | None = 300.0  # seconds; None = no limit
 
     @property
     def models_dir(self) -> Path:
@@ -164,6 +168,8 @@ class Settings:
             "LOCALRUN_BACKEND": self.backend,
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
+            "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
+            "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
         }
         return [(k, values[k]) for k in ENV_VARS]
@@ -195,6 +201,15 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     if log_level not in ("debug", "info", "warning", "error"):
         raise ValueError(f"LOCALRUN_LOG_LEVEL must be debug, info, warning or error, got {log_level!r}")
     origins = tuple(o.strip() for o in (e.get("LOCALRUN_ORIGINS") or "").split(",") if o.strip())
+    extra_buffers = (e.get("LOCALRUN_LLAMACPP_EXTRA_BUFFERS") or "auto").strip().lower()
+    if extra_buffers not in ("auto", "on", "off"):
+        raise ValueError(f"LOCALRUN_LLAMACPP_EXTRA_BUFFERS must be auto, on or off, got {extra_buffers!r}")
+    try:
+        load_timeout = parse_duration(e.get("LOCALRUN_LOAD_TIMEOUT"), default=300.0)
+    except ValueError as exc:
+        raise ValueError(f"LOCALRUN_LOAD_TIMEOUT: {exc}") from None
+    if load_timeout == 0:
+        raise ValueError("LOCALRUN_LOAD_TIMEOUT must be positive (or -1 for no limit)")
     return Settings(
         home=home,
         host=host,
@@ -209,6 +224,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         context_length=_int("LOCALRUN_CONTEXT_LENGTH", e.get("LOCALRUN_CONTEXT_LENGTH"), 4096, 16),
         gpu_memory_fraction=frac,
         log_level=log_level,
+        llamacpp_extra_buffers=extra_buffers,
+        load_timeout=load_timeout,
     )
 
 

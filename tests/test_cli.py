@@ -288,6 +288,7 @@ def test_ps_stop_and_keepalive(pulled):
     assert re.search(r"\b(9|10) minutes from now", row), row
     r = cli(env, "ps", "--verbose")
     assert r.returncode == 0 and "context" in r.stdout and "slot" in r.stdout
+    assert re.search(r"runner process \d+: \d+ MB resident", r.stdout), r.stdout  # the model's own process
     r = cli(env, "stop", MODEL)
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 10
@@ -429,11 +430,13 @@ def test_repl_on_a_terminal(pulled):
         t.read_until(b">>> ")
         t.send(b"/set parameter num_predict 4\n")
         t.read_until(b"Set parameter")
+        t.read_until(b">>> ")  # type only at the prompt: text typed earlier is echoed twice
         t.send(b"Hi\n")
         t.read_until(b">>> ")
         # Ctrl+C during an answer stops it and returns to the prompt
         t.send(b"/set parameter num_predict 2000\n")
         t.read_until(b"Set parameter")
+        t.read_until(b">>> ")
         t.send(b"Tell me a very long story.\n")
         t.read_until(b"story.\r\n")
         # interrupt as soon as the answer is streaming (a fixed sleep raced with short stories:

@@ -25,7 +25,7 @@ def spec(smollm2_gguf):
 def backend(spec):
     b = native.load(spec)
     yield b
-    b.close()
+    b._close()
 
 
 def _chat(b, text: str) -> str:
@@ -39,13 +39,13 @@ async def _collect(b, req):
     return "".join(c.text for c in chunks), chunks
 
 
-def test_estimate_and_info(backend, spec):
+async def test_estimate_and_info(backend, spec):
     est = native.estimate_memory(spec)
     assert est.weights_bytes > 100e6 and est.kv_bytes == 512 * 4 * 30 * 2 * 3 * 64 * 4
     assert isinstance(backend, Backend)
     assert backend.info.name == "native" and backend.info.device == "CPU" and backend.info.context_length == 512
     assert backend.info.slots >= 2 and not backend.info.supports_json_schema
-    assert backend.detokenize(backend.tokenize("Hello there")) == "Hello there"
+    assert await backend.detokenize(await backend.tokenize("Hello there")) == "Hello there"
 
 
 async def test_generate_streams_with_usage_and_cache_hits(backend):

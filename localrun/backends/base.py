@@ -5,6 +5,11 @@ The daemon speaks only these types to a backend: it renders the chat template it
 options, and reads back a stream of :class:`Chunk` objects. It never asks which
 backend it holds, except to show :class:`BackendInfo` to users.
 
+Where a backend lives: each loaded model runs in a runner process of its own
+(``localrun.backends.worker``); the daemon holds a :class:`~localrun.backends.process.RemoteBackend`
+that speaks this same protocol over a local socket. Every method that may block is
+therefore async, in the runner (llama.cpp, the native engine) and in the daemon alike.
+
 Concurrency: ``generate`` is an async generator. The daemon admits at most
 ``info.slots`` generations at once per loaded model (it owns the bounded wait queue).
 Closing the generator early (client gone, ``aclose()``, task cancelled) must abort
@@ -128,9 +133,9 @@ class Backend(Protocol):
 
     info: BackendInfo
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
 
-    def detokenize(self, token_ids: list[int]) -> str: ...
+    async def detokenize(self, token_ids: list[int]) -> str: ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Async generator of chunks; closing it early aborts the request."""
@@ -138,6 +143,6 @@ class Backend(Protocol):
 
     async def embed(self, texts: list[str]) -> list[list[float]]: ...
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Free everything. Called once, after in-flight generations ended or were aborted."""
         ...

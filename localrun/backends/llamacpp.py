@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import ctypes
 import json
 import logging
@@ -53,6 +54,66 @@ def physical_cores() -> int:
     except Exception:  # pragma: no cover - psutil is a dependency
         n = None
     return max(1, n or os.cpu_count() or 1)
+
+
+_AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """True when the CPU advertises Intel AMX (the amx_* flags in /proc/cpuinfo on Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:  # not Linux: no way to tell here; llama.cpp's default stays
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            flags = set(line.split(":", 1)[1].split())
+            return any(f in flags for f in _AMX_FLAGS)
+    return False
+
+
+def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
+    """Whether llama.cpp may use its extra buffer types (AMX and repacked CPU weights), and why.
+
+    ``auto`` turns them off on CPUs with AMX: llama-cpp-python 0.3.36 built from source takes a
+    general protection fault at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` on the first token
+    there (llama.cpp #20824, Ollama #17249)."""
+    if setting == "on":
+        return True, "extra buffer types on (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=on)"
+    if setting == "off":
+        return False, "extra buffer types off (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=off)"
+    if cpu_has_amx() if amx is None else amx:
+        return False, "extra buffer types off: this CPU has AMX, where llama.cpp's AMX path crashes"
+    return True, "extra buffer types on"
+
+
+@contextlib.contextmanager
+def _model_params(**fields: Any):
+    """Set llama_model_params fields that llama_cpp.Llama() does not expose (use_extra_bufts).
+
+    Llama() builds its params from llama_model_default_params() and loads the model inside
+    its constructor, so the defaults are adjusted for the duration of that call. A runner
+    process loads one model at a time, so nothing else sees the change."""
+    import llama_cpp.llama_cpp as lib
+
+    original = lib.llama_model_default_params
+    if not fields:
+        yield
+        return
+
+    def patched():
+        params = original()
+        for k, v in fields.items():
+            setattr(params, k, v)
+        return params
+
+    lib.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = original
 
 
 def gpu_offload_supported() -> bool:
@@ -166,6 +227,7 @@ class LlamaCppBackend:
         self.spec = spec
         self.n_threads = int(spec.extra.get("n_threads") or physical_cores())
         self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
+        self.extra_bufts, self.extra_bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
         slots = max(1, spec.num_parallel)
         self._free: list = []  # idle contexts; a request takes the one sharing the longest prefix
         self._free_cv = threading.Condition()
@@ -176,7 +238,7 @@ class LlamaCppBackend:
                 self._contexts.append(llm)
                 self._free.append(llm)
         except Exception as exc:
-            self.close()
+            self._close()
             raise BackendError(f"llama.cpp failed to load {spec.name}: {exc}") from None
         main = self._contexts[0]
         self._main = main
@@ -186,17 +248,17 @@ class LlamaCppBackend:
         self._embed_lock = threading.Lock()
         self._tok_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=slots + 1, thread_name_prefix=f"llamacpp-{spec.name}")
-        est = estimate_memory(spec)
+        size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
         vram = int(spec.extra.get("size_vram", 0))
         self.info = BackendInfo(
             name="llama.cpp",
             device=device,
             processor=spec.extra.get("processor", "100% CPU"),
-            reason=spec.extra.get("reason", f"llama.cpp on CPU with {self.n_threads} threads"),
+            reason=f"{spec.extra.get('reason') or 'llama.cpp on CPU'}; {self.n_threads} threads, {self.extra_bufts_reason}",
             context_length=spec.num_ctx,
             slots=slots,
-            size_bytes=est.total_bytes,
+            size_bytes=size,
             size_vram_bytes=vram,
         )
 
@@ -213,15 +275,22 @@ class LlamaCppBackend:
         )
         if embedding:
             kwargs.update(embedding=True, n_batch=n_ctx, n_ubatch=n_ctx, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
-        return llama_cpp.Llama(**kwargs)
+        with _model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
+            return llama_cpp.Llama(**kwargs)
 
     # -- tokens ------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+    def _tokenize(self, text: str, add_special: bool = False) -> list[int]:
         with self._tok_lock:
             return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def _detokenize(self, token_ids: list[int]) -> str:
         return b"".join(_token_piece(self._llama_cpp, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return await asyncio.to_thread(self._tokenize, text, add_special)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return self._detokenize(token_ids)
 
     # -- generation ----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
@@ -271,7 +340,7 @@ class LlamaCppBackend:
 
     def _worker(self, request: GenerationRequest, emit, cancel: threading.Event, delivered: threading.Event) -> None:
         try:
-            tokens = list(request.prompt_token_ids or self.tokenize(request.prompt, request.add_special))
+            tokens = list(request.prompt_token_ids or self._tokenize(request.prompt, request.add_special))
         except Exception as exc:
             emit(BackendError(f"llama.cpp could not tokenize the prompt: {exc}"))
             return
@@ -382,8 +451,8 @@ class LlamaCppBackend:
         if top_n > 0:
             idx = np.argpartition(-logits, top_n)[:top_n]
             idx = idx[np.argsort(-logits[idx])]
-            top = [(self.detokenize([int(i)]), float(logits[i] - lse)) for i in idx]
-        return TokenLogprob(token=self.detokenize([token]), logprob=float(logits[token] - lse), top=top)
+            top = [(self._detokenize([int(i)]), float(logits[i] - lse)) for i in idx]
+        return TokenLogprob(token=self._detokenize([token]), logprob=float(logits[token] - lse), top=top)
 
     # -- embeddings ----------------------------------------------------------------------
     def _embed_sync(self, texts: list[str]) -> list[list[float]]:
@@ -402,7 +471,10 @@ class LlamaCppBackend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._embed_sync, texts)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
         ex = getattr(self, "_executor", None)
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)

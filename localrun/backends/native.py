@@ -118,10 +118,10 @@ class NativeBackend:
         )
         engine.start()
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special=add_special)
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
     def _logprobs(self, items) -> list[TokenLogprob]:
@@ -131,7 +131,7 @@ class NativeBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         ids = request.prompt_token_ids
         if ids is None:
-            ids = self.tokenize(request.prompt, add_special=request.add_special)
+            ids = await self.tokenize(request.prompt, add_special=request.add_special)
         if not ids:
             raise InvalidRequest("the prompt is empty")
         params = _params(request.options, len(ids), self.engine.config.max_model_len)
@@ -155,7 +155,7 @@ class NativeBackend:
             await stream.aclose()  # no-op when finished; aborts (and frees KV) otherwise
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
-        ids = [self.tokenize(t, add_special=True) for t in texts]
+        ids = [await self.tokenize(t, add_special=True) for t in texts]
         if any(not i for i in ids):
             raise InvalidRequest("cannot embed an empty input")
         try:
@@ -163,7 +163,10 @@ class NativeBackend:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
         self.engine.shutdown()
         if self.info.device == "CUDA":
             del self.engine

@@ -9,11 +9,14 @@ non-loopback address without an API key is refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
 import logging
+import signal
 import sys
+import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -224,6 +227,28 @@ def setup_logging(s: Settings) -> None:
     root.setLevel(level)
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM/SIGINT that ended in a graceful shutdown is a normal
+        exit (status 0), not the signal raised again once the shutdown is done."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def serve(s: Settings | None = None) -> int:
     """Run the daemon in the foreground until SIGINT/SIGTERM (`localrun serve`)."""
     import uvicorn
@@ -244,7 +269,7 @@ def serve(s: Settings | None = None) -> int:
     app = create_app(s)
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=10,
                             h11_max_incomplete_event_size=64 * 1024, access_log=False)
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:

@@ -309,10 +309,12 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
 
 
-def prepare_request(lease: Any, prompt: str, opts: SamplingOptions, add_special: bool) -> GenerationRequest:
-    """Tokenize, check the window (400 naming the limit), cap max_tokens at the window."""
-    backend = lease.backend
-    ids = backend.tokenize(prompt, add_special=add_special)
+async def prepare_request(lease: Any, prompt: str, opts: SamplingOptions, add_special: bool,
+                          ids: list[int] | None = None) -> GenerationRequest:
+    """Tokenize (unless `ids` are given), check the window (400 naming the limit), cap
+    max_tokens at the window."""
+    if ids is None:
+        ids = await lease.backend.tokenize(prompt, add_special=add_special)
     if not ids:
         raise InvalidRequest("the prompt is empty")
     window = lease.num_ctx

@@ -9,6 +9,11 @@
   more wait; beyond that ``Busy`` (503 + Retry-After) at once.
 - A request asking for a larger num_ctx than the loaded one reloads the model when it
   is idle; a smaller one runs in the loaded context with the smaller limit enforced.
+- Each loaded model lives in a runner process of its own (``localrun.backends.process``),
+  started by the ``loader`` (a parameter, so tests can hand in an in-process fake). A
+  runner that dies is forgotten at once: its requests got their errors from the runner's
+  proxy, and the next request loads the model again. A runner that dies while loading is
+  tried once more; a second death is an error naming the likely cause.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Backend, LoadSpec
+from localrun.backends.process import RunnerDied, describe_exit, likely_cause
 from localrun.backends.select import Choice, backend_module, choose, cuda_gpu, is_apple_silicon
 from localrun.config import Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
@@ -32,6 +38,8 @@ from localrun.server.memory import Plan, free_ram, plan_load
 log = logging.getLogger("localrun.manager")
 
 DEFAULT = object()  # "keep_alive not given": use LOCALRUN_KEEP_ALIVE
+
+Loader = Callable[[LoadSpec, str], Awaitable[Backend]]  # (spec, backend name) -> a loaded Backend
 
 
 @dataclass
@@ -77,11 +85,20 @@ class Runner:
             "backend": info.name,
             "processor": info.processor if info.name != "llama.cpp" else self.plan.processor,
             "device": info.device,
-            "reason": f"{self.choice.reason}; {self.plan.detail}",
+            "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
             "slots": info.slots,
             "active": self.active,
             "waiting": self.waiting,
+            **self._runner_ps(),
         }
+
+    def _runner_ps(self) -> dict[str, Any]:
+        """The runner process: its pid and memory (resident set, and VRAM its backend holds)."""
+        pid = getattr(self.backend, "pid", None)
+        if pid is None:
+            return {}
+        mem = self.backend.memory() if hasattr(self.backend, "memory") else {}
+        return {"runner": {"pid": pid, "rss_bytes": mem.get("rss", 0), "vram_bytes": mem.get("vram", 0)}}
 
 
 def _iso(ts: float) -> str:
@@ -122,10 +139,21 @@ def _maybe_cuda():
     return cuda_gpu()
 
 
+def runner_loader(settings: Settings) -> Loader:
+    """The daemon's loader: each model in a runner process of its own."""
+    from localrun.backends.process import start_runner
+
+    async def load(spec: LoadSpec, backend: str) -> Backend:
+        return await start_runner(spec, backend, timeout=settings.load_timeout, log_level=settings.log_level)
+
+    return load
+
+
 class ModelManager:
-    def __init__(self, settings: Settings, library: Any):
+    def __init__(self, settings: Settings, library: Any, loader: Loader | None = None):
         self.settings = settings
         self.library = library
+        self._loader = loader or runner_loader(settings)
         self.runners: dict[str, Runner] = {}
         self._load_lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -262,7 +290,7 @@ class ModelManager:
         while r.active and (deadline is None or time.monotonic() < deadline):
             await self._wait_change(0.5)
         try:
-            await asyncio.to_thread(r.backend.close)
+            await r.backend.close()
         except Exception:  # pragma: no cover
             log.exception("closing %s failed", name)
         log.info("unloaded %s", name)
@@ -319,7 +347,7 @@ class ModelManager:
                     spec.extra[k] = resolved.parameters[k]
         if "num_thread" in spec.extra:
             spec.extra["n_threads"] = int(spec.extra["num_thread"])
-        est = module.estimate_memory(spec)
+        est = await asyncio.to_thread(module.estimate_memory, spec)
         layers = int(getattr(resolved.info, "block_count", 0) or 1)
         while True:
             gpu_kind, gpu_free = None, None
@@ -347,24 +375,50 @@ class ModelManager:
             plan.n_gpu_layers = int(spec.extra["num_gpu"])
         spec.extra.update(n_gpu_layers=plan.n_gpu_layers, device=plan.device, processor=plan.processor,
                           reason=f"{choice.reason}; {plan.detail}", size_vram=plan.size_vram)
+        spec.extra.update(size_bytes=est.total_bytes, extra_buffers=self.settings.llamacpp_extra_buffers)
         log.info("loading %s with %s: %s; %s (num_ctx %d, %d slots)", key, choice.backend, choice.reason,
                  plan.summary, num_ctx, spec.num_parallel)
         t0 = time.perf_counter()
-        try:
-            backend = await asyncio.to_thread(module.load, spec)
-        except LocalrunError:
-            raise
-        except Exception as exc:
-            log.exception("loading %s failed", key)
-            raise BackendError(f"failed to load {key}: {type(exc).__name__}: {exc}") from None
+        backend = await self._start(spec, choice.backend)
         dt = time.perf_counter() - t0
         log.info("loaded %s in %.2fs", key, dt)
         runner = Runner(name=key, digest=resolved.digest, resolved=resolved, backend=backend, choice=choice,
                         plan=plan, num_ctx=num_ctx, load_seconds=dt, sem=asyncio.Semaphore(backend.info.slots),
                         keep_alive=self.settings.keep_alive)
         self.runners[key] = runner
+        exited = getattr(backend, "exited", None)
+        if exited is not None:
+            exited.add_done_callback(lambda _f: self._runner_exited(runner))
         self._notify()
         return runner
+
+    async def _start(self, spec: LoadSpec, backend: str) -> Backend:
+        """Load through the loader; a runner that dies while loading gets one more try."""
+        for attempt in (1, 2):
+            try:
+                return await self._loader(spec, backend)
+            except RunnerDied as exc:
+                if attempt == 1:
+                    log.warning("%s; trying once more", exc.message)
+                    continue
+                cause = likely_cause(exc.returncode, backend, spec.extra.get("extra_buffers"))
+                raise BackendError(f"the runner for {spec.name} died twice while loading it "
+                                   f"({describe_exit(exc.returncode)}); likely cause: {cause}") from None
+            except LocalrunError:
+                raise
+            except Exception as exc:
+                log.exception("loading %s failed", spec.name)
+                raise BackendError(f"failed to load {spec.name}: {type(exc).__name__}: {exc}") from None
+        raise AssertionError("unreachable")
+
+    def _runner_exited(self, runner: Runner) -> None:
+        """A runner process ended: forget it (unless it was being unloaded anyway)."""
+        if self.runners.get(runner.name) is runner:
+            del self.runners[runner.name]
+            runner.closing = True
+            log.warning("%s is no longer loaded: its runner process ended; the next request loads it again",
+                        runner.name)
+            self._notify()
 
     def ps(self) -> list[dict[str, Any]]:
         return [r.ps() for r in sorted(self.runners.values(), key=lambda r: -r.last_used)]

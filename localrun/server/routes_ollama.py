@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from datetime import datetime, timezone
@@ -19,6 +20,7 @@ from localrun.server.routes_openai import _embed_inputs
 from localrun.server.state import State, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
+log = logging.getLogger("localrun.server")
 _BACKGROUND: set = set()
 
 
@@ -274,7 +276,7 @@ async def _run(request: Request, st: State, resolved, body: dict, prompt: str, o
     if not stream:
         async def run():
             async with st.manager.use(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body)) as lease:
-                req = c.prepare_request(lease, prompt, opts, add_special=add_special)
+                req = await c.prepare_request(lease, prompt, opts, add_special=add_special)
                 res = await c.collect(lease, req)
                 return final(lease, res.text, res.finish_reason, res.usage)
 
@@ -282,7 +284,7 @@ async def _run(request: Request, st: State, resolved, body: dict, prompt: str, o
 
     lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
     try:
-        req = c.prepare_request(lease, prompt, opts, add_special=add_special)
+        req = await c.prepare_request(lease, prompt, opts, add_special=add_special)
     except BaseException:
         await release()
         raise
@@ -303,7 +305,10 @@ async def _run(request: Request, st: State, resolved, body: dict, prompt: str, o
                         if not calls and text:
                             yield ndjson(piece(text))
                     yield ndjson(final(lease, text, ch.finish_reason, ch.usage))
-        except LocalrunError as exc:
+        except Exception as exc:  # noqa: BLE001 - an error line ends the stream (Ollama's shape)
+            if not isinstance(exc, LocalrunError):
+                log.exception("stream failed")
+                exc = LocalrunError(f"internal error: {type(exc).__name__}")
             yield ndjson({"error": exc.public_message, "status": exc.status})
         finally:
             await release()
@@ -371,7 +376,7 @@ async def embed(request: Request):
     t0 = time.perf_counter_ns()
     async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
         vectors = await lease.backend.embed(texts)
-        n = sum(len(lease.backend.tokenize(t, add_special=True)) for t in texts)
+        n = sum([len(await lease.backend.tokenize(t, add_special=True)) for t in texts])
     return {"model": resolved.name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - t0,
             "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": n}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -14,6 +15,7 @@ from localrun.server import common as c
 from localrun.server.state import State, json_body, sse_response
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger("localrun.server")
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
@@ -107,6 +109,15 @@ def _completion_logprobs(lps: list, offset0: int = 0) -> dict:
             "top_logprobs": [{t: lp for t, lp in x.top} for x in lps], "text_offset": offsets}
 
 
+def stream_error(exc: BaseException) -> dict:
+    """An error inside a stream, in OpenAI's error shape (the HTTP status was already 200)."""
+    if not isinstance(exc, LocalrunError):
+        log.exception("stream failed")
+        exc = LocalrunError(f"internal error: {type(exc).__name__}")
+    etype = "invalid_request_error" if exc.status < 500 else "server_error"
+    return {"error": {"message": exc.public_message, "type": etype, "param": None, "code": exc.code}}
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -116,7 +127,9 @@ async def _lease_requests(st: State, resolved: Any, body: dict, num_ctx: int, pr
     load failure, prompt too long) raise here, before the 200, and release the lease."""
     lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
     try:
-        reqs = [c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True) for i in range(n)]
+        first = await c.prepare_request(lease, prompt, opts, add_special=True)
+        reqs = [first] + [await c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True,
+                                                  ids=first.prompt_token_ids) for i in range(1, n)]
     except BaseException:
         await release()
         raise
@@ -162,8 +175,9 @@ def _sse_stream(obj_type: str, cid: str, created: int, name: str, include_usage:
             if include_usage:
                 yield chunk([], _usage(totals.prompt_tokens, totals.completion, totals.cached))
             yield b"data: [DONE]\n\n"
-        except LocalrunError as exc:
-            yield _sse({"error": {"message": exc.public_message, "type": exc.code, "code": exc.status}})
+        except Exception as exc:  # noqa: BLE001 - an error event, then a proper end (as vLLM does)
+            yield _sse(stream_error(exc))
+            yield b"data: [DONE]\n\n"
         finally:
             await release()
 
@@ -208,9 +222,10 @@ async def chat_completions(request: Request):
     if not stream:
         async def run():
             async with st.manager.use(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body)) as lease:
-                results = []
+                results, ids = [], None
                 for i in range(n):
-                    req = c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True)
+                    req = await c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True, ids=ids)
+                    ids = req.prompt_token_ids
                     results.append(await c.collect(lease, req))
                 return results
 
@@ -284,8 +299,12 @@ async def completions(request: Request):
     if not stream:
         async def run():
             async with st.manager.use(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body)) as lease:
-                return [await c.collect(lease, c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True))
-                        for i in range(n)]
+                results, ids = [], None
+                for i in range(n):
+                    req = await c.prepare_request(lease, prompt, _seeded(opts, i), add_special=True, ids=ids)
+                    ids = req.prompt_token_ids
+                    results.append(await c.collect(lease, req))
+                return results
 
         results = await c.until_disconnected(request, run())
         choices = [{"index": i, "text": (prompt if echo else "") + r.text,
@@ -324,7 +343,7 @@ async def embeddings(request: Request):
     resolved = await st.resolve(model)
     async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
         vectors = await lease.backend.embed(texts)
-        n_tokens = sum(len(lease.backend.tokenize(t, add_special=True)) for t in texts)
+        n_tokens = sum([len(await lease.backend.tokenize(t, add_special=True)) for t in texts])
     dims = c.get_int(body, "dimensions", 1)
     if dims is not None:
         vectors = [v[:dims] for v in vectors]

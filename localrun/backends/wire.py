@@ -1,0 +1,92 @@
+"""What crosses the pipe between the daemon and a runner process: plain JSON-able dicts.
+
+Every message is one JSON object in one ZMQ frame. Daemon -> runner: ``{"op": ..., "id": ...}``
+(generate, abort, delivered, tokenize, detokenize, embed, close). Runner -> daemon:
+``{"t": ..., "id": ...}`` (ready, load_error, chunk, error, result, fatal). The codecs here turn
+the Backend protocol's dataclasses into those dicts and back; errors travel as their class
+name, status and message so the daemon re-raises the same typed error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from localrun import errors
+from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, SamplingOptions, TokenLogprob, Usage
+
+
+def dumps(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> dict:
+    return json.loads(data)
+
+
+# -- requests -------------------------------------------------------------------------------
+def request_to_wire(r: GenerationRequest) -> dict:
+    return {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
+            "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids}
+
+
+def request_from_wire(d: dict) -> GenerationRequest:
+    return GenerationRequest(prompt=d["prompt"], options=SamplingOptions(**d["options"]), request_id=d["request_id"],
+                             add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"])
+
+
+# -- chunks ---------------------------------------------------------------------------------
+def chunk_to_wire(c: Chunk) -> dict:
+    d: dict[str, Any] = {"x": c.text, "i": c.token_ids}
+    if c.logprobs:
+        d["lp"] = [[lp.token, lp.logprob, lp.top] for lp in c.logprobs]
+    if c.finish_reason is not None:
+        d["f"] = c.finish_reason
+    if c.usage is not None:
+        d["u"] = dict(c.usage.__dict__)
+    return d
+
+
+def chunk_from_wire(d: dict) -> Chunk:
+    lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
+    return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
+                 usage=Usage(**d["u"]) if "u" in d else None)
+
+
+# -- load spec and info -----------------------------------------------------------------------
+def spec_to_wire(s: LoadSpec) -> dict:
+    """Only JSON-able extras travel (the daemon's parsed GGUF header stays behind)."""
+    extra = {k: v for k, v in s.extra.items() if isinstance(v, (str, int, float, bool, type(None)))}
+    return {"name": s.name, "weights": str(s.weights), "format": s.format, "num_ctx": s.num_ctx,
+            "num_parallel": s.num_parallel, "embedding": s.embedding, "extra": extra}
+
+
+def spec_from_wire(d: dict) -> LoadSpec:
+    from pathlib import Path
+
+    return LoadSpec(name=d["name"], weights=Path(d["weights"]), format=d["format"], num_ctx=d["num_ctx"],
+                    num_parallel=d["num_parallel"], embedding=d["embedding"], extra=dict(d["extra"]))
+
+
+def info_to_wire(i: BackendInfo) -> dict:
+    return dict(i.__dict__)
+
+
+def info_from_wire(d: dict) -> BackendInfo:
+    return BackendInfo(**d)
+
+
+# -- errors ---------------------------------------------------------------------------------
+_ERRORS = {cls.__name__: cls for cls in (errors.LocalrunError, errors.InvalidRequest, errors.NotFound,
+                                         errors.Conflict, errors.InsufficientMemory, errors.BackendError)}
+
+
+def error_to_wire(exc: BaseException) -> dict:
+    if isinstance(exc, errors.LocalrunError) and type(exc).__name__ in _ERRORS:
+        return {"type": type(exc).__name__, "message": exc.message, "status": exc.status, "code": exc.code}
+    return {"type": "BackendError", "message": f"{type(exc).__name__}: {exc}", "status": 500, "code": "backend_error"}
+
+
+def error_from_wire(d: dict) -> errors.LocalrunError:
+    cls = _ERRORS.get(d.get("type", ""), errors.BackendError)
+    return cls(d.get("message", "backend error"), status=d.get("status"), code=d.get("code"))

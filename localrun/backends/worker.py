@@ -1,0 +1,214 @@
+"""A runner process: one loaded model behind the Backend protocol, driven by the daemon.
+
+``python -m localrun.backends.worker ADDRESS`` is started by the daemon
+(``localrun.backends.process``), never by hand. The first line on stdin is the load
+order (JSON: backend name and LoadSpec); stdin then stays open, and its EOF means the
+daemon is gone, so the runner exits (on Linux the kernel also sends SIGKILL when the
+daemon dies: PR_SET_PDEATHSIG). The runner connects a ZMQ DEALER socket to ADDRESS,
+loads the model, says ``ready`` with its BackendInfo, then serves generate / abort /
+tokenize / detokenize / embed / close messages until told to close.
+
+A native crash here (llama.cpp, CUDA) kills only this process: the daemon turns it into
+an error on the requests this runner held, and loads the model again on the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from localrun.backends import wire
+from localrun.errors import BackendError, LocalrunError
+
+log = logging.getLogger("localrun.runner")
+
+FIRST_CHUNK_WAIT = 0.05  # seconds the backend may pause after the first token until the daemon has it (TTFT)
+EXIT_LOAD_FAILED = 3
+EXIT_FATAL = 70  # the backend reported an unrecoverable state (e.g. a CUDA error)
+
+
+def _die_with_parent() -> None:
+    """No runner outlives the daemon: SIGKILL when the parent dies (Linux), checked once
+    after arming so a parent that died before this line is noticed too."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except Exception:  # pragma: no cover - the stdin watch below still covers it
+            pass
+    if os.getppid() != parent or parent == 1:
+        os._exit(0)
+
+
+def _read_line(fd: int) -> bytes:
+    """One line from a raw fd, byte by byte (the rest of stdin is left for _watch_stdin)."""
+    out = bytearray()
+    while True:
+        b = os.read(fd, 1)
+        if not b or b == b"\n":
+            return bytes(out)
+        out += b
+
+
+def _watch_stdin() -> None:
+    """EOF on stdin: the daemon closed its end or died. Exit without ceremony."""
+    try:
+        while os.read(0, 65536):  # raw reads: no buffered-reader lock to trip over at exit
+            pass
+    except OSError:
+        pass
+    os._exit(0)
+
+
+class Runner:
+    def __init__(self, sock: Any, backend: Any) -> None:
+        self.sock, self.backend = sock, backend
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.delivered: dict[int, asyncio.Event] = {}
+
+    def send(self, obj: dict) -> None:
+        self.sock.send(wire.dumps(obj))
+
+    async def serve(self) -> None:
+        while True:
+            msg = wire.loads(await self.sock.recv())
+            op, rid = msg.get("op"), msg.get("id")
+            if op == "generate":
+                self.delivered[rid] = asyncio.Event()
+                self.tasks[rid] = asyncio.get_running_loop().create_task(self.generate(rid, msg["request"]))
+            elif op == "abort":
+                task = self.tasks.get(rid)
+                if task is not None:
+                    task.cancel()
+            elif op == "delivered":
+                ev = self.delivered.get(rid)
+                if ev is not None:
+                    ev.set()
+            elif op in ("tokenize", "detokenize", "embed"):
+                self.tasks[rid] = asyncio.get_running_loop().create_task(self.call(rid, op, msg))
+            elif op == "close":
+                return
+            else:
+                log.warning("unknown message %r", op)
+
+    async def generate(self, rid: int, request: dict) -> None:
+        gen = self.backend.generate(wire.request_from_wire(request))
+        first = True
+        try:
+            async for chunk in gen:
+                self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
+                if chunk.finish_reason is not None:
+                    break
+                if first:  # let the daemon hand the first token on before decoding takes the CPU
+                    first = False
+                    try:
+                        await asyncio.wait_for(self.delivered[rid].wait(), FIRST_CHUNK_WAIT)
+                    except asyncio.TimeoutError:
+                        pass
+        except asyncio.CancelledError:
+            pass  # aborted by the daemon: closing the generator below frees the backend's slot
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the daemon, typed
+            if not isinstance(exc, LocalrunError):
+                log.exception("generation failed")
+            self.send({"t": "error", "id": rid, "error": wire.error_to_wire(exc)})
+        finally:
+            await gen.aclose()
+            self.tasks.pop(rid, None)
+            self.delivered.pop(rid, None)
+        self.check_fatal()
+
+    async def call(self, rid: int, op: str, msg: dict) -> None:
+        try:
+            if op == "tokenize":
+                result: Any = await self.backend.tokenize(msg["text"], msg.get("add_special", False))
+            elif op == "detokenize":
+                result = await self.backend.detokenize(msg["ids"])
+            else:
+                result = await self.backend.embed(msg["texts"])
+            self.send({"t": "result", "id": rid, "result": result})
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            if not isinstance(exc, LocalrunError):
+                log.exception("%s failed", op)
+            self.send({"t": "error", "id": rid, "error": wire.error_to_wire(exc)})
+        finally:
+            self.tasks.pop(rid, None)
+        self.check_fatal()
+
+    def check_fatal(self) -> None:
+        """A backend that says it cannot go on (a CUDA error poisons the context) ends the runner;
+        the daemon loads the model afresh on the next request."""
+        fatal = getattr(self.backend, "fatal", None)
+        if fatal:
+            log.error("unrecoverable backend error, exiting: %s", fatal)
+            self.send({"t": "fatal", "message": str(fatal)})
+            os._exit(EXIT_FATAL)
+
+
+async def _main(address: str, order: dict) -> int:
+    import zmq
+    import zmq.asyncio
+
+    from localrun.backends.select import backend_module
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    spec = wire.spec_from_wire(order["spec"])
+    try:
+        module = backend_module(order["backend"])
+        backend = await asyncio.to_thread(module.load, spec)
+    except Exception as exc:  # noqa: BLE001 - the daemon shows this to the user
+        if not isinstance(exc, LocalrunError):
+            log.exception("loading %s failed", spec.name)
+            exc = BackendError(f"failed to load {spec.name}: {type(exc).__name__}: {exc}")
+        await sock.send(wire.dumps({"t": "load_error", "error": wire.error_to_wire(exc)}))
+        sock.close()
+        return EXIT_LOAD_FAILED
+    await sock.send(wire.dumps({"t": "ready", "pid": os.getpid(), "info": wire.info_to_wire(backend.info)}))
+    runner = Runner(sock, backend)
+    try:
+        await runner.serve()
+    finally:
+        for task in list(runner.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*runner.tasks.values(), return_exceptions=True)
+        await backend.close()
+        sock.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m localrun.backends.worker ADDRESS  (started by the localrun daemon)", file=sys.stderr)
+        return 2
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when a runner stops
+    order = wire.loads(_read_line(0) or b"{}")
+    if "spec" not in order:
+        return 2
+    threading.Thread(target=_watch_stdin, name="stdin-watch", daemon=True).start()
+    level = order.get("log_level", "info").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s runner[{os.getpid()} "
+                                           f"{order['spec']['name']}] %(name)s: %(message)s"))
+    root = logging.getLogger("localrun")
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level, logging.INFO))
+    return asyncio.run(_main(args[0], order))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
