@@ -67,3 +67,21 @@ def test_non_loopback_bind_needs_api_key():
     assert "LOCALRUN_API_KEY" in str(e.value)
     check_bind(settings({"LOCALRUN_HOST": "0.0.0.0:11480", "LOCALRUN_API_KEY": "k"}))
     check_bind(settings({"LOCALRUN_HOST": "127.0.0.1:11480"}))
+
+
+def test_gpu_probe_asks_nvidia_smi_not_torch(tmp_path, monkeypatch):
+    """The daemon reads the GPU from nvidia-smi, so it never creates a CUDA context of its own."""
+    import sys
+
+    from localrun.backends import select
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 9.0, 80000, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "torch", None)  # importing torch would fail: it must not be asked
+    gpu = select.cuda_gpu()
+    assert gpu == GPU("NVIDIA H100 80GB HBM3", (9, 0), 80000 * 2**20, 81559 * 2**20)
+    smi.write_text("#!/bin/sh\necho 'garbage'\n")
+    monkeypatch.setattr(select.importlib.util, "find_spec", lambda name: None)  # and no torch either
+    assert select.cuda_gpu() is None

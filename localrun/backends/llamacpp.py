@@ -37,6 +37,7 @@ from localrun.backends.base import (
     Usage,
 )
 from localrun.errors import BackendError, InvalidRequest
+from localrun.stop_strings import StopScanner
 
 log = logging.getLogger("localrun.llamacpp")
 
@@ -180,33 +181,6 @@ def _common_prefix(llm, tokens: list[int]) -> int:
             break
         n += 1
     return n
-
-
-class _StopScanner:
-    """Holds back just enough text to catch stop strings that span tokens."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        if self.hold == 0:
-            out, self.pending = self.pending, ""
-        else:
-            out, self.pending = self.pending[: -self.hold], self.pending[-self.hold:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 def json_schema_grammar(schema: dict[str, Any]):
@@ -388,7 +362,7 @@ class LlamaCppBackend:
         if o.max_tokens is not None:
             limit = min(limit, o.max_tokens)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        stops = _StopScanner(o.stop)
+        stops = StopScanner(o.stop)
         stop_ids = set(o.stop_token_ids)
         n_out = 0
         t_first = None

@@ -13,6 +13,8 @@ import importlib
 import importlib.util
 import logging
 import platform
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -38,7 +40,14 @@ class Choice:
 
 
 def cuda_gpu() -> GPU | None:
-    """The first CUDA GPU as torch sees it (free memory read fresh), or None."""
+    """The first CUDA GPU (free memory read fresh), or None.
+
+    Asked of nvidia-smi first, so the daemon never creates a CUDA context of its own (that
+    would hold VRAM in the daemon; the runner processes own the GPU). torch is the fallback
+    where nvidia-smi is missing."""
+    gpu = _nvidia_smi_gpu()
+    if gpu is not None:
+        return gpu
     if importlib.util.find_spec("torch") is None:
         return None
     try:
@@ -50,6 +59,21 @@ def cuda_gpu() -> GPU | None:
         return GPU(torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0)), int(free), int(total))
     except Exception as exc:  # broken driver etc.: run on CPU and say so in the log
         log.warning("CUDA probe failed (%s); treating this machine as CPU-only", exc)
+        return None
+
+
+def _nvidia_smi_gpu() -> GPU | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,compute_cap,memory.free,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        name, cap, free, total = [x.strip() for x in out.stdout.splitlines()[0].split(",")]
+        major, minor = cap.split(".")
+        return GPU(name, (int(major), int(minor)), int(float(free)) * 2**20, int(float(total)) * 2**20)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        log.info("nvidia-smi gave no usable answer (%s); asking torch", exc)
         return None
 
 

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
 
     from localrun.backends.llamacpp import physical_cores
+    from localrun.config import settings as settings_from_env
 
     gguf = _smollm2()
     threads = args.threads or physical_cores()
@@ -133,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                 last = [json.loads(x) for x in r.iter_lines() if x.strip()][-1]
             if last.get("status") != "success":
                 raise SystemExit(f"create failed: {last}")
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=args.num_ctx, n_threads=threads, n_threads_batch=threads,
-                              verbose=False)
+        from localrun.backends.llamacpp import _model_params, extra_buffers
+
+        use_extra, _ = extra_buffers(settings_from_env().llamacpp_extra_buffers)  # what the daemon does too
+        with _model_params(**({} if use_extra else {"use_extra_bufts": False})):
+            llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=args.num_ctx, n_threads=threads,
+                                  n_threads_batch=threads, verbose=False)
         # warm both sides (daemon: loads the model)
         run_direct(llm, _prompt(999), 8)
         run_daemon(http, model, _prompt(998), 8)
