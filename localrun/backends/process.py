@@ -3,9 +3,10 @@
 :func:`start_runner` starts ``python -m localrun.backends.worker`` (a new session, so a
 terminal's Ctrl+C reaches only the daemon), hands it the load order on stdin, and waits
 until it says ``ready`` (or fails, or dies). The :class:`RemoteBackend` it returns
-implements the Backend protocol over a ZMQ DEALER socket on a private ``ipc://`` path:
-tokens stream back per request, closing a stream sends ``abort`` (the runner frees the
-slot / KV pages), errors come back typed.
+implements the Backend protocol over one end of a Unix socket pair (no path on disk, no
+port: nothing else can connect; :class:`localrun.backends.wire.Channel`): tokens stream
+back per request, closing a stream sends ``abort`` (the runner frees the slot / KV pages),
+errors come back typed. The pipe adds no thread: both ends are read by their event loops.
 
 A runner that dies (a signal, the OOM killer, a native crash, a CUDA error) fails every
 request it held with :class:`RunnerDied` naming the model and the signal, and resolves
@@ -19,10 +20,9 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
 import signal
+import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -90,9 +90,9 @@ def likely_cause(returncode: int | None, backend: str, extra_buffers: str | None
 class RemoteBackend:
     """The Backend protocol, served by a runner process."""
 
-    def __init__(self, name: str, backend: str, proc: asyncio.subprocess.Process, sock: Any, sockdir: str,
+    def __init__(self, name: str, backend: str, proc: asyncio.subprocess.Process, chan: wire.Channel,
                  extra_buffers: str | None = None) -> None:
-        self.name, self.backend_name, self.proc, self.sock, self._sockdir = name, backend, proc, sock, sockdir
+        self.name, self.backend_name, self.proc, self.chan = name, backend, proc, chan
         self.pid = proc.pid
         self.info: BackendInfo | None = None
         self.extra_buffers = extra_buffers
@@ -110,17 +110,13 @@ class RemoteBackend:
     # -- the pipe ------------------------------------------------------------------------------
     def _send(self, obj: dict) -> None:
         if self.returncode is None:
-            self.sock.send(wire.dumps(obj))
+            self.chan.send(obj)
 
     async def _read(self) -> None:
         while True:
             try:
-                msg = wire.loads(await self.sock.recv())
-            except asyncio.CancelledError:
-                return
-            except Exception as exc:  # a closed socket at shutdown
-                if self.returncode is None and not self._closing:
-                    log.warning("%s: reading from the runner failed: %s", self.name, exc)
+                msg = await self.chan.recv()
+            except EOFError:  # the runner is gone (or closing): _watch reports why
                 return
             t, rid = msg.get("t"), msg.get("id")
             if t == "chunk":
@@ -148,7 +144,10 @@ class RemoteBackend:
 
     async def _watch(self) -> None:
         rc = await self.proc.wait()
-        await asyncio.sleep(0.05)  # let the reader take what the runner sent before it went
+        try:  # let the reader take what the runner sent before it went (it stops at EOF)
+            await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
+        except asyncio.TimeoutError:
+            pass
         self.returncode = rc
         during_load = not self._ready.done()
         if self._closing:
@@ -172,8 +171,7 @@ class RemoteBackend:
                 f.set_exception(err)
         self._calls.clear()
         self._reader.cancel()
-        self.sock.close(linger=0)
-        shutil.rmtree(self._sockdir, ignore_errors=True)
+        self.chan.close()
         if not self.exited.done():
             self.exited.set_result(err)
 
@@ -287,18 +285,6 @@ def _merge(a: Chunk, b: Chunk) -> Chunk:
                  finish_reason=b.finish_reason, usage=b.usage)
 
 
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        import zmq.asyncio
-
-        _CTX = zmq.asyncio.Context()
-    return _CTX
-
-
 def _runner_env() -> dict[str, str]:
     """The daemon's environment, with localrun importable from the same place."""
     env = dict(os.environ)
@@ -313,26 +299,18 @@ async def start_runner(spec: LoadSpec, backend: str, *, timeout: float | None = 
     """Start a runner process for `spec` on `backend` ("llamacpp" | "native") and wait until it
     has loaded the model. Raises the runner's typed load error, or RunnerDied when it died
     while loading, or BackendError after `timeout` seconds (the runner is then killed)."""
-    import zmq
-
-    sockdir = tempfile.mkdtemp(prefix="localrun-runner-")  # 0700: only this user can connect
-    sock = _context().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if hasattr(zmq, "IPC_PATH_MAX_LEN") and sys.platform != "win32":
-        address = f"ipc://{sockdir}/runner.sock"
-        sock.bind(address)
-    else:  # pragma: no cover - Windows has no ipc transport
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        address = f"tcp://127.0.0.1:{port}"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "localrun.backends.worker", address, stdin=asyncio.subprocess.PIPE,
-            env=_runner_env(), start_new_session=True)
+            sys.executable, "-m", "localrun.backends.worker", str(theirs.fileno()), stdin=asyncio.subprocess.PIPE,
+            env=_runner_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
+        chan = await wire.Channel.connect(ours)
     except Exception:
-        sock.close(linger=0)
-        shutil.rmtree(sockdir, ignore_errors=True)
+        ours.close()
         raise
-    remote = RemoteBackend(spec.name, backend, proc, sock, sockdir, spec.extra.get("extra_buffers"))
+    finally:
+        theirs.close()  # the runner holds its own copy
+    remote = RemoteBackend(spec.name, backend, proc, chan, spec.extra.get("extra_buffers"))
     order = {"backend": backend, "spec": wire.spec_to_wire(spec), "log_level": log_level}
     assert proc.stdin is not None
     proc.stdin.write(wire.dumps(order) + b"\n")  # stdin stays open: its EOF tells the runner we are gone

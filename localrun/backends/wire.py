@@ -1,6 +1,7 @@
 """What crosses the pipe between the daemon and a runner process: plain JSON-able dicts.
 
-Every message is one JSON object in one ZMQ frame. Daemon -> runner: ``{"op": ..., "id": ...}``
+The pipe is one end of a Unix socket pair each (:class:`Channel`): every message is a 4-byte
+little-endian length, then one JSON object. Daemon -> runner: ``{"op": ..., "id": ...}``
 (generate, abort, delivered, tokenize, detokenize, embed, close). Runner -> daemon:
 ``{"t": ..., "id": ...}`` (ready, load_error, chunk, error, result, fatal). The codecs here turn
 the Backend protocol's dataclasses into those dicts and back; errors travel as their class
@@ -9,11 +10,16 @@ name, status and message so the daemon re-raises the same typed error.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from typing import Any
 
 from localrun import errors
 from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, SamplingOptions, TokenLogprob, Usage
+
+
+MAX_MESSAGE = 256 * 2**20  # bytes; embeddings of many long inputs stay well under this
 
 
 def dumps(obj: dict) -> bytes:
@@ -22,6 +28,40 @@ def dumps(obj: dict) -> bytes:
 
 def loads(data: bytes) -> dict:
     return json.loads(data)
+
+
+class Channel:
+    """Length-prefixed JSON messages over a connected stream socket, on the running loop.
+
+    ``send`` never blocks (asyncio's transport buffers); both ends read all the time, so the
+    buffer stays small. ``recv`` raises EOFError when the peer is gone."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, sock: socket.socket) -> "Channel":
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(reader, writer)
+
+    def send(self, obj: dict) -> None:
+        data = dumps(obj)
+        self.writer.write(len(data).to_bytes(4, "little") + data)
+
+    async def recv(self) -> dict:
+        try:
+            n = int.from_bytes(await self.reader.readexactly(4), "little")
+            if n > MAX_MESSAGE:
+                raise EOFError(f"message of {n} bytes is over the {MAX_MESSAGE} byte limit")
+            return loads(await self.reader.readexactly(n))
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise EOFError(str(exc)) from None
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 # -- requests -------------------------------------------------------------------------------

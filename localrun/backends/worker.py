@@ -1,12 +1,12 @@
 """A runner process: one loaded model behind the Backend protocol, driven by the daemon.
 
-``python -m localrun.backends.worker ADDRESS`` is started by the daemon
-(``localrun.backends.process``), never by hand. The first line on stdin is the load
-order (JSON: backend name and LoadSpec); stdin then stays open, and its EOF means the
-daemon is gone, so the runner exits (on Linux the kernel also sends SIGKILL when the
-daemon dies: PR_SET_PDEATHSIG). The runner connects a ZMQ DEALER socket to ADDRESS,
-loads the model, says ``ready`` with its BackendInfo, then serves generate / abort /
-tokenize / detokenize / embed / close messages until told to close.
+``python -m localrun.backends.worker FD`` is started by the daemon
+(``localrun.backends.process``), never by hand; FD is its end of a Unix socket pair. The
+first line on stdin is the load order (JSON: backend name and LoadSpec); stdin then stays
+open, and its EOF means the daemon is gone, so the runner exits (on Linux the kernel also
+sends SIGKILL when the daemon dies: PR_SET_PDEATHSIG). The runner loads the model, says
+``ready`` with its BackendInfo, then serves generate / abort / tokenize / detokenize /
+embed / close messages (:mod:`localrun.backends.wire`) until told to close.
 
 A native crash here (llama.cpp, CUDA) kills only this process: the daemon turns it into
 an error on the requests this runner held, and loads the model again on the next one.
@@ -70,17 +70,20 @@ def _watch_stdin() -> None:
 
 
 class Runner:
-    def __init__(self, sock: Any, backend: Any) -> None:
-        self.sock, self.backend = sock, backend
+    def __init__(self, chan: wire.Channel, backend: Any) -> None:
+        self.chan, self.backend = chan, backend
         self.tasks: dict[int, asyncio.Task] = {}
         self.delivered: dict[int, asyncio.Event] = {}
 
     def send(self, obj: dict) -> None:
-        self.sock.send(wire.dumps(obj))
+        self.chan.send(obj)
 
     async def serve(self) -> None:
         while True:
-            msg = wire.loads(await self.sock.recv())
+            try:
+                msg = await self.chan.recv()
+            except EOFError:  # the daemon is gone
+                return
             op, rid = msg.get("op"), msg.get("id")
             if op == "generate":
                 self.delivered[rid] = asyncio.Event()
@@ -155,16 +158,12 @@ class Runner:
             os._exit(EXIT_FATAL)
 
 
-async def _main(address: str, order: dict) -> int:
-    import zmq
-    import zmq.asyncio
+async def _main(fd: int, order: dict) -> int:
+    import socket
 
     from localrun.backends.select import backend_module
 
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
+    chan = await wire.Channel.connect(socket.socket(fileno=fd))
     spec = wire.spec_from_wire(order["spec"])
     try:
         module = backend_module(order["backend"])
@@ -173,11 +172,12 @@ async def _main(address: str, order: dict) -> int:
         if not isinstance(exc, LocalrunError):
             log.exception("loading %s failed", spec.name)
             exc = BackendError(f"failed to load {spec.name}: {type(exc).__name__}: {exc}")
-        await sock.send(wire.dumps({"t": "load_error", "error": wire.error_to_wire(exc)}))
-        sock.close()
+        chan.send({"t": "load_error", "error": wire.error_to_wire(exc)})
+        await chan.drain()
+        chan.close()
         return EXIT_LOAD_FAILED
-    await sock.send(wire.dumps({"t": "ready", "pid": os.getpid(), "info": wire.info_to_wire(backend.info)}))
-    runner = Runner(sock, backend)
+    chan.send({"t": "ready", "pid": os.getpid(), "info": wire.info_to_wire(backend.info)})
+    runner = Runner(chan, backend)
     try:
         await runner.serve()
     finally:
@@ -185,14 +185,18 @@ async def _main(address: str, order: dict) -> int:
             task.cancel()
         await asyncio.gather(*runner.tasks.values(), return_exceptions=True)
         await backend.close()
-        sock.close()
+        try:
+            await chan.drain()
+        except ConnectionError:
+            pass
+        chan.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m localrun.backends.worker ADDRESS  (started by the localrun daemon)", file=sys.stderr)
+    if len(args) != 1 or not args[0].isdigit():
+        print("usage: python -m localrun.backends.worker FD  (started by the localrun daemon)", file=sys.stderr)
         return 2
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when a runner stops
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     root = logging.getLogger("localrun")
     root.addHandler(handler)
     root.setLevel(getattr(logging, level, logging.INFO))
-    return asyncio.run(_main(args[0], order))
+    return asyncio.run(_main(int(args[0]), order))
 
 
 if __name__ == "__main__":
