@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localrun.errors import InvalidRequest
+from localrun.library.paths import open_regular
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -259,23 +259,6 @@ def _file_type_name(value: int | None, tensor_types: dict[int, int]) -> str:
     return "unknown"
 
 
-def _open_regular(path: Path, what: str):
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise InvalidRequest(f"{what}: no such file") from None
-    except OSError as e:
-        raise InvalidRequest(f"{what}: cannot read it ({e.strerror})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise InvalidRequest(f"{what} is a directory, not a GGUF file")
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidRequest(f"{what} is not a regular file (device, FIFO or socket)")
-    try:
-        return open(path, "rb"), st.st_size
-    except OSError as e:
-        raise InvalidRequest(f"{what}: cannot read it ({e.strerror})") from None
-
-
 def read_gguf_info(path: str | os.PathLike, *, display_name: str | None = None) -> GGUFInfo:
     """Validate a GGUF file's header and tensor table and describe it.
 
@@ -285,7 +268,7 @@ def read_gguf_info(path: str | os.PathLike, *, display_name: str | None = None) 
     """
     p = Path(path)
     what = display_name or p.name
-    f, size = _open_regular(p, what)
+    f, size = open_regular(p, what)
     with f:
         if size < 24:
             raise InvalidRequest(f"{what} is not a valid GGUF: the file is only {size} bytes (truncated?)")
