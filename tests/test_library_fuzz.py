@@ -370,3 +370,48 @@ def test_digests_and_filenames_only_invalid_request(text):
         except InvalidRequest:
             continue
         assert "/" not in out and ".." not in out and "\x00" not in out
+
+
+# --------------------------------------------------------------------------- FROM paths through create
+
+@pytest.fixture(scope="module")
+def from_base(tmp_path_factory):
+    """A directory holding every kind of awkward entry, and a library beside it."""
+    from localrun.library import Library
+
+    d = tmp_path_factory.mktemp("from")
+    base = d / "base"
+    base.mkdir()
+    os.mkfifo(base / "fifo.gguf")
+    os.symlink("loop.gguf", base / "loop.gguf")
+    os.symlink("/nonexistent/target", base / "dangling.gguf")
+    (base / "file").write_text("not a model")
+    (base / "dir.gguf").mkdir()
+    (base / "st").mkdir()
+    (base / "st" / "config.json").write_text("[1, 2]")
+    (base / "st" / "model.safetensors").write_bytes(b"\xff" * 16)
+    return base, Library(d / "models")
+
+
+_segments = st.sampled_from(["..", ".", "~", "", "a" * 255, "a" * 256, "fifo.gguf", "loop.gguf", "dangling.gguf", "file",
+                             "dir.gguf", "st", "x.gguf", "dev", "null", "proc", "\t", "\x1b", "é", "a:b", " "])
+
+
+@FUZZ
+@given(parts=st.lists(_segments, min_size=1, max_size=12), lead=st.sampled_from(["", "./", "/", "~/", "../"]),
+       repeat=st.sampled_from([1, 1, 1, 40]))
+def test_create_from_awkward_paths(from_base, parts, lead, repeat):
+    """Whatever FROM names (a path of any shape, or a name), create answers a 4xx naming
+    no directory of the server, or succeeds; never another exception."""
+    from localrun.errors import LocalrunError
+
+    base, lib = from_base
+    text = lead + "/".join(parts * repeat)
+    if not text.strip():
+        return
+    try:
+        lib.create("x", f'FROM "{text}"' if text != text.strip() else f"FROM {text}", base_dir=base)
+    except LocalrunError as e:
+        assert 400 <= e.status < 500, (text[:80], e.status, e.message[:200])
+        assert str(base) not in e.message and str(base.parent) not in e.message, e.message[:300]
+        assert "Errno" not in e.message and len(e.message) < 2000
