@@ -6,7 +6,8 @@
     SYSTEM \"\"\"You are ...\"\"\"   # \"\"\"...\"\"\" spans lines; "..." is one line
     TEMPLATE ...  MESSAGE user ...  LICENSE ...  ADAPTER ./lora.gguf
 
-Errors raise InvalidRequest naming the line ("Modelfile line 3: ...").
+ADAPTER parses (Ollama's Modelfiles carry it) but Library.create refuses it until a
+backend applies adapters. Errors raise InvalidRequest naming the line ("Modelfile line 3: ...").
 """
 
 from __future__ import annotations
