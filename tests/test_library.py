@@ -220,8 +220,7 @@ def test_default_model_offline(tmp_path, monkeypatch, smollm2_gguf):
     assert r.name == "smollm2:135m" and r.format == "gguf" and r.info.architecture == "llama"
     assert r.weights == lib.store.blob_path(SMOL_SHA)
     assert r.weights.stat().st_size == 98362432
-    if r.weights.stat().st_dev == smollm2_gguf.stat().st_dev:
-        assert r.weights.stat().st_ino == smollm2_gguf.stat().st_ino  # hard link, no copy
+    assert r.weights.stat().st_ino != smollm2_gguf.stat().st_ino  # a copy: the package's file is not the blob
     assert r.template and "<|im_start|>" in r.template  # from the GGUF
     assert r.parameters == {"stop": ["<|im_end|>"]}
     # a second pull transfers nothing and is quick; "smollm2" finds the default tag
@@ -305,10 +304,10 @@ def test_import_local_gguf_and_safetensors(tmp_path, lib):
     from safetensors.numpy import save_file
 
     g = make_gguf(tmp_path / "tiny.gguf")
-    r = lib.create("tiny", "FROM ./tiny.gguf\nSYSTEM hi\nADAPTER ./tiny.gguf\n", base_dir=tmp_path)
+    r = lib.create("tiny", "FROM ./tiny.gguf\nSYSTEM hi\n", base_dir=tmp_path)
     assert r.format == "gguf" and r.info.parameter_count == 64 * 32 + 32 * 32
-    assert r.weights.stat().st_ino == g.stat().st_ino  # hard link
-    assert r.adapter and Path(r.adapter).is_file() and r.template == "{{ messages[0]['content'] }}"
+    assert r.weights.stat().st_ino != g.stat().st_ino  # a copy, never a link to the user's file
+    assert r.adapter is None and r.template == "{{ messages[0]['content'] }}"
 
     d = tmp_path / "st"
     d.mkdir()

@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
-from localrun.library.create import (check_regular_file, gguf_details, safetensors_description, safetensors_dir_files,
-                                     template_from_files)
+from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
 from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_filename
+from localrun.library.paths import shown as shown_path, user_path_errors
 from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_safetensors
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_LICENSE, MT_MESSAGES,
                                     MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
@@ -107,9 +107,9 @@ class Library:
             prog.emit(status, src.sha256, src.size, 0)
             prog.emit("verifying sha256 digest", src.sha256)
             try:
-                digest, size, _ = self.store.put_file(
-                    local, src.sha256, what=src.file or local.name,
-                    hash_progress=prog.counter("verifying sha256 digest", src.sha256, src.size),
+                digest, size = self.store.import_file(
+                    local, shown=f"the copy of {src.file} in {src.local_package}", expected=src.sha256,
+                    what=src.file or local.name, progress=prog.counter("verifying sha256 digest", src.sha256, src.size),
                     check=lambda p: read_gguf_info(p, display_name=src.file))
                 self._pin(pins, digest)
                 prog.emit(status, digest, size, size)
@@ -177,6 +177,11 @@ class Library:
         if mn.is_hf:
             raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
         mf = modelfile if isinstance(modelfile, Modelfile) else parse_modelfile(modelfile)
+        if mf.adapter:
+            raise InvalidRequest(
+                "ADAPTER is not supported yet: no backend applies LoRA adapters, so the model would silently "
+                "run without it. Remove the ADAPTER line, or merge the adapter into the GGUF first "
+                "(llama.cpp's llama-export-lora)")
         prog = Progress(progress, cancel)
         prog.emit("parsing modelfile")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
@@ -184,16 +189,6 @@ class Library:
         pins: list[str] = []
         try:
             layers, extra = self._create_from(mf, base, prog, pins)
-            if mf.adapter:
-                p = self._local_path(mf.adapter, base)
-                shown = f"ADAPTER {mf.adapter}"
-                if p is None:
-                    raise InvalidRequest(f"{shown}: no such file")
-                check_regular_file(p, shown)
-                digest, size, _ = self.store.put_file(p, what="the adapter")
-                self._pin(pins, digest)
-                layers = [l for l in layers if l["mediaType"] != MT_ADAPTER]
-                layers.append(_layer(MT_ADAPTER, digest, size, _safe_name(p.name)))
             params = dict(extra.get("parameters") or {})
             params.update(mf.parameters)
             extra["parameters"] = params
@@ -213,46 +208,29 @@ class Library:
 
     @staticmethod
     def _local_path(text: str, base: Path) -> Path | None:
+        """The file or directory FROM names, or None when it names a model."""
         if "\x00" in text:
             raise InvalidRequest("FROM contains a NUL byte")
         looks = text.startswith(("./", "../", "/", "~", ".\\")) or text.lower().endswith(".gguf") or text in (".", "..")
         p = Path(os.path.expanduser(text))
         if not p.is_absolute():
             p = base / p
-        if looks or p.exists():
+        if looks:
             return p
-        return None
+        try:
+            return p if p.exists() else None
+        except OSError:  # e.g. a 10 KB name: too long for a path, so it names a model (or nothing)
+            return None
 
     def _create_from(self, mf: Modelfile, base: Path, prog: Progress, pins: list[str]):
         src = mf.from_ or ""
         path = self._local_path(src, base)
-        shown = f"FROM {src}"
         if path is not None:
-            if path.is_dir():
-                files = safetensors_dir_files(path, shown)
-                details, info = safetensors_description(files)
-                layers = []
-                for fn, p in files.items():
-                    prog.emit(f"copying file {fn}")
-                    digest, size, _ = self.store.put_file(p, what=fn)
-                    self._pin(pins, digest)
-                    layers.append(_layer(MT_FILE, digest, size, fn))
-                return layers, {"source": {"import": path.name}}
-            if not path.exists() and not path.is_symlink():
-                raise InvalidRequest(f"{shown}: no such file or directory")
-            check_regular_file(path, shown)
-            read_gguf_info(path, display_name=path.name)  # validate before anything is stored
-            prog.emit("copying file")
-            digest, size, _ = self.store.put_file(
-                path, what=path.name, hash_progress=prog.counter("copying file", None, path.stat().st_size),
-                check=lambda p: read_gguf_info(p, display_name=path.name))
-            self._pin(pins, digest)
-            prog.emit(f"using layer {digest[:19]}", digest, size, size)
-            return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": path.name}}
+            return self._import(path, f"FROM {shown_path(src)}", prog, pins)
         base_name = parse_name(src)
         if not self.exists(base_name.display):
             if _catalog.lookup(base_name) is None and not base_name.is_hf:
-                raise NotFound(f"{shown}: model '{base_name.display}' not found; pull it first or give a path like ./model.gguf")
+                raise NotFound(f"FROM {src}: model '{base_name.display}' not found; pull it first or give a path like ./model.gguf")
             self.pull(base_name.display, progress=prog.callback, cancel=prog.cancel)
         m, mdigest, _ = self.store.read_manifest(self._find(base_name))
         extra: dict[str, Any] = {"parent_model": self._find(base_name).display}
@@ -271,6 +249,31 @@ class Library:
         cfg = self._config(m)
         extra["source"] = cfg.get("source") or {}
         return layers, extra
+
+    def _import(self, path: Path, shown: str, prog: Progress, pins: list[str]):
+        """Layers for FROM <path>: a safetensors directory or a GGUF file, validated and
+        copied into the store. Errors name the path only as the user wrote it (`shown`)."""
+        with user_path_errors(shown):
+            is_dir = path.is_dir()
+        if is_dir:
+            files = safetensors_dir_files(path, shown)
+            safetensors_description(files)  # refuse a broken model before copying gigabytes
+            layers = []
+            for fn, p in files.items():
+                prog.emit(f"copying file {fn}")
+                check = (lambda name: (lambda q: _check_st(q, name)))(fn) if fn.endswith(".safetensors") else None
+                digest, size = self.store.import_file(p, shown=f"{shown}/{fn}", what=fn, check=check)
+                self._pin(pins, digest)
+                layers.append(_layer(MT_FILE, digest, size, fn))
+            return layers, {"source": {"import": _safe_name(path.name, "model")}}
+        size = read_gguf_info(path, display_name=shown).file_size  # refuse a broken file before copying it
+        prog.emit("copying file")
+        digest, size = self.store.import_file(
+            path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying file", None, size),
+            check=lambda p: read_gguf_info(p, display_name=shown))  # the copy is what counts
+        self._pin(pins, digest)
+        prog.emit(f"using layer {digest[:19]}", digest, size, size)
+        return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": _safe_name(path.name)}}
 
     # ------------------------------------------------------------------ manifests
     def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:
@@ -452,6 +455,11 @@ class Library:
         m, _, _ = self.store.read_manifest(s)
         self.store.write_manifest(d, m)
 
+    def clean_temp(self) -> int:
+        """Remove the temp files a killed process left in the store (the daemon calls this
+        at startup); live writers' temps and partial downloads stay. Returns the count."""
+        return self.store.clean_temp()
+
     def remove(self, name: str) -> None:
         mn = parse_name(name)
         found = self._find(mn)
@@ -465,11 +473,11 @@ def _check_st(path: Path, name: str) -> None:
     safetensors_header_params(path, name)
 
 
-def _safe_name(name: str) -> str:
+def _safe_name(name: str, default: str = "model.gguf") -> str:
     try:
         return validate_filename(name)
     except InvalidRequest:
-        return "model.gguf"
+        return default
 
 
 __all__ = ["Library"]

@@ -6,17 +6,17 @@ Used by pull (files from the hub) and create (FROM ./file.gguf, FROM ./dir).
 from __future__ import annotations
 
 import json
-import os
-import stat
 import struct
 from pathlib import Path
 from typing import Any
 
 from localrun.errors import InvalidRequest
 from localrun.library.gguf_info import GGUFInfo, format_parameter_count, read_gguf_info
+from localrun.library.paths import check_regular, open_regular, user_path_errors
 from localrun.library.pull import SAFETENSORS_KEEP
 
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+MAX_DIR_ENTRIES = 10_000
 _ST_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "BOOL",
               "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
 
@@ -35,8 +35,8 @@ def gguf_details(info: GGUFInfo) -> dict[str, Any]:
 def safetensors_header_params(path: Path, display: str) -> tuple[int, dict[str, int]]:
     """Validate a .safetensors header (bounds of every tensor) and count its elements.
     Returns (parameter count, {dtype: bytes})."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    f, size = open_regular(path, display)
+    with f:
         head = f.read(8)
         if len(head) < 8:
             raise InvalidRequest(f"{display} is not a valid safetensors file: truncated header")
@@ -125,24 +125,19 @@ def safetensors_description(files: dict[str, Path]) -> tuple[dict[str, Any], dic
     return details, {k: v for k, v in model_info.items() if v is not None}
 
 
-def check_regular_file(path: Path, shown: str) -> None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise InvalidRequest(f"{shown}: no such file or directory") from None
-    except OSError as e:
-        raise InvalidRequest(f"{shown}: cannot read it ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidRequest(f"{shown} is not a regular file (directory, device, FIFO or socket)")
-
-
 def safetensors_dir_files(d: Path, shown: str) -> dict[str, Path]:
     """The files localrun keeps from a local safetensors directory (validated)."""
     files: dict[str, Path] = {}
-    for p in sorted(d.iterdir()):
+    entries = []
+    with user_path_errors(shown):
+        for p in d.iterdir():
+            if len(entries) >= MAX_DIR_ENTRIES:  # e.g. FROM / or a home directory: bounded work
+                raise InvalidRequest(f"{shown} holds more than {MAX_DIR_ENTRIES} entries: not a model directory")
+            entries.append(p)
+    for p in sorted(entries):
         n = p.name
         if n in SAFETENSORS_KEEP or n.endswith(".safetensors") or n.endswith(".safetensors.index.json"):
-            check_regular_file(p, f"{shown}/{n}")
+            check_regular(p, f"{shown}/{n}")
             files[n] = p
     if "config.json" not in files or not any(n.endswith(".safetensors") for n in files):
         raise InvalidRequest(f"{shown} is not a safetensors model directory: it needs config.json and *.safetensors files")
@@ -170,5 +165,5 @@ def template_from_files(files: dict[str, Path]) -> str | None:
     return None
 
 
-__all__ = ["gguf_details", "safetensors_description", "safetensors_dir_files", "check_regular_file",
+__all__ = ["gguf_details", "safetensors_description", "safetensors_dir_files",
            "template_from_files", "read_gguf_info"]

@@ -15,24 +15,28 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localrun.errors import InvalidRequest
+from localrun.library.paths import open_regular
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_KEY_LEN = 65_536
-MAX_STRING_LEN = 64 * 1024 * 1024
+# The bounds below cap the work and memory one header can cost, whatever the file's
+# size: real models have < 100 metadata keys, < 20k tensors, < 2M token/merge strings.
+MAX_KEY_LEN = 1024  # metadata keys and tensor names (llama.cpp caps tensor names at 63 bytes)
+MAX_STRING_LEN = 64 * 1024 * 1024  # a string value's length (long ones are skipped, never decoded)
 MAX_ARRAY_DEPTH = 2
-MAX_KV = 1_000_000
-MAX_TENSORS = 1_000_000
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 16
+MAX_ARRAY_ITEMS = 1 << 22  # strings and nested arrays walked in all metadata arrays together
 MAX_ELEMENTS = 1 << 60
 METADATA_ARRAY_LIMIT = 16  # small arrays (general.languages) are kept in .metadata; big ones omitted
-METADATA_STRING_LIMIT = 1 << 20
+METADATA_STRING_LIMIT = 1 << 20  # longer strings are skipped (shown as null), never decoded
+MAX_KEPT_STRINGS = 16 << 20  # bytes of metadata strings decoded per header, all together
 
 
 @dataclass
@@ -89,11 +93,16 @@ class _Bad(Exception):
     pass
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Walker:
     def __init__(self, buf, size: int):
         self.buf = buf
         self.size = size
         self.pos = 0
+        self.items_left = MAX_ARRAY_ITEMS
+        self.kept_left = MAX_KEPT_STRINGS
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
@@ -112,13 +121,17 @@ class _Walker:
         return self.unpack("<Q", 8, what)
 
     def string(self, what: str, limit: int = MAX_STRING_LEN, keep: bool = True) -> str | None:
+        """A string; None (skipped, not decoded) when keep is False or it is long."""
         n = self.u64(f"{what} length")
         if n > limit:
             raise _Bad(f"{what} length {n} is absurd")
         self.need(n, what)
-        if not keep:
+        if not keep or n > METADATA_STRING_LIMIT:
             self.pos += n
             return None
+        self.kept_left -= n
+        if self.kept_left < 0:
+            raise _Bad(f"metadata strings total more than {MAX_KEPT_STRINGS >> 20} MiB")
         raw = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         try:
@@ -126,24 +139,47 @@ class _Walker:
         except UnicodeDecodeError:
             raise _Bad(f"{what} is not valid UTF-8") from None
 
+    def take_items(self, count: int, key: str) -> None:
+        self.items_left -= count
+        if self.items_left < 0:
+            raise _Bad(f"metadata {key!r}: the metadata arrays hold more than {MAX_ARRAY_ITEMS} strings or arrays in all")
+
+    def skip_strings(self, count: int, key: str) -> None:
+        """Step over `count` strings with a bounds check each (token lists: fast path)."""
+        buf, pos, end, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            pos += 8 + unpack(buf, pos)[0]
+        else:
+            if pos <= end:
+                self.pos = pos
+                return
+        raise _Bad(f"metadata {key!r} array runs past the end of the file (truncated?)")
+
+
+_TYPES: tuple | None = None
+
 
 def _value_types():
-    from gguf import GGUFValueType as T
+    global _TYPES
+    if _TYPES is None:
+        from gguf import GGUFValueType as T
 
-    scalars = {
-        T.UINT8: ("<B", 1), T.INT8: ("<b", 1), T.UINT16: ("<H", 2), T.INT16: ("<h", 2),
-        T.UINT32: ("<I", 4), T.INT32: ("<i", 4), T.FLOAT32: ("<f", 4), T.BOOL: ("<?", 1),
-        T.UINT64: ("<Q", 8), T.INT64: ("<q", 8), T.FLOAT64: ("<d", 8),
-    }
-    return T, scalars
+        scalars = {
+            T.UINT8: ("<B", 1), T.INT8: ("<b", 1), T.UINT16: ("<H", 2), T.INT16: ("<h", 2),
+            T.UINT32: ("<I", 4), T.INT32: ("<i", 4), T.FLOAT32: ("<f", 4), T.BOOL: ("<?", 1),
+            T.UINT64: ("<Q", 8), T.INT64: ("<q", 8), T.FLOAT64: ("<d", 8),
+        }
+        _TYPES = (T, scalars, {int(t): t for t in T})
+    return _TYPES
 
 
 def _read_value(w: _Walker, vtype: int, key: str, depth: int, keep: bool):
-    T, scalars = _value_types()
-    try:
-        t = T(vtype)
-    except ValueError:
-        raise _Bad(f"metadata {key!r} has unknown value type {vtype}") from None
+    T, scalars, by_value = _value_types()
+    t = by_value.get(vtype)
+    if t is None:
+        raise _Bad(f"metadata {key!r} has unknown value type {vtype}")
     if t in scalars:
         fmt, n = scalars[t]
         v = w.unpack(fmt, n, f"metadata {key!r}")
@@ -157,10 +193,9 @@ def _read_value(w: _Walker, vtype: int, key: str, depth: int, keep: bool):
         raise _Bad(f"metadata {key!r} nests arrays too deeply")
     etype = w.u32(f"metadata {key!r} array type")
     count = w.u64(f"metadata {key!r} array length")
-    try:
-        et = T(etype)
-    except ValueError:
-        raise _Bad(f"metadata {key!r} array has unknown element type {etype}") from None
+    et = by_value.get(etype)
+    if et is None:
+        raise _Bad(f"metadata {key!r} array has unknown element type {etype}")
     if et in scalars:
         fmt, n = scalars[et]
         if count > (w.size - w.pos) // n:
@@ -174,7 +209,11 @@ def _read_value(w: _Walker, vtype: int, key: str, depth: int, keep: bool):
     # arrays of strings or arrays: each element is at least 8 bytes (its length / header)
     if count > (w.size - w.pos) // 8:
         raise _Bad(f"metadata {key!r} array length {count} runs past the end of the file")
+    w.take_items(count, key)
     small = keep and count <= METADATA_ARRAY_LIMIT
+    if et == T.STRING and not small:
+        w.skip_strings(count, key)
+        return _ArrayLen(count)
     vals = []
     for _ in range(count):
         v = _read_value(w, etype, key, depth + 1, keep=small)
@@ -185,6 +224,18 @@ def _read_value(w: _Walker, vtype: int, key: str, depth: int, keep: bool):
 
 class _ArrayLen(int):
     """Marks a big array that was skipped; the int is its length."""
+
+
+def _count(v: Any, floats: bool = True) -> int | None:
+    """A non-negative integer from a metadata value (an integral float too), else None:
+    a hostile header's inf, nan, negative, bool or string never becomes a size."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v if v >= 0 else None
+    if floats and isinstance(v, float) and v.is_integer() and 0 <= v < 2.0 ** 63:
+        return int(v)
+    return None
 
 
 def _file_type_name(value: int | None, tensor_types: dict[int, int]) -> str:
@@ -208,23 +259,6 @@ def _file_type_name(value: int | None, tensor_types: dict[int, int]) -> str:
     return "unknown"
 
 
-def _open_regular(path: Path, what: str):
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise InvalidRequest(f"{what}: no such file") from None
-    except OSError as e:
-        raise InvalidRequest(f"{what}: cannot read it ({e.strerror})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise InvalidRequest(f"{what} is a directory, not a GGUF file")
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidRequest(f"{what} is not a regular file (device, FIFO or socket)")
-    try:
-        return open(path, "rb"), st.st_size
-    except OSError as e:
-        raise InvalidRequest(f"{what}: cannot read it ({e.strerror})") from None
-
-
 def read_gguf_info(path: str | os.PathLike, *, display_name: str | None = None) -> GGUFInfo:
     """Validate a GGUF file's header and tensor table and describe it.
 
@@ -234,7 +268,7 @@ def read_gguf_info(path: str | os.PathLike, *, display_name: str | None = None) 
     """
     p = Path(path)
     what = display_name or p.name
-    f, size = _open_regular(p, what)
+    f, size = open_regular(p, what)
     with f:
         if size < 24:
             raise InvalidRequest(f"{what} is not a valid GGUF: the file is only {size} bytes (truncated?)")
@@ -279,6 +313,8 @@ def _walk(buf, size: int) -> GGUFInfo:
             raise _Bad(f"metadata key {key!r} appears twice")
         vtype = w.u32(f"metadata {key!r} type")
         v = _read_value(w, vtype, key, 0, keep=True)
+        if v is None and key == "tokenizer.chat_template":
+            raise _Bad(f"tokenizer.chat_template is longer than {METADATA_STRING_LIMIT >> 20} MiB")
         if isinstance(v, _ArrayLen):
             array_lens[key] = int(v)
         elif isinstance(v, list):
@@ -358,18 +394,18 @@ def _walk(buf, size: int) -> GGUFInfo:
     def num(key: str) -> int | None:
         v = meta.get(f"{arch}.{key}")
         if isinstance(v, list):  # per-layer values (e.g. head_count_kv on some models)
-            v = max(v) if v else None
-        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+            v = max((_count(x) for x in v if _count(x) is not None), default=None)
+        return _count(v)
 
     vocab = num("vocab_size") or array_lens.get("tokenizer.ggml.tokens")
     tmpl = meta.get("tokenizer.chat_template")
-    metadata = {k: v for k, v in meta.items() if not (isinstance(v, str) and len(v) > METADATA_STRING_LIMIT)}
+    metadata = dict(meta)  # strings over METADATA_STRING_LIMIT were skipped: None, like big arrays
     for k in array_lens:
         metadata.setdefault(k, None)  # Ollama shows big arrays as null
     return GGUFInfo(
         architecture=arch,
         parameter_count=params,
-        file_type=_file_type_name(meta.get("general.file_type"), by_type),
+        file_type=_file_type_name(_count(meta.get("general.file_type"), floats=False), by_type),
         context_length=num("context_length"),
         block_count=num("block_count"),
         embedding_length=num("embedding_length"),
@@ -378,8 +414,8 @@ def _walk(buf, size: int) -> GGUFInfo:
         feed_forward_length=num("feed_forward_length"),
         vocab_size=vocab,
         chat_template=tmpl if isinstance(tmpl, str) else None,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        bos_token_id=_count(meta.get("tokenizer.ggml.bos_token_id"), floats=False),
+        eos_token_id=_count(meta.get("tokenizer.ggml.eos_token_id"), floats=False),
         tensor_bytes=tensor_bytes,
         metadata=metadata,
         tensor_count=n_tensors,

@@ -6,7 +6,8 @@
     SYSTEM \"\"\"You are ...\"\"\"   # \"\"\"...\"\"\" spans lines; "..." is one line
     TEMPLATE ...  MESSAGE user ...  LICENSE ...  ADAPTER ./lora.gguf
 
-Errors raise InvalidRequest naming the line ("Modelfile line 3: ...").
+ADAPTER parses (Ollama's Modelfiles carry it) but Library.create refuses it until a
+backend applies adapters. Errors raise InvalidRequest naming the line ("Modelfile line 3: ...").
 """
 
 from __future__ import annotations
@@ -227,7 +228,10 @@ def _check_template(template: str, lineno: int) -> None:
 
 
 def _quote(text: str) -> str:
-    """Render a value so parse_modelfile reads back exactly the same text."""
+    """Render a value so parse_modelfile reads back exactly the same text. Text the
+    parser would change (a CR becomes a line break, a NUL is refused) is JSON-quoted."""
+    if "\r" in text or "\x00" in text:
+        return json.dumps(text, ensure_ascii=False)
     if text and text.strip() == text and "\n" not in text and not text.startswith('"'):
         return text
     if '"""' not in text and not text.endswith('"') and text.strip() == text:

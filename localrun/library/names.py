@@ -39,15 +39,13 @@ def validate_digest(digest: object) -> str:
     if d.startswith("sha256-"):
         d = "sha256:" + d[len("sha256-"):]
     if not _DIGEST_RE.match(d):
-        shown = d[:80].encode("unicode_escape").decode("ascii")
-        raise InvalidRequest(f"invalid digest {shown!r}: expected 'sha256:' followed by 64 lowercase hex digits")
+        raise InvalidRequest(f"invalid digest {_shown(d, 80)!r}: expected 'sha256:' followed by 64 lowercase hex digits")
     return d
 
 
 def validate_filename(name: str) -> str:
     if not isinstance(name, str) or not _FILENAME_RE.match(name) or ".." in name:
-        shown = str(name)[:80].encode("unicode_escape").decode("ascii")
-        raise InvalidRequest(f"invalid file name {shown!r} inside a model: expected a plain file name")
+        raise InvalidRequest(f"invalid file name {_shown(str(name), 80)!r} inside a model: expected a plain file name")
     return name
 
 
@@ -93,10 +91,15 @@ class ModelName:
         return self.display
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    """text for an error message: escaped, and cut (ending in '...') when long."""
+    cut = text[:limit].encode("unicode_escape").decode("ascii")
+    return cut + "..." if len(text) > limit else cut
+
+
 def _bad(text: str, why: str) -> InvalidRequest:
-    shown = text[:120].encode("unicode_escape").decode("ascii")
     return InvalidRequest(
-        f"invalid model name {shown!r}: {why}. Use 'name', 'name:tag', 'namespace/name:tag' or 'hf.co/ORG/REPO[:QUANT]'"
+        f"invalid model name {_shown(text)!r}: {why}. Use 'name', 'name:tag', 'namespace/name:tag' or 'hf.co/ORG/REPO[:QUANT]'"
     )
 
 
@@ -132,7 +135,7 @@ def parse_name(text: object) -> ModelName:
     else:
         path, tag, explicit = t, DEFAULT_TAG, False
     if not _TAG_RE.match(tag):
-        raise _bad(raw, f"the tag {tag!r} may only hold letters, digits, '.', '_' and '-'")
+        raise _bad(raw, f"the tag {_shown(tag, 40)!r} may only hold letters, digits, '.', '_' and '-'")
     comps = path.split("/")
     if any(c == "" for c in comps):
         raise _bad(raw, "it has an empty path component")
@@ -148,11 +151,11 @@ def parse_name(text: object) -> ModelName:
         tag = tag.lower()
     else:
         if "." in comps[0]:
-            raise _bad(raw, f"the registry {comps[0]!r} is not supported (only hf.co)")
+            raise _bad(raw, f"the registry {_shown(comps[0], 40)!r} is not supported (only hf.co)")
         raise _bad(raw, "too many '/' components")
     for c in (namespace, model):
         if not _PART_RE.match(c):
-            raise _bad(raw, f"{c!r} may only hold letters, digits, '.', '_' and '-' and must start with a letter or digit")
+            raise _bad(raw, f"{_shown(c, 40)!r} may only hold letters, digits, '.', '_' and '-' and must start with a letter or digit")
     if host == DEFAULT_HOST and namespace in (HF_HOST,):
         raise _bad(raw, "Hugging Face names look like hf.co/ORG/REPO")
     return ModelName(host, namespace, model, tag, explicit)

@@ -6,13 +6,17 @@ Layout under the library root (settings().models_dir by default)::
     manifests/<host>/<namespace>/<model>/<tag>  one JSON manifest per model (Ollama's shape)
     views/<manifest hex>/<file name>            safetensors models: hard links to blobs under
                                                 their original names (what resolve() returns)
-    downloads/<org>--<repo>/                    partial downloads (resumable), never listed
-    tmp/                                        temp files on their way into blobs/
+    downloads/<40 hex>.partial                  partial downloads (resumable), never listed
+    tmp/                                        temp files and directories on their way into
+                                                blobs/, manifests/ and views/
     locks/                                      cross-process file locks
 
-Every write goes to a temp file first and lands with os.replace, so a SIGKILL leaves
-either the old state or the new one. Blob paths are built only from digests that
-passed validate_digest; manifest paths only from validated ModelNames.
+Every write goes to a temp file under tmp/ first and lands with os.replace, so a SIGKILL
+leaves either the old state or the new one, plus a temp file that clean_temp() removes:
+each temp is flock'ed by its writer for as long as it exists, and the kernel drops a
+dead process's locks (a reused pid cannot fool this). Imported files are copied, never
+linked: editing the user's file later cannot change a blob. Blob paths are built only
+from digests that passed validate_digest; manifest paths only from validated ModelNames.
 """
 
 from __future__ import annotations
@@ -29,10 +33,16 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
-from localrun.errors import LocalrunError, NotFound
+from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
+from localrun.library.paths import open_regular, reason
+
+try:
+    import fcntl
+except ImportError:  # Windows: a file another process holds open cannot be deleted there
+    fcntl = None  # type: ignore[assignment]
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
@@ -103,32 +113,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link src to dst, else copy it. Returns True when it linked."""
-    try:
-        os.link(src, dst)
+def _lock_nb(fd: int) -> bool:
+    """Take an exclusive flock on fd without waiting; False when another process holds it."""
+    if fcntl is None:
         return True
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            raise
-    shutil.copyfile(src, dst)
-    return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 class Store:
@@ -195,10 +188,97 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
-    def new_temp(self, suffix: str = "") -> Path:
-        self.ensure()
-        return self.tmp / f"{uuid.uuid4().hex}{suffix}"
+    # ----------------------------------------------------------------- temp files
+    @contextlib.contextmanager
+    def _tmp_gate(self, exclusive: bool) -> Iterator[None]:
+        """Writers hold locks/tmp.gate shared while they create and lock a temp;
+        clean_temp holds it exclusively, so it never sees a temp not yet locked."""
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(self.locks / "tmp.gate", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
 
+    def _owned_temp(self, directory: bool) -> tuple[Path, int]:
+        """A new file or directory under tmp/ and an fd holding its flock."""
+        self.ensure()
+        with storage_errors("create a temp file in the model library"), self._tmp_gate(exclusive=False):
+            path = self.tmp / uuid.uuid4().hex
+            if directory:
+                path.mkdir()
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            _lock_nb(fd)  # a brand-new inode: nobody else can hold it
+        return path, fd
+
+    @contextlib.contextmanager
+    def temp_file(self) -> Iterator[tuple[Path, BinaryIO]]:
+        """A new file under tmp/, open for writing and owned (locked) by this process until
+        the block ends; removed then, unless it was moved into the store (adopt)."""
+        path, fd = self._owned_temp(directory=False)
+        f = os.fdopen(fd, "w+b")
+        try:
+            yield path, f
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()  # still holding the lock: clean_temp never races this
+            f.close()
+
+    @contextlib.contextmanager
+    def temp_dir(self) -> Iterator[Path]:
+        """Like temp_file, for a directory (views are built in one, then renamed)."""
+        path, fd = self._owned_temp(directory=True)
+        try:
+            yield path
+        finally:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
+    def clean_temp(self) -> int:
+        """Remove what a killed process left under tmp/: every temp file or directory
+        whose lock nobody holds. Temps of live writers (this process's included) stay, and
+        so do partial downloads (downloads/*.partial, resumed by the next pull). Returns
+        how many entries it removed."""
+        if not self.tmp.is_dir():
+            return 0
+        removed = 0
+        self.ensure()
+        with self._tmp_gate(exclusive=True):
+            for p in list(self.tmp.iterdir()):
+                removed += self._remove_unowned(p)
+        return removed
+
+    @staticmethod
+    def _remove_unowned(p: Path) -> bool:
+        try:
+            st = p.lstat()
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                p.unlink()  # a link or a FIFO: never ours to keep
+                return True
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            if not _lock_nb(fd):
+                return False  # a live process is writing it
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- blobs in
     def adopt(self, tmp: Path, expected: str | None = None, *, what: str = "file",
               hashed: tuple[str, int] | None = None, check: Callable[[Path], None] | None = None) -> tuple[str, int]:
         """Hash tmp, check it against expected, and move it into blobs/ atomically.
@@ -232,44 +312,47 @@ class Store:
     def put_bytes(self, data: bytes) -> tuple[str, int]:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if not self.has_blob(digest, len(data)):
-            with storage_errors("write a layer"):
-                tmp = self.new_temp()
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        tmp.unlink()
-                    raise
-            self.adopt(tmp, digest, hashed=(digest, len(data)))
+            with self.temp_file() as (tmp, f):
+                with storage_errors("write a layer"):
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.adopt(tmp, digest, hashed=(digest, len(data)))
         return digest, len(data)
 
-    def put_file(self, src: Path, expected: str | None = None, *, what: str = "file",
-                 hash_progress: Callable[[int], None] | None = None,
-                 check: Callable[[Path], None] | None = None) -> tuple[str, int, bool]:
-        """Bring a local file into the store: hard link where the filesystem allows, else
-        copy. The linked/copied file is hashed (and checked) before it becomes a blob.
-        Returns (digest, size, linked)."""
+    def import_file(self, src: Path, *, shown: str, expected: str | None = None, what: str = "file",
+                    progress: Callable[[int], None] | None = None,
+                    check: Callable[[Path], None] | None = None) -> tuple[str, int]:
+        """Copy a user's file into the store: streamed into a temp file under tmp/ and
+        hashed on the way, the copy checked (check, e.g. GGUF validation) and only then
+        moved into blobs/. Never a hard link: the user editing or deleting src later
+        cannot change a blob, and what was validated is what is stored. At most the size
+        src had when opened is copied. `shown` names src in errors (InvalidRequest)."""
         if expected is not None and self.has_blob(expected):
-            return validate_digest(expected), self.blob_path(expected).stat().st_size, True
-        tmp = self.new_temp()
-        with storage_errors(f"store {what}"):
-            try:
-                linked = link_or_copy(src, tmp)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                raise
-        try:
-            hashed = sha256_file(tmp, hash_progress)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        digest, size = self.adopt(tmp, expected, what=what, hashed=hashed, check=check)
-        return digest, size, linked
+            return validate_digest(expected), self.blob_path(expected).stat().st_size
+        fsrc, limit = open_regular(src, shown)
+        with fsrc, self.temp_file() as (tmp, f):
+            h = hashlib.sha256()
+            n = 0
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            while n < limit:
+                try:
+                    got = fsrc.readinto(view[: min(CHUNK, limit - n)])
+                except OSError as e:
+                    raise InvalidRequest(f"{shown}: {reason(e)}") from None
+                if not got:
+                    break
+                with storage_errors(f"store {what}"):
+                    f.write(view[:got])
+                h.update(view[:got])
+                n += got
+                if progress:
+                    progress(n)
+            with storage_errors(f"store {what}"):
+                f.flush()
+                os.fsync(f.fileno())
+            return self.adopt(tmp, expected, what=what, hashed=("sha256:" + h.hexdigest(), n), check=check)
 
     def read_small(self, digest: str) -> bytes:
         p = self.blob_path(digest)
@@ -310,8 +393,14 @@ class Store:
             if not self.has_blob(layer["digest"]):
                 raise LocalrunError(f"cannot write manifest of {name.display}: blob {layer['digest'][:19]} is missing",
                                     status=500, code="storage_error")
-        with storage_errors(f"write the manifest of {name.display}"):
-            atomic_write(self.manifest_path(name), data)
+        path = self.manifest_path(name)
+        with self.temp_file() as (tmp, f), storage_errors(f"write the manifest of {name.display}"):
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
         return "sha256:" + hashlib.sha256(data).hexdigest()
 
     def delete_manifest(self, name: ModelName) -> None:
@@ -356,26 +445,19 @@ class Store:
         if target.is_dir() and all((target / fn).exists() for fn, _ in files):
             return target
         self.ensure()
-        tmp = self.views / f".tmp-{uuid.uuid4().hex}"
-        with storage_errors("prepare the model directory"):
-            tmp.mkdir()
-            try:
-                for fn, digest in files:
-                    src = self.blob_path(digest)
-                    dst = tmp / validate_filename(fn)
-                    try:
-                        os.link(src, dst)
-                    except OSError:
-                        os.symlink(src, dst)
+        with self.temp_dir() as tmp, storage_errors("prepare the model directory"):
+            for fn, digest in files:
+                src = self.blob_path(digest)
+                dst = tmp / validate_filename(fn)
                 try:
-                    os.rename(tmp, target)
+                    os.link(src, dst)
                 except OSError:
-                    if not target.is_dir():
-                        raise
-                    shutil.rmtree(tmp, ignore_errors=True)  # another thread made it first
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+                    os.symlink(src, dst)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not target.is_dir():
+                    raise  # else another thread made it first; temp_dir removes ours
         return target
 
     # ----------------------------------------------------------------- gc
@@ -420,11 +502,7 @@ class Store:
                         continue
                     if "sha256:" + v.name not in mdigests:
                         shutil.rmtree(v, ignore_errors=True)
-            if self.tmp.is_dir():
-                for t in self.tmp.iterdir():
-                    if time.time() - _mtime(t) > 6 * 3600:
-                        with contextlib.suppress(OSError):
-                            t.unlink()
+            self.clean_temp()
             if self.downloads.is_dir():  # partial downloads nobody resumed for a week
                 for t in self.downloads.glob("*.partial"):
                     if time.time() - _mtime(t) > 7 * 86400:
