@@ -208,9 +208,6 @@ def test_hostile_from_over_http(daemon):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="route bug, not the library's: routes_ollama._progress's wait() tests "
-                   "'\"error\" in e' on the NDJSON bytes that events() yields -> TypeError -> 500 for every "
-                   "stream:false /api/create and /api/pull, valid or not")
 def test_hostile_from_over_http_not_streamed(daemon):
     d, froms = daemon
     for text, words in froms:

@@ -154,6 +154,10 @@ class NativeBackend:
         finally:
             await stream.aclose()  # no-op when finished; aborts (and frees KV) otherwise
 
+    async def stats(self) -> dict:
+        """KV pages, prefix-cache hits, running/waiting sequences (for /metrics)."""
+        return self.engine.stats()
+
     async def embed(self, texts: list[str]) -> list[list[float]]:
         ids = [await self.tokenize(t, add_special=True) for t in texts]
         if any(not i for i in ids):

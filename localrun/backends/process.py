@@ -201,6 +201,10 @@ class RemoteBackend:
     async def embed(self, texts: list[str]) -> list[list[float]]:
         return await self._call("embed", texts=texts)
 
+    async def stats(self) -> dict:
+        """The backend's own counters (the native engine: KV pages, prefix hits); {} if none."""
+        return await self._call("stats")
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         if self.returncode is not None:
             raise self.exited.result()

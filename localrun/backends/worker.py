@@ -96,7 +96,7 @@ class Runner:
                 ev = self.delivered.get(rid)
                 if ev is not None:
                     ev.set()
-            elif op in ("tokenize", "detokenize", "embed"):
+            elif op in ("tokenize", "detokenize", "embed", "stats"):
                 self.tasks[rid] = asyncio.get_running_loop().create_task(self.call(rid, op, msg))
             elif op == "close":
                 return
@@ -135,8 +135,11 @@ class Runner:
                 result: Any = await self.backend.tokenize(msg["text"], msg.get("add_special", False))
             elif op == "detokenize":
                 result = await self.backend.detokenize(msg["ids"])
-            else:
+            elif op == "embed":
                 result = await self.backend.embed(msg["texts"])
+            else:
+                stats = getattr(self.backend, "stats", None)
+                result = await stats() if stats is not None else {}
             self.send({"t": "result", "id": rid, "result": result})
         except asyncio.CancelledError:
             pass

@@ -55,8 +55,21 @@ def _host_allowed(value: str) -> bool:
     return h == "localhost" or h.endswith(".localhost") or is_loopback(h)
 
 
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                     503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    etype = _ANTHROPIC_ERRORS.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": etype, "message": message}}
+
+
 def error_body(path: str, status: int, message: str, code: str) -> dict:
-    """OpenAI's error shape under /v1, Ollama's {"error": "..."} elsewhere."""
+    """Anthropic's error shape under /v1/messages, OpenAI's under the rest of /v1, Ollama's
+    {"error": "..."} elsewhere."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error(status, message)
     if path.startswith("/v1"):
         etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
         if status == 401:
@@ -88,10 +101,12 @@ class SecurityMiddleware:
                                         "requests addressed to localhost (DNS rebinding protection)", "forbidden")
         if self.api_key and scope.get("method") != "OPTIONS":
             auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            # bearer (OpenAI, Ollama) or x-api-key (Anthropic's SDK and Claude Code)
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"").strip()
             if not token or not hmac.compare_digest(token, self.api_key):
                 return await self._deny(scope, send, 401, "missing or wrong API key: send "
-                                        "'Authorization: Bearer <LOCALRUN_API_KEY>'", "invalid_api_key")
+                                        "'Authorization: Bearer <LOCALRUN_API_KEY>' (or 'x-api-key')",
+                                        "invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -139,15 +154,25 @@ def _default_library(s: Settings):
     return Library(s.models_dir)
 
 
-def create_app(settings: Settings | None = None, library: Any = None) -> FastAPI:
-    """The daemon's ASGI app. `library` defaults to the store under settings.models_dir."""
+def create_app(settings: Settings | None = None, library: Any = None, loader: Any = None) -> FastAPI:
+    """The daemon's ASGI app. `library` defaults to the store under settings.models_dir;
+    `loader(spec, backend) -> Backend` defaults to a runner process per model (tests pass an
+    in-process fake)."""
     s = settings or read_settings()
     from localrun.server.state import State
 
-    state = State(s, library if library is not None else _default_library(s))
+    state = State(s, library if library is not None else _default_library(s), loader)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        clean = getattr(state.library, "clean_temp", None)
+        if clean is not None:  # temp files a killed daemon left behind
+            try:
+                removed = await asyncio.to_thread(clean)
+                if removed:
+                    log.info("removed %d leftover temp file(s) from the store", removed)
+            except OSError as exc:
+                log.warning("could not clean the store's temp area: %s", exc)
         state.manager.start()
         try:
             yield
@@ -185,6 +210,14 @@ def create_app(settings: Settings | None = None, library: Any = None) -> FastAPI
     async def root():
         return PlainTextResponse("localrun is running")
 
+    @app.get("/metrics")
+    async def metrics():
+        from fastapi.responses import Response
+
+        from localrun.server.metrics import CONTENT_TYPE
+
+        return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
+
     from localrun.server.routes_ollama import router as ollama_router
     from localrun.server.routes_openai import router as openai_router
 
@@ -198,6 +231,9 @@ def create_app(settings: Settings | None = None, library: Any = None) -> FastAPI
                            allow_headers=["*"], allow_credentials=False)
     # added last = outermost: runs before CORS, so preflights still need a good Host
     app.add_middleware(SecurityMiddleware, settings=s)
+    from localrun.server.metrics import MetricsMiddleware
+
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: counts refusals too
     return app
 
 

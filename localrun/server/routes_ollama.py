@@ -12,11 +12,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 
+from localrun.library.modelfile import parse_modelfile
+from localrun.library.names import parse_name
+
 import localrun
 from localrun.backends.base import SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
-from localrun.server import common as c
-from localrun.server.routes_openai import _embed_inputs
+from localrun.server import params as c
+from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.state import State, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
@@ -105,15 +108,16 @@ async def _progress(request: Request, work, stream: bool):
             await q.put({"status": "success"})
         except LocalrunError as exc:
             await q.put({"error": exc.public_message, "status": exc.status})
-        except Exception as exc:  # a bug or an OS error: say what, keep serving
-            await q.put({"error": f"{type(exc).__name__}: {exc}", "status": 500})
+        except Exception as exc:  # a bug: log it, answer without internals (paths), keep serving
+            log.exception("%s failed", request.url.path)
+            await q.put({"error": f"internal error: {type(exc).__name__}", "status": 500})
         await q.put(None)
 
     task = asyncio.ensure_future(run())
     _BACKGROUND.add(task)  # the loop keeps only weak references to tasks
     task.add_done_callback(_BACKGROUND.discard)
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events() -> AsyncIterator[dict]:
         last = None
         try:
             while True:
@@ -123,23 +127,29 @@ async def _progress(request: Request, work, stream: bool):
                 if ev.get("status") == "success" and last == "success":
                     continue
                 last = ev.get("status")
-                yield ndjson(ev)
+                yield ev
         finally:
             cancel.set()
 
     if stream:
-        return ndjson_response(events())
+        async def lines() -> AsyncIterator[bytes]:
+            async for ev in events():
+                yield ndjson(ev)
+
+        return ndjson_response(lines())
 
     async def wait():
-        events_seen = [ev async for ev in events()]
-        err = next((e for e in events_seen if "error" in e), None)
+        err = None
+        async for ev in events():
+            if "error" in ev and err is None:
+                err = ev
         if err:
             from fastapi.responses import JSONResponse
 
             return JSONResponse({"error": err["error"]}, status_code=err.get("status", 500))
         return {"status": "success"}
 
-    return await c.until_disconnected(request, wait())
+    return await until_disconnected(request, wait())
 
 
 @router.post("/pull")
@@ -147,6 +157,7 @@ async def pull(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     name = _name(body)
+    parse_name(name)  # a bad name is a 400 before any 200
     stream = c.get_bool(body, "stream", True)
 
     def work(progress, cancel):
@@ -190,10 +201,15 @@ async def create(request: Request):
         modelfile = _modelfile_from_fields(body)
     if not isinstance(modelfile, str) or not modelfile.strip():
         raise InvalidRequest("'modelfile' must be a non-empty string")
+    parse_name(name)  # bad names and Modelfiles are a 400 before any 200
+    parse_modelfile(modelfile)
     base = c.get_str(body, "base_dir") or c.get_str(body, "path")
     base_dir = Path(base) if base else None
-    if base_dir is not None and base_dir.name.lower() == "modelfile" or (base_dir and base_dir.is_file()):
-        base_dir = base_dir.parent
+    try:
+        if base_dir is not None and (base_dir.name.lower() == "modelfile" or base_dir.is_file()):
+            base_dir = base_dir.parent
+    except OSError:  # a name too long, a loop, ...: the library says what is wrong with it
+        pass
     stream = c.get_bool(body, "stream", True)
 
     def work(progress, cancel):
@@ -214,15 +230,16 @@ def _format(opts: SamplingOptions, fmt: Any) -> None:
         raise InvalidRequest("'format' must be \"json\" or a JSON schema object")
 
 
-def _stats(t0: int, lease, usage) -> dict:
+def _stats(gen: Generation, t0: int) -> dict:
+    u = gen.usage
     return {
         "total_duration": time.perf_counter_ns() - t0,
-        "load_duration": int(lease.load_seconds * 1e9),
-        "prompt_eval_count": usage.prompt_tokens,
-        "prompt_eval_duration": int(usage.prompt_eval_seconds * 1e9),
-        "eval_count": usage.completion_tokens,
-        "eval_duration": int(usage.eval_seconds * 1e9),
-        "cached_tokens": usage.cached_tokens,
+        "load_duration": int(gen.load_seconds * 1e9),
+        "prompt_eval_count": u.prompt_tokens,
+        "prompt_eval_duration": int(u.prompt_eval_seconds * 1e9),
+        "eval_count": u.completion_tokens,
+        "eval_duration": int(u.eval_seconds * 1e9),
+        "cached_tokens": u.cached_tokens,
     }
 
 
@@ -242,78 +259,75 @@ async def _load_only(st: State, resolved, body: dict, num_ctx: int | None, chat:
     return out
 
 
-async def _run(request: Request, st: State, resolved, body: dict, prompt: str, opts: SamplingOptions,
-               num_ctx: int | None, chat: bool, tools: list | None, add_special: bool):
+def _calls(calls: list[dict]) -> list[dict]:
+    return [{"function": {"name": k["name"], "arguments": _loads(k["arguments"])}} for k in calls]
+
+
+async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
+    """Events -> Ollama's NDJSON (or one JSON object when stream is false)."""
     t0 = time.perf_counter_ns()
     stream = c.get_bool(body, "stream", True)
-    name = resolved.name
+    name = job.resolved.name
 
-    def piece(text: str) -> dict:
+    def piece(content: str = "", thinking: str = "", calls: list[dict] | None = None) -> dict:
         out: dict[str, Any] = {"model": name, "created_at": _now()}
         if chat:
-            out["message"] = {"role": "assistant", "content": text}
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                msg["thinking"] = thinking
+            if calls:
+                msg["tool_calls"] = _calls(calls)
+            out["message"] = msg
         else:
-            out["response"] = text
+            out["response"] = content
+            if thinking:
+                out["thinking"] = thinking
         out["done"] = False
         return out
 
-    def final(lease, res_text: str, reason: str, usage) -> dict:
-        out = piece("")
-        if chat:
-            content, calls = c.parse_tool_calls(res_text, tools)
-            if calls:
-                out["message"] = {"role": "assistant", "content": content,
-                                  "tool_calls": [{"function": {"name": k["function"]["name"],
-                                                               "arguments": _loads(k["function"]["arguments"])}}
-                                                 for k in calls]}
-            elif not stream:
-                out["message"]["content"] = res_text
-        elif not stream:
-            out["response"] = res_text
-        out.update(done=True, done_reason="stop" if reason == "abort" else reason, **_stats(t0, lease, usage))
+    def final(gen: Generation, reason: str) -> dict:
+        out = piece()
+        out.update(done=True, done_reason="stop" if reason in ("abort", "tool_calls") else reason, **_stats(gen, t0))
         return out
 
     if not stream:
         async def run():
-            async with st.manager.use(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body)) as lease:
-                req = await c.prepare_request(lease, prompt, opts, add_special=add_special)
-                res = await c.collect(lease, req)
-                return final(lease, res.text, res.finish_reason, res.usage)
+            gen = await st.generation.start(job)
+            try:
+                ch = (await gen.collect())[0]
+            finally:
+                await gen.release()
+            out = final(gen, ch.finish_reason)
+            if chat:
+                out["message"] = piece(ch.content, ch.reasoning, ch.tool_calls)["message"]
+            else:
+                out["response"] = ch.content
+                if ch.reasoning:
+                    out["thinking"] = ch.reasoning
+            return out
 
-        return await c.until_disconnected(request, run())
+        return await until_disconnected(request, run())
 
-    lease, release = await st.lease(resolved, num_ctx=num_ctx, keep_alive=st.keep_alive(body))
-    try:
-        req = await c.prepare_request(lease, prompt, opts, add_special=add_special)
-    except BaseException:
-        await release()
-        raise
+    gen = await st.generation.start(job)
 
     async def events() -> AsyncIterator[bytes]:
-        held: list[str] = []
         try:
-            async for ch in c.stream(lease, req):
-                if ch.text:
-                    if tools:
-                        held.append(ch.text)
-                    else:
-                        yield ndjson(piece(ch.text))
-                if ch.finish_reason:
-                    text = "".join(held)
-                    if tools:
-                        content, calls = c.parse_tool_calls(text, tools)
-                        if not calls and text:
-                            yield ndjson(piece(text))
-                    yield ndjson(final(lease, text, ch.finish_reason, ch.usage))
+            async for ev in gen.events():
+                if isinstance(ev, Delta) and (ev.content or ev.reasoning):
+                    yield ndjson(piece(ev.content, ev.reasoning))
+                elif isinstance(ev, ToolCalls):
+                    yield ndjson(piece(calls=ev.calls))
+                elif isinstance(ev, Done):
+                    yield ndjson(final(gen, ev.finish_reason))
         except Exception as exc:  # noqa: BLE001 - an error line ends the stream (Ollama's shape)
             if not isinstance(exc, LocalrunError):
-                log.exception("stream failed")
+                log.error("stream failed: %s: %s", type(exc).__name__, exc)
                 exc = LocalrunError(f"internal error: {type(exc).__name__}")
             yield ndjson({"error": exc.public_message, "status": exc.status})
         finally:
-            await release()
+            await gen.release()
 
-    return ndjson_response(events(), release)
+    return ndjson_response(events(), gen.release)
 
 
 def _loads(s: str):
@@ -323,6 +337,15 @@ def _loads(s: str):
         return json.loads(s)
     except ValueError:
         return s
+
+
+def _think(body: dict) -> bool | None:
+    v = body.get("think")
+    if v is None or isinstance(v, bool):
+        return v
+    if v in ("low", "medium", "high"):  # gpt-oss effort levels: thinking on
+        return True
+    raise InvalidRequest("'think' must be true, false, or one of low, medium, high")
 
 
 async def _resolve_with_options(st: State, body: dict):
@@ -348,8 +371,10 @@ async def generate(request: Request):
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
-    text = c.generate_prompt(resolved, prompt, c.get_str(body, "system"), c.get_str(body, "template"), raw)
-    return await _run(request, st, resolved, body, text, opts, num_ctx, chat=False, tools=None, add_special=True)
+    job = Job(resolved, opts, prompt=prompt, raw=raw, system=c.get_str(body, "system"),
+              template=c.get_str(body, "template"), think=_think(body), num_ctx=num_ctx,
+              keep_alive=st.keep_alive(body), api="ollama.generate")
+    return await _run(request, st, body, job, chat=False)
 
 
 @router.post("/chat")
@@ -363,8 +388,9 @@ async def chat(request: Request):
     messages = c.normalize_messages(messages)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
-    prompt = c.chat_prompt(resolved, messages, tools)
-    return await _run(request, st, resolved, body, prompt, opts, num_ctx, chat=True, tools=tools, add_special=True)
+    job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
+              keep_alive=st.keep_alive(body), api="ollama.chat")
+    return await _run(request, st, body, job, chat=True)
 
 
 @router.post("/embed")
@@ -372,13 +398,15 @@ async def embed(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     resolved = await st.resolve(_name(body))
-    texts = _embed_inputs(body.get("input"), "input")
+    texts = c.embed_inputs(body.get("input"), "input")
+    dims = c.get_int(body, "dimensions", 1)
     t0 = time.perf_counter_ns()
-    async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
-        vectors = await lease.backend.embed(texts)
-        n = sum([len(await lease.backend.tokenize(t, add_special=True)) for t in texts])
+    was_loaded = resolved.name in st.manager.runners
+    vectors, n = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims)
+    runner = st.manager.runners.get(resolved.name)
+    load_s = runner.load_seconds if (runner is not None and not was_loaded) else 0.0
     return {"model": resolved.name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - t0,
-            "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": n}
+            "load_duration": int(load_s * 1e9), "prompt_eval_count": n}
 
 
 @router.post("/embeddings")
@@ -387,7 +415,6 @@ async def embeddings_legacy(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     resolved = await st.resolve(_name(body))
-    text = _embed_inputs(body.get("prompt"), "prompt")
-    async with st.manager.use(resolved, keep_alive=st.keep_alive(body)) as lease:
-        vectors = await lease.backend.embed(text)
+    text = c.embed_inputs(body.get("prompt"), "prompt")
+    vectors, _ = await st.generation.embed(resolved, text, keep_alive=st.keep_alive(body))
     return {"embedding": vectors[0]}

@@ -1,4 +1,5 @@
-"""The daemon's shared state (settings, library, model manager) and small HTTP helpers."""
+"""The daemon's shared state (settings, library, model manager, generation service, metrics)
+and small HTTP helpers."""
 
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from starlette.responses import StreamingResponse
 
 from localrun.config import Settings
 from localrun.errors import InvalidRequest
-from localrun.server.manager import DEFAULT, Lease, ModelManager
+from localrun.server.generation import GenerationService
+from localrun.server.manager import DEFAULT, Loader, ModelManager
 
 
 class State:
-    def __init__(self, settings: Settings, library: Any):
+    def __init__(self, settings: Settings, library: Any, loader: Loader | None = None):
+        from localrun.server.metrics import Metrics
+
         self.settings = settings
         self.library = library
-        self.manager = ModelManager(settings, library)
+        self.manager = ModelManager(settings, library, loader)
+        self.metrics = Metrics(self.manager)
+        self.generation = GenerationService(self.manager, self.metrics)
         self._quick: set[str] = set()  # names whose last resolve was cheap (see resolve)
 
     async def resolve(self, name: str):
@@ -44,21 +50,6 @@ class State:
     @staticmethod
     def keep_alive(body: dict) -> Any:
         return body["keep_alive"] if body.get("keep_alive") is not None else DEFAULT
-
-    async def lease(self, resolved: Any, **kw: Any) -> tuple[Lease, Callable[[], Awaitable[None]]]:
-        """Enter manager.use() and hand back an idempotent release (for streaming responses,
-        whose body may never start when the client leaves early)."""
-        cm = self.manager.use(resolved, **kw)
-        lease = await cm.__aenter__()
-        done = False
-
-        async def release() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                await cm.__aexit__(None, None, None)
-
-        return lease, release
 
 
 MAX_JSON_DEPTH = 64

@@ -1,23 +1,18 @@
-"""What both API shapes share: request validation, option mapping, prompt building,
-running one generation on a leased model, tool-call parsing.
+"""Reading request JSON: typed getters, sampling options under both vocabularies (OpenAI's
+and Ollama's), messages, tools and tool_choice, JSON schemas.
 
-Routes translate OpenAI / Ollama JSON into these calls; nothing here knows HTTP beyond
-reading already-parsed JSON values. Everything a backend sees is validated first
+The API translators (routes_*.py) build a generation job from these; nothing here knows
+HTTP beyond already-parsed JSON values. Everything a backend sees is validated first
 (security.md items 14-17): bad values raise InvalidRequest (400) before any work.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
-from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, Usage
-from localrun.chat_template import render_chat, template_supports_tools
+from localrun.backends.base import SamplingOptions
+from localrun.chat_template import template_supports_tools
 from localrun.errors import InvalidRequest
 
 MAX_N = 16
@@ -87,27 +82,18 @@ def get_stop(value: Any) -> list[str]:
 
 
 def check_json_schema(schema: Any) -> dict:
-    """A JSON schema must be an object that is itself a valid schema and that the grammar
-    converter accepts; else 400 (and the daemon keeps serving)."""
+    """A JSON schema must be an object that is itself a valid schema; else 400 (and the daemon
+    keeps serving). Turning it into a grammar is the backend's business (it answers 400 too)."""
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be an object")
-    try:
-        import jsonschema
+    import jsonschema
 
+    try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
-    except ImportError:  # pragma: no cover - the grammar converter still checks
-        pass
-    except Exception as exc:
-        msg = getattr(exc, "message", str(exc))
-        raise InvalidRequest(f"invalid JSON schema: {msg}") from None
-    try:
-        from llama_cpp.llama_grammar import json_schema_to_gbnf
-    except ImportError:  # the native backend validates on its own
-        return schema
-    try:
-        json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:
-        raise InvalidRequest(f"invalid JSON schema: {type(exc).__name__}: {exc}") from None
+    except jsonschema.SchemaError as exc:
+        raise InvalidRequest(f"invalid JSON schema: {exc.message}") from None
+    except Exception as exc:  # RecursionError on absurd nesting, a bad $schema, ...
+        raise InvalidRequest(f"invalid JSON schema: {type(exc).__name__}") from None
     return schema
 
 
@@ -209,29 +195,6 @@ def _normalize_call(c: Any, i: int) -> dict:
     return {"type": "function", "function": {"name": fn["name"], "arguments": args}, **({"id": c["id"]} if c.get("id") else {})}
 
 
-def chat_prompt(resolved: Any, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """Modelfile SYSTEM (when the request has no system message) and MESSAGE lines, then the
-    request's messages, rendered with the model's template in the sandbox."""
-    msgs = list(messages)
-    history = [dict(m) for m in (resolved.messages or [])]
-    if resolved.system and not any(m["role"] == "system" for m in msgs):
-        history.insert(0, {"role": "system", "content": resolved.system})
-    template = resolved.template
-    return render_chat(template, history + msgs, add_generation_prompt=True, tools=tools or None)
-
-
-def generate_prompt(resolved: Any, prompt: str, system: str | None, template: str | None, raw: bool) -> str:
-    """Ollama /api/generate: raw prompt, or the prompt wrapped as one user turn."""
-    if raw:
-        return prompt
-    msgs = []
-    system = system if system is not None else resolved.system
-    if system:
-        msgs.append({"role": "system", "content": system})
-    msgs.append({"role": "user", "content": prompt})
-    return render_chat(template or resolved.template, msgs, add_generation_prompt=True)
-
-
 def check_tools(tools: Any, template: str | None) -> list[dict] | None:
     if tools is None:
         return None
@@ -250,19 +213,23 @@ def check_tools(tools: Any, template: str | None) -> list[dict] | None:
 
 
 def tool_choice_schema(tools: list[dict], choice: Any) -> tuple[list[dict] | None, dict | None]:
-    """Returns (tools to render, JSON schema forcing a call or None)."""
+    """Returns (tools to render, JSON schema forcing a call or None).
+
+    `choice`: "auto" | "none" | "required" | {"name": N} (each API's own shape is mapped to
+    these first; OpenAI's {"type": "function", "function": {"name": N}} is taken as is)."""
     if choice in (None, "auto"):
         return tools, None
     if choice == "none":
         return None, None
     names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        choice = {"name": choice["function"].get("name")}
     if choice == "required":
         chosen = tools
-    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) and choice["function"].get("name") in names:
-        chosen = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    elif isinstance(choice, dict) and choice.get("name") in names:
+        chosen = [t for t in tools if t["function"]["name"] == choice["name"]]
     else:
-        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
-                             "'function': {'name': <one of the tools>}}")
+        raise InvalidRequest("'tool_choice' must be 'none', 'auto', 'required' or name one of the tools")
     variants = [{"type": "object",
                  "properties": {"name": {"const": t["function"]["name"]},
                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
@@ -270,104 +237,15 @@ def tool_choice_schema(tools: list[dict], choice: Any) -> tuple[list[dict] | Non
     return tools, variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+MAX_EMBED_INPUTS = 256
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None) -> tuple[str, list[dict]]:
-    """Tool calls from model output: Hermes/Qwen `<tool_call>{json}</tool_call>` blocks, or
-    output that is one JSON object (or list) naming a known tool. Returns (content, calls)."""
-    if not tools:
-        return text, []
-    names = {t["function"]["name"] for t in tools}
-    candidates = _TOOL_CALL_RE.findall(text)
-    content = _TOOL_CALL_RE.sub("", text).strip() if candidates else ""
-    if not candidates:
-        candidates = [text.strip()]
-    calls = []
-    for c in candidates:
-        try:
-            obj = json.loads(c)
-        except ValueError:
-            continue
-        for o in obj if isinstance(obj, list) else [obj]:
-            if isinstance(o, dict) and o.get("name") in names:
-                args = o.get("arguments", o.get("parameters", {}))
-                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": o["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if not calls:
-        return text, []
-    return content, calls
-
-
-# -- running a generation ----------------------------------------------------------------------
-@dataclass
-class Result:
-    text: str = ""
-    finish_reason: str = "stop"
-    usage: Usage = field(default_factory=Usage)
-    logprobs: list = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-
-
-async def prepare_request(lease: Any, prompt: str, opts: SamplingOptions, add_special: bool,
-                          ids: list[int] | None = None) -> GenerationRequest:
-    """Tokenize (unless `ids` are given), check the window (400 naming the limit), cap
-    max_tokens at the window."""
-    if ids is None:
-        ids = await lease.backend.tokenize(prompt, add_special=add_special)
-    if not ids:
-        raise InvalidRequest("the prompt is empty")
-    window = lease.num_ctx
-    if len(ids) >= window:
-        raise InvalidRequest(f"the prompt is {len(ids)} tokens but the context window is {window} tokens (num_ctx); "
-                             "shorten the prompt or ask for a larger num_ctx")
-    room = window - len(ids)
-    o = SamplingOptions(**{**opts.__dict__, "stop": list(opts.stop)})
-    o.max_tokens = room if o.max_tokens is None else min(o.max_tokens, room)
-    return GenerationRequest(prompt=prompt, options=o, request_id=uuid.uuid4().hex, prompt_token_ids=ids)
-
-
-async def stream(lease: Any, req: GenerationRequest) -> AsyncIterator[Chunk]:
-    gen = lease.backend.generate(req)
-    try:
-        async for chunk in gen:
-            yield chunk
-    finally:
-        await gen.aclose()
-
-
-async def collect(lease: Any, req: GenerationRequest) -> Result:
-    res = Result()
-    parts = []
-    async for c in stream(lease, req):
-        parts.append(c.text)
-        if c.logprobs:
-            res.logprobs.extend(c.logprobs)
-        res.token_ids.extend(c.token_ids)
-        if c.finish_reason:
-            res.finish_reason = c.finish_reason
-            res.usage = c.usage or Usage()
-    res.text = "".join(parts)
-    return res
-
-
-async def until_disconnected(request: Any, coro) -> Any:
-    """Run `coro`, cancelling it when the HTTP client goes away (non-streaming requests)."""
-    task = asyncio.ensure_future(coro)
-
-    async def watch():
-        while not task.done():
-            if await request.is_disconnected():
-                task.cancel()
-                return
-            await asyncio.sleep(0.25)
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    finally:
-        watcher.cancel()
-
-
-def now_ns() -> int:
-    return time.perf_counter_ns()
+def embed_inputs(value: Any, key: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise InvalidRequest(f"'{key}' must be a non-empty string or a list of strings")
+    if len(texts) > MAX_EMBED_INPUTS:
+        raise InvalidRequest(f"'{key}' holds {len(texts)} strings; the limit is {MAX_EMBED_INPUTS}")
+    if any(not t.strip() for t in texts):
+        raise InvalidRequest(f"'{key}' must not contain empty strings")
+    return texts

@@ -1,0 +1,356 @@
+"""The generation service: the one way from a validated request to tokens.
+
+Every API (OpenAI chat/completions, Ollama generate/chat, Anthropic Messages, OpenAI
+Responses) is a translator: it turns its JSON into a :class:`Job`, calls
+:meth:`GenerationService.start`, and turns the typed events of the :class:`Generation`
+it gets back into its own wire shape. The checks live here, once:
+
+1. render the prompt (the model's template in the sandbox; Modelfile SYSTEM/MESSAGE),
+2. lease the model (queue, admission, load: the model manager),
+3. check the backend can do what the job asks (JSON schema, ...): 400 up front,
+4. tokenize once (n choices share the prompt), check the context window (400 naming it),
+   cap max_tokens at the room left,
+5. start the backend stream and wait for its first event, so a backend's refusal (a
+   grammar it cannot build, a window it cannot fit) is still an HTTP error, not a broken
+   stream,
+6. split what the model writes into reasoning, content and tool calls
+   (:mod:`localrun.server.output`) and hand back :class:`Delta`, :class:`ToolCalls`,
+   :class:`Done` events with a normalized finish reason and usage.
+
+The lease is released exactly once: when the events end, when the consumer closes them,
+or by :meth:`Generation.release` (idempotent) from whoever gives up first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage
+from localrun.chat_template import render_chat
+from localrun.errors import InvalidRequest
+from localrun.server.manager import DEFAULT, Lease, ModelManager
+from localrun.server.output import OutputParser, reasoning_for
+
+
+@dataclass
+class Job:
+    """What a translator asks for, already validated field by field."""
+
+    resolved: Any  # the library's ResolvedModel
+    options: SamplingOptions
+    messages: list[dict] | None = None  # chat: normalized messages, rendered with the model's template
+    prompt: str | None = None  # text: as given when `raw`, else wrapped as one user turn
+    raw: bool = True
+    system: str | None = None  # text jobs: a system prompt over the Modelfile's SYSTEM
+    template: str | None = None  # text jobs: a template over the model's
+    tools: list[dict] | None = None  # OpenAI-style tool definitions rendered into the prompt
+    think: bool | None = None  # None: as the template does; False: ask it not to think; True: must think
+    num_ctx: int | None = None
+    keep_alive: Any = DEFAULT
+    n: int = 1
+    add_special: bool = True
+    api: str = "openai"  # for metrics and logs
+
+
+@dataclass
+class Delta:
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ToolCalls:
+    index: int
+    calls: list[dict]  # [{"id", "name", "arguments": JSON string}]
+
+
+@dataclass
+class Done:
+    index: int
+    finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
+    usage: Usage
+
+
+Event = Delta | ToolCalls | Done
+
+
+@dataclass
+class Choice:
+    """One finished choice, for non-streamed answers."""
+
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str = "stop"
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Generation:
+    """A started job: its events, or its collected choices; then the lease goes back."""
+
+    def __init__(self, service: "GenerationService", job: Job, lease: Lease, release: Callable[[], Awaitable[None]],
+                 requests: list[GenerationRequest], prompt: str, reasoning, t0: float) -> None:
+        self.service, self.job, self.lease, self._release = service, job, lease, release
+        self.requests, self.prompt, self.reasoning = requests, prompt, reasoning
+        self.t0 = t0
+        self.id = uuid.uuid4().hex
+        self.model = job.resolved.name
+        self.prompt_tokens = len(requests[0].prompt_token_ids or [])
+        self.usage = Usage(prompt_tokens=self.prompt_tokens)
+        self._first: tuple[AsyncIterator[Chunk], Chunk] | None = None
+        self._released = False
+        self._started = False
+
+    @property
+    def load_seconds(self) -> float:
+        return self.lease.load_seconds
+
+    async def _prime(self) -> None:
+        """Start choice 0 and take its first chunk (errors raise here, before any response)."""
+        stream = self.lease.backend.generate(self.requests[0])
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = Chunk(finish_reason="stop", usage=Usage(prompt_tokens=self.prompt_tokens))
+        except BaseException:
+            await stream.aclose()
+            raise
+        self._first = (stream, first)
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._first is not None:
+                await self._first[0].aclose()
+                self._first = None
+            await self._release()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every choice's events in order (choice 0, then 1, ...); releases the lease at the end."""
+        if self._started:
+            raise RuntimeError("a generation's events can be read once")
+        self._started = True
+        metrics = self.service.metrics
+        try:
+            for i, req in enumerate(self.requests):
+                if i == 0 and self._first is not None:
+                    stream, pending = self._first
+                    self._first = None
+                else:
+                    stream, pending = self.lease.backend.generate(req), None
+                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None)
+                hide_reasoning = self.job.think is False
+                first_at, last_at = None, None
+                try:
+                    while True:
+                        if pending is not None:
+                            chunk, pending = pending, None
+                        else:
+                            try:
+                                chunk = await stream.__anext__()
+                            except StopAsyncIteration:
+                                break
+                        now = time.perf_counter()
+                        if chunk.token_ids and metrics is not None:
+                            if first_at is None:
+                                metrics.first_token(self, now - self.t0)
+                            elif last_at is not None:
+                                metrics.inter_token(self, (now - last_at) / len(chunk.token_ids), len(chunk.token_ids))
+                        if chunk.token_ids:
+                            first_at = first_at or now
+                            last_at = now
+                        reasoning, content = parser.feed(chunk.text) if chunk.text else ("", "")
+                        if hide_reasoning:
+                            reasoning = ""
+                        if reasoning or content or chunk.logprobs:
+                            yield Delta(i, content, reasoning, chunk.logprobs, list(chunk.token_ids))
+                        if chunk.finish_reason is not None:
+                            reasoning, content, calls = parser.finish()
+                            if hide_reasoning:
+                                reasoning = ""
+                            if reasoning or content:
+                                yield Delta(i, content, reasoning)
+                            if calls:
+                                yield ToolCalls(i, calls)
+                            usage = chunk.usage or Usage(prompt_tokens=self.prompt_tokens)
+                            self._add_usage(usage)
+                            reason = "tool_calls" if calls else chunk.finish_reason
+                            if metrics is not None:
+                                metrics.finished(self, usage, reason)
+                            yield Done(i, reason, usage)
+                            break
+                finally:
+                    await stream.aclose()
+        finally:
+            await self.release()
+
+    def _add_usage(self, u: Usage) -> None:
+        self.usage.prompt_tokens = u.prompt_tokens or self.usage.prompt_tokens
+        self.usage.cached_tokens = max(self.usage.cached_tokens, u.cached_tokens)
+        self.usage.completion_tokens += u.completion_tokens
+        self.usage.prompt_eval_seconds = self.usage.prompt_eval_seconds or u.prompt_eval_seconds
+        self.usage.eval_seconds += u.eval_seconds
+
+    async def collect(self) -> list[Choice]:
+        """Run every choice to its end; the non-streamed answer."""
+        choices = [Choice(i) for i in range(len(self.requests))]
+        parts: list[tuple[list[str], list[str]]] = [([], []) for _ in choices]
+        async for ev in self.events():
+            ch = choices[ev.index]
+            if isinstance(ev, Delta):
+                parts[ev.index][0].append(ev.content)
+                parts[ev.index][1].append(ev.reasoning)
+                if ev.logprobs:
+                    ch.logprobs.extend(ev.logprobs)
+                ch.token_ids.extend(ev.token_ids)
+            elif isinstance(ev, ToolCalls):
+                ch.tool_calls.extend(ev.calls)
+            else:
+                ch.finish_reason, ch.usage = ev.finish_reason, ev.usage
+        for ch, (content, reasoning) in zip(choices, parts):
+            ch.content, ch.reasoning = "".join(content), "".join(reasoning)
+        return choices
+
+
+class GenerationService:
+    def __init__(self, manager: ModelManager, metrics: Any = None) -> None:
+        self.manager = manager
+        self.metrics = metrics
+
+    async def start(self, job: Job) -> Generation:
+        """Render, lease, check, tokenize and start `job`; raises (with the lease given back)
+        on anything the request itself got wrong, before any response is sent."""
+        t0 = time.perf_counter()
+        prompt = await asyncio.to_thread(render_prompt, job)
+        template = job.template or job.resolved.template
+        reasoning = reasoning_for(template, prompt)
+        if job.think is True and reasoning is None:
+            raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
+                                 "<think> block); leave 'think' unset or false")
+        lease, release = await self._lease(job)
+        try:
+            self._check_capabilities(job, lease)
+            ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
+            requests = self._requests(job, lease, prompt, ids)
+            gen = Generation(self, job, lease, release, requests, prompt, reasoning, t0)
+            if self.metrics is not None:
+                self.metrics.started(gen)
+            await gen._prime()
+        except BaseException:
+            await release()
+            raise
+        return gen
+
+    async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
+                    dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """Embedding vectors (truncated to `dimensions`, then re-normalized, as OpenAI's
+        text-embedding-3 models do) and the number of input tokens."""
+        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
+            if not lease.backend.info.supports_embeddings:
+                raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, "
+                                     "which does not make embeddings")
+            vectors = await lease.backend.embed(texts)
+            n_tokens = sum([len(await lease.backend.tokenize(t, add_special=True)) for t in texts])
+        if dimensions is not None:
+            vectors = [_renormalize(v[:dimensions]) for v in vectors]
+        return vectors, n_tokens
+
+    async def _lease(self, job: Job) -> tuple[Lease, Callable[[], Awaitable[None]]]:
+        cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive)
+        lease = await cm.__aenter__()
+        done = False
+
+        async def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                await cm.__aexit__(None, None, None)
+
+        return lease, release
+
+    @staticmethod
+    def _check_capabilities(job: Job, lease: Lease) -> None:
+        info = lease.backend.info
+        o = job.options
+        if (o.json_schema is not None or o.json_mode) and not info.supports_json_schema:
+            raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot constrain "
+                                 "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
+        if o.logprobs and not info.supports_logprobs:
+            raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+
+    @staticmethod
+    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int]) -> list[GenerationRequest]:
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        window = lease.num_ctx
+        if len(ids) >= window:
+            raise InvalidRequest(f"the prompt is {len(ids)} tokens but the context window is {window} tokens "
+                                 "(num_ctx); shorten the prompt or ask for a larger num_ctx")
+        room = window - len(ids)
+        o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
+        o.max_tokens = room if o.max_tokens is None else min(o.max_tokens, room)
+        out = []
+        for i in range(job.n):
+            oi = replace(o, seed=o.seed + i) if (o.seed is not None and i) else o
+            out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids))
+        return out
+
+
+def _renormalize(v: list[float]) -> list[float]:
+    norm = sum(x * x for x in v) ** 0.5
+    return [x / norm for x in v] if norm > 0 else v
+
+
+def render_prompt(job: Job) -> str:
+    """The prompt text the model sees (runs on a worker thread: templates can be slow)."""
+    r = job.resolved
+    extra: dict[str, Any] = {}
+    if job.think is not None:
+        extra["enable_thinking"] = job.think  # Qwen3's switch; templates that lack it ignore it
+    if job.messages is not None:
+        msgs = list(job.messages)
+        history = [dict(m) for m in (r.messages or [])]
+        if r.system and not any(m["role"] == "system" for m in msgs):
+            history.insert(0, {"role": "system", "content": r.system})
+        return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=job.tools or None, **extra)
+    assert job.prompt is not None
+    if job.raw:
+        return job.prompt
+    msgs = []
+    system = job.system if job.system is not None else r.system
+    if system:
+        msgs.append({"role": "system", "content": system})
+    msgs.append({"role": "user", "content": job.prompt})
+    return render_chat(job.template or r.template, msgs, add_generation_prompt=True, **extra)
+
+
+async def until_disconnected(request: Any, coro) -> Any:
+    """Run `coro`, cancelling it when the HTTP client goes away (non-streamed requests)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+__all__ = ["Job", "Delta", "ToolCalls", "Done", "Choice", "Generation", "GenerationService", "render_prompt",
+           "until_disconnected"]

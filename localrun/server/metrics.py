@@ -1,0 +1,161 @@
+"""Prometheus metrics (``GET /metrics``), in the spirit of vLLM's and SGLang's.
+
+Counted as requests happen: HTTP requests by route and status (an ASGI middleware), prompt /
+completion / cached tokens, finished requests by reason, time to first token and
+inter-token latency histograms (as the daemon sees them, i.e. as clients do). Read at
+scrape time: queue depth and running requests per model (the model manager), KV pages
+used/free and the engine's prefix hit rate per model (asked of each runner, bounded).
+Each app has its own registry, so several daemons in one process (tests) never mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATS_TIMEOUT = 1.0  # seconds a runner gets to report its KV pages at scrape time
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/messages",
+          "/v1/messages/count_tokens", "/v1/responses", "/api/generate", "/api/chat", "/api/embed",
+          "/api/embeddings", "/api/pull", "/api/create", "/api/tags", "/api/show", "/api/ps", "/api/copy",
+          "/api/delete", "/api/version", "/metrics", "/")
+
+
+def route_label(path: str) -> str:
+    """A bounded label for a path: known routes as they are, the rest by prefix."""
+    if path in ROUTES:
+        return path
+    for prefix in ("/v1/models/", "/v1/responses/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return "other"
+
+
+class Metrics:
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("localrun_http_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("localrun_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.cached_tokens = Counter("localrun_cached_prompt_tokens",
+                                     "Prompt tokens whose KV came from a prefix cache", ["model"], registry=r)
+        self.completion_tokens = Counter("localrun_completion_tokens", "Tokens generated", ["model"], registry=r)
+        self.finished_requests = Counter("localrun_generations_finished", "Generations finished, by reason",
+                                         ["model", "api", "finish_reason"], registry=r)
+        self.ttft = Histogram("localrun_time_to_first_token_seconds", "Time to first token, request arrival to "
+                              "the first generated token", ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("localrun_inter_token_latency_seconds", "Time between generated tokens", ["model"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self._runner_stats: dict[str, dict] = {}
+        self.token_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]
+        r.register(_Live(self))
+
+    # -- called by the generation service -------------------------------------------------------
+    def started(self, gen: Any) -> None:
+        pass
+
+    def first_token(self, gen: Any, seconds: float) -> None:
+        self.ttft.labels(gen.model).observe(seconds)
+
+    def inter_token(self, gen: Any, seconds: float, count: int) -> None:
+        h = self.itl.labels(gen.model)
+        for _ in range(min(count, 64)):  # a coalesced chunk: its tokens share the gap
+            h.observe(seconds)
+
+    def finished(self, gen: Any, usage: Any, reason: str) -> None:
+        m = gen.model
+        totals = self.token_totals.setdefault(m, [0, 0])
+        totals[0] += usage.prompt_tokens
+        totals[1] += usage.cached_tokens
+        if usage.prompt_tokens:
+            self.prompt_tokens.labels(m).inc(usage.prompt_tokens)
+        if usage.cached_tokens:
+            self.cached_tokens.labels(m).inc(usage.cached_tokens)
+        if usage.completion_tokens:
+            self.completion_tokens.labels(m).inc(usage.completion_tokens)
+        self.finished_requests.labels(m, gen.job.api, reason).inc()
+
+    # -- the scrape -------------------------------------------------------------------------------
+    async def render(self) -> bytes:
+        """Ask each loaded model's runner for its KV stats (bounded), then format everything."""
+        runners = list(self.manager.runners.values())
+
+        async def one(r) -> tuple[str, dict]:
+            stats = getattr(r.backend, "stats", None)
+            if stats is None:
+                return r.name, {}
+            try:
+                return r.name, await asyncio.wait_for(stats(), STATS_TIMEOUT) or {}
+            except Exception:  # a busy or dying runner: no KV figures this scrape
+                return r.name, {}
+
+        self._runner_stats = dict(await asyncio.gather(*(one(r) for r in runners)))
+        return generate_latest(self.registry)
+
+
+class _Live:
+    """Gauges read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        runners = list(self.metrics.manager.runners.values())
+        loaded = GaugeMetricFamily("localrun_models_loaded", "Models loaded (one runner process each)")
+        loaded.add_metric([], len(runners))
+        yield loaded
+        waiting = GaugeMetricFamily("localrun_queue_depth", "Requests waiting for a slot", labels=["model"])
+        running = GaugeMetricFamily("localrun_running_requests", "Requests generating", labels=["model"])
+        used = GaugeMetricFamily("localrun_kv_pages_used", "KV cache pages in use", labels=["model"])
+        free = GaugeMetricFamily("localrun_kv_pages_free", "KV cache pages free", labels=["model"])
+        hit = GaugeMetricFamily("localrun_prefix_cache_hit_rate",
+                                "Share of prompt tokens served from the prefix cache since load", labels=["model"])
+        for r in runners:
+            waiting.add_metric([r.name], r.waiting)
+            running.add_metric([r.name], r.active)
+            st = self.metrics._runner_stats.get(r.name) or {}
+            if "kv_pages_total" in st:
+                used.add_metric([r.name], st["kv_pages_total"] - st["kv_pages_free"])
+                free.add_metric([r.name], st["kv_pages_free"])
+            if st.get("prefix_query_tokens"):  # the engine's own count
+                hit.add_metric([r.name], st["prefix_hit_tokens"] / st["prefix_query_tokens"])
+            elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
+                hit.add_metric([r.name], t[1] / t[0])
+        yield from (waiting, running, used, free, hit)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route and final status (pure ASGI: streams pass untouched)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(route_label(scope.get("path", "")), str(status)).inc()
+
+
+__all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE", "route_label"]

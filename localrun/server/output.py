@@ -1,0 +1,172 @@
+"""What the model wrote, split into what the APIs send: reasoning, content, tool calls.
+
+:class:`OutputParser` takes one choice's streamed text piece by piece and returns the
+pieces of reasoning and of content that may go out now; at the end it returns the tool
+calls it found. Text is held back only while it could still turn into a marker
+(``</think>``) or a tool call, so answers without either stream untouched.
+
+- Reasoning: models whose template thinks in ``<think>…</think>`` (Qwen3, DeepSeek-R1
+  distills, or a model's own markers). When the rendered prompt already opened the think
+  block (the template appended ``<think>``), the output starts inside it.
+- Tool calls: Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks anywhere in the output,
+  or an output that is one JSON object (or list) naming a known tool (what a forced call
+  produces). Content before a ``<tool_call>`` streams; the call itself is held to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN = "<tool_call>"
+_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+@dataclass
+class Reasoning:
+    """How a model marks its thinking, and whether the prompt already opened it."""
+
+    open: str = THINK_OPEN
+    close: str = THINK_CLOSE
+    started: bool = False  # the rendered prompt ends inside an open think block
+
+
+def reasoning_for(template: str | None, prompt: str) -> Reasoning | None:
+    """A Reasoning spec when the model's template thinks in <think> blocks, else None."""
+    if not template or THINK_OPEN not in template or THINK_CLOSE not in template:
+        return None
+    tail = prompt.rstrip()
+    opened = tail.rfind(THINK_OPEN)
+    return Reasoning(started=opened >= 0 and tail.find(THINK_CLOSE, opened) < 0 and tail.endswith(THINK_OPEN))
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
+    """(content without the calls, [{"id", "name", "arguments" (a JSON string)}])."""
+    candidates = _TOOL_CALL_RE.findall(text)
+    content = _TOOL_CALL_RE.sub("", text).strip() if candidates else ""
+    if not candidates:
+        candidates = [text.strip()]
+    calls = []
+    for c in candidates:
+        try:
+            obj = json.loads(c)
+        except ValueError:
+            continue
+        for o in obj if isinstance(obj, list) else [obj]:
+            if isinstance(o, dict) and o.get("name") in names:
+                args = o.get("arguments", o.get("parameters", {}))
+                calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": o["name"],
+                              "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+    if not calls:
+        return text, []
+    return content, calls
+
+
+class OutputParser:
+    """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
+
+    def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None) -> None:
+        self.reasoning = reasoning
+        self.tool_names = tool_names or set()
+        # "think?": the output may open a think block; "think": inside one; "content": after
+        self.state = "content" if reasoning is None else ("think" if reasoning.started else "think?")
+        self.pending = ""  # text not yet classified (a possible marker)
+        self.held = ""  # content held back because it may be a tool call
+        self.holding = False
+        self.content_sent = ""  # content given out so far (tool calls are parsed from it + held)
+        self.after_think = False  # just left a think block: drop the whitespace that follows it
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Returns (reasoning, content) that may be sent now."""
+        self.pending += text
+        reasoning, content = "", ""
+        while True:
+            if self.state == "think?":
+                stripped = self.pending.lstrip()
+                if stripped.startswith(self.reasoning.open):
+                    self.pending = stripped[len(self.reasoning.open):]
+                    self.state = "think"
+                    continue
+                if self.reasoning.open.startswith(stripped):  # maybe still coming
+                    return reasoning, self._content(content)
+                self.state = "content"
+                continue
+            if self.state == "think":
+                close = self.reasoning.close
+                i = self.pending.find(close)
+                if i >= 0:
+                    reasoning += self.pending[:i]
+                    self.pending = self.pending[i + len(close):]
+                    self.state, self.after_think = "content", True
+                    continue
+                keep = _partial(self.pending, close)
+                reasoning += self.pending[: len(self.pending) - keep]
+                self.pending = self.pending[len(self.pending) - keep:]
+                return reasoning, self._content(content)
+            if self.after_think:  # the answer starts after the blank lines that follow </think>
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    return reasoning, self._content(content)
+                self.after_think = False
+            content += self.pending
+            self.pending = ""
+            return reasoning, self._content(content)
+
+    def _content(self, text: str) -> str:
+        """Content that may go out now: all of it, unless it may be (part of) a tool call."""
+        if not self.tool_names or not text:
+            self.content_sent += text
+            return text
+        if self.holding:
+            self.held += text
+            return ""
+        buf = text
+        if not (self.content_sent + buf).strip():  # only whitespace so far: wait to see what starts
+            self.held += buf
+            return ""
+        start = self.held + buf
+        self.held = ""
+        lead = (self.content_sent + start).lstrip()
+        if not self.content_sent.strip() and lead[:1] in ("{", "["):  # a bare JSON call
+            self.holding, self.held = True, start
+            return ""
+        i = start.find(TOOL_OPEN)
+        if i < 0:
+            i = len(start) - _partial(start, TOOL_OPEN)
+            if i == len(start):
+                self.content_sent += start
+                return start
+            self.held = start[i:]  # maybe the start of <tool_call>: wait for more
+            self.content_sent += start[:i]
+            return start[:i]
+        self.holding, self.held = True, start[i:]
+        self.content_sent += start[:i]
+        return start[:i]
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        """At the end: (reasoning, content, tool calls) still to send."""
+        reasoning, content = "", ""
+        if self.state == "think":
+            reasoning, self.pending = self.pending, ""
+        else:
+            content, self.pending = ("" if self.after_think else self.pending), ""
+        rest = self.held + content
+        self.held = ""
+        if not self.tool_names:
+            return reasoning, rest, []
+        content_left, calls = parse_tool_calls(rest, self.tool_names)
+        return (reasoning, content_left, calls) if calls else (reasoning, rest, [])
+
+
+__all__ = ["OutputParser", "Reasoning", "reasoning_for", "parse_tool_calls"]

@@ -1,0 +1,159 @@
+"""A small fake backend and an in-process daemon around it, for fast tests of everything above
+the backend: the generation service, the API translators, the model manager's queueing,
+eviction, keep-alive and cancellation. Beside the end-to-end tests with the real daemon, the
+real llama.cpp and a real model (which stay), never instead of them.
+
+The fake "model" answers by rules: the first rule whose key occurs in the prompt gives the
+reply; each character is a token. It honours max_tokens, stop strings and ignore_eos, streams
+a token every `token_delay` seconds, records what it was asked and which requests were aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, Usage
+from localrun.errors import BackendError
+from localrun.stop_strings import StopScanner
+
+DEFAULT_REPLY = "Hello from the fake model."
+
+
+@dataclass
+class FakeModel:
+    """Shared by every FakeBackend a loader makes: rules, and what happened."""
+
+    rules: dict[str, str] = field(default_factory=dict)
+    token_delay: float = 0.0
+    slots: int = 1
+    supports_json_schema: bool = True
+    fail_with: str | None = None  # a backend error raised mid-stream after 3 tokens
+    loads: list[str] = field(default_factory=list)
+    closes: list[str] = field(default_factory=list)
+    requests: list[GenerationRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    cached: dict[str, list[int]] = field(default_factory=dict)  # model -> the last prompt (a one-slot prefix cache)
+
+    def reply(self, prompt: str) -> str:
+        for key, text in self.rules.items():
+            if key in prompt:
+                return text
+        return DEFAULT_REPLY
+
+    async def loader(self, spec: LoadSpec, backend: str) -> "FakeBackend":
+        self.loads.append(spec.name)
+        return FakeBackend(self, spec)
+
+
+class FakeBackend:
+    def __init__(self, model: FakeModel, spec: LoadSpec) -> None:
+        self.model, self.spec = model, spec
+        self.info = BackendInfo(name="fake", device="CPU", processor="100% CPU", reason="a fake backend for tests",
+                                context_length=spec.num_ctx, slots=model.slots, size_bytes=1000,
+                                supports_json_schema=model.supports_json_schema)
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        m, o = self.model, request.options
+        m.requests.append(request)
+        ids = request.prompt_token_ids or await self.tokenize(request.prompt)
+        last = m.cached.get(self.spec.name, [])
+        cached = 0
+        for a, b in zip(last, ids):
+            if a != b:
+                break
+            cached += 1
+        m.cached[self.spec.name] = list(ids)
+        text = m.reply(request.prompt)
+        if o.ignore_eos:
+            text = (text * (1 + (o.max_tokens or 1) // max(len(text), 1)))
+        limit = o.max_tokens if o.max_tokens is not None else len(text)
+        stops = StopScanner(o.stop)
+        n, finish = 0, "stop"
+        t0 = time.perf_counter()
+        try:
+            for ch in text:
+                if n >= limit:
+                    finish = "length"
+                    break
+                if m.fail_with and n == 3:
+                    raise BackendError(m.fail_with)
+                if m.token_delay:
+                    await asyncio.sleep(m.token_delay)
+                n += 1
+                out, hit = stops.feed(ch)
+                if out or hit:
+                    yield Chunk(text=out, token_ids=[ord(ch)])
+                else:
+                    yield Chunk(text="", token_ids=[ord(ch)])
+                if hit:
+                    finish = "stop"
+                    break
+            else:
+                tail = stops.flush()
+                if tail:
+                    yield Chunk(text=tail)
+            m.finished.append(request.request_id)
+            yield Chunk(finish_reason=finish, usage=Usage(prompt_tokens=len(ids), completion_tokens=n,
+                                                          cached_tokens=cached, eval_seconds=time.perf_counter() - t0))
+        finally:  # closed early (the client left): an abort
+            if request.request_id not in m.finished and request.request_id not in m.aborted:
+                m.aborted.append(request.request_id)
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return [[float(len(t)), 1.0, 2.0, 0.5] for t in texts]
+
+    async def stats(self) -> dict:
+        return {}
+
+    async def close(self) -> None:
+        self.model.closes.append(self.spec.name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessDaemon:
+    """The real app (create_app) on a real 127.0.0.1 port, in a thread of this process, with the
+    real library and a fake loader. `stop()` shuts it down (lifespan included)."""
+
+    def __init__(self, home: Path, model: FakeModel, **env: str) -> None:
+        import uvicorn
+
+        from localrun.config import settings
+        from localrun.server.app import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        values = {"LOCALRUN_HOME": str(home), "LOCALRUN_HOST": f"127.0.0.1:{self.port}", **env}
+        self.settings = settings(values)
+        self.app = create_app(self.settings, loader=model.loader)
+        self.state = self.app.state.lr
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process daemon did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)

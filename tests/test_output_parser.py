@@ -1,0 +1,85 @@
+"""OutputParser: reasoning / content / tool calls, the same however the text is split."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from localrun.server.output import OutputParser, Reasoning, reasoning_for
+
+TOOLS = {"get_weather"}
+
+
+def _run(text: str, pieces: list[str], reasoning=None, tools=None):
+    p = OutputParser(reasoning, tools)
+    r_parts, c_parts = [], []
+    for piece in pieces:
+        r, c = p.feed(piece)
+        r_parts.append(r)
+        c_parts.append(c)
+    r, c, calls = p.finish()
+    return "".join(r_parts) + r, "".join(c_parts) + c, calls, c_parts
+
+
+def _splits(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def test_plain_text_streams_untouched():
+    _, content, calls, parts = _run("Hello there", ["Hel", "lo", " there"], Reasoning(), TOOLS)
+    assert content == "Hello there" and not calls and parts == ["Hel", "lo", " there"]
+
+
+def test_reasoning_split_any_split():
+    rng = random.Random(1)
+    cases = [
+        ("<think>I should say hi.</think>\nHi!", Reasoning(), "I should say hi.", "Hi!"),
+        ("I should say hi.</think>Hi!", Reasoning(started=True), "I should say hi.", "Hi!"),
+        ("Hi, no thinking <think> here", Reasoning(), "", "Hi, no thinking <think> here"),
+        ("still thinking when cut", Reasoning(started=True), "still thinking when cut", ""),
+        ("  <think>a<b</think>c", Reasoning(), "a<b", "c"),
+    ]
+    for text, spec, want_r, want_c in cases:
+        for _ in range(200):
+            r, c, _, _ = _run(text, _splits(text, rng), spec)
+            assert (r, c) == (want_r, want_c), (text, r, c)
+
+
+def test_tool_calls_any_split():
+    rng = random.Random(2)
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    cases = [
+        (call, "", 1),  # a forced call: bare JSON
+        (f"Let me check.<tool_call>{call}</tool_call>", "Let me check.", 1),
+        (f"<tool_call>{call}</tool_call>\n<tool_call>{call}</tool_call>", "", 2),
+        ("The weather is fine, no call needed.", "The weather is fine, no call needed.", 0),
+        ('{"not": "a tool"}', '{"not": "a tool"}', 0),
+        ('{"name": "get_weather", "arguments": {"ci', '{"name": "get_weather", "arguments": {"ci', 0),  # cut off
+    ]
+    for text, want_content, n_calls in cases:
+        for _ in range(200):
+            _, c, calls, _ = _run(text, _splits(text, rng), None, TOOLS)
+            assert c.strip() == want_content.strip() and len(calls) == n_calls, (text, c, calls)
+            for k in calls:
+                assert k["name"] == "get_weather" and json.loads(k["arguments"]) == {"city": "Paris"}
+
+
+def test_content_before_a_call_streams_before_the_end():
+    call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    _, _, calls, parts = _run("Checking now. " + call, ["Checking ", "now. ", call[:5], call[5:]], None, TOOLS)
+    assert parts[:2] == ["Checking ", "now. "] and len(calls) == 1
+
+
+def test_reasoning_and_tool_call_together():
+    text = '<think>need weather</think><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    r, c, calls, _ = _run(text, [text[:9], text[9:30], text[30:]], Reasoning(), TOOLS)
+    assert r == "need weather" and c == "" and calls[0]["name"] == "get_weather"
+
+
+def test_reasoning_for_templates():
+    t = "{% for m in messages %}{{ m.content }}{% endfor %}<think>...</think>"
+    assert reasoning_for(None, "x") is None and reasoning_for("plain", "x") is None
+    assert reasoning_for(t, "user: hi\nassistant: <think>\n").started
+    assert not reasoning_for(t, "user: hi\nassistant:").started
+    assert not reasoning_for(t, "<think>\n\n</think>\n\n").started  # thinking switched off by the template

@@ -1,0 +1,286 @@
+"""The generation service and the API translators, in-process, over real HTTP on 127.0.0.1,
+against the small fake backend (tests/fakes.py): every API shape, streamed tool calls whole,
+reasoning split out, queueing, eviction, keep-alive, cancellation, stream errors, metrics.
+The real library holds the models (SmolLM2's GGUF header drives the memory plan); only the
+backend is fake. The same behaviours run end to end against llama.cpp in test_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from fakes import FakeModel, InProcessDaemon
+
+from localrun.library import Library
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "smollm2:135m"
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+MSGS = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("svc_home")
+    lib = Library(home / "models")
+    lib.pull(MODEL)
+    lib.create("toolsmol", f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n')
+    lib.create("thinker", f'FROM {MODEL}\nTEMPLATE """{THINK_TEMPLATE}"""\n')
+    return home
+
+
+@pytest.fixture
+def fake():
+    return FakeModel(rules={"Weather": CALL, "puzzle": "<think>Two and two.</think>\n\nFour.",
+                            "Say the magic": "abc STOP def"})
+
+
+@pytest.fixture
+def daemon(home, fake):
+    d = InProcessDaemon(home, fake, LOCALRUN_NUM_PARALLEL="1")
+    yield d
+    d.stop()
+
+
+def _sse(r: httpx.Response) -> list:
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+# -- OpenAI ------------------------------------------------------------------------------------
+def test_openai_chat_stream_and_n(daemon):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, n=2)
+    assert [c.message.content for c in r.choices] == ["Hello from the fake model."] * 2
+    assert r.usage.completion_tokens == 2 * len("Hello from the fake model.")
+    text = "".join(c.choices[0].delta.content or "" for c in
+                   client.chat.completions.create(model=MODEL, messages=MSGS, stream=True) if c.choices)
+    assert text == "Hello from the fake model."
+    r = client.completions.create(model=MODEL, prompt="Say the magic words", max_tokens=50, stop=["STOP"])
+    assert r.choices[0].text == "abc " and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_forced_tool_call_comes_back_whole(daemon, stream):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="toolsmol", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if not stream:
+        ch = client.chat.completions.create(**kw).choices[0]
+        calls, finish = ch.message.tool_calls, ch.finish_reason
+        assert ch.message.content is None
+    else:
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
+        assert "".join(d.content or "" for d in deltas) == ""  # no JSON text leaks (or doubles) into content
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_openai_reasoning_content(daemon):
+    r = httpx.post(daemon.url + "/v1/chat/completions", json={"model": "thinker", "messages": [
+        {"role": "user", "content": "A puzzle: 2+2?"}]}).json()
+    msg = r["choices"][0]["message"]
+    assert msg["reasoning_content"] == "Two and two." and msg["content"] == "Four."
+    with httpx.stream("POST", daemon.url + "/v1/chat/completions", json={
+            "model": "thinker", "stream": True, "messages": [{"role": "user", "content": "A puzzle: 2+2?"}]}) as s:
+        events = _sse(s)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two."
+    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    # enable_thinking false reaches the template (which closes the think block itself)
+    r = httpx.post(daemon.url + "/v1/chat/completions", json={
+        "model": "thinker", "messages": [{"role": "user", "content": "A puzzle: 2+2?"}],
+        "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert "<think>\n\n</think>" in daemon.state.generation.manager.runners["thinker:latest"].backend.model.requests[-1].prompt
+    assert "reasoning_content" not in r["choices"][0]["message"]
+
+
+def test_backend_error_mid_stream_is_an_error_event_then_done(daemon, fake):
+    fake.fail_with = "the fake backend broke"
+    with httpx.stream("POST", daemon.url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS,
+                                                                        "stream": True}) as r:
+        events = _sse(r)
+    assert events[-1] == "[DONE]" and "the fake backend broke" in events[-2]["error"]["message"]
+    with httpx.stream("POST", daemon.url + "/api/chat", json={"model": MODEL, "messages": MSGS}) as r:
+        lines = [json.loads(x) for x in r.iter_lines() if x.strip()]
+    assert "the fake backend broke" in lines[-1]["error"]
+
+
+def test_json_schema_refused_up_front_when_the_backend_cannot(home):
+    fake = FakeModel(supports_json_schema=False)
+    d = InProcessDaemon(home, fake)
+    try:
+        r = httpx.post(d.url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS, "stream": True,
+                                                             "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and "cannot constrain" in r.json()["error"]["message"]
+        assert fake.requests == []  # refused before the backend saw anything
+    finally:
+        d.stop()
+
+
+# -- Ollama --------------------------------------------------------------------------------------
+def test_ollama_sdk_chat_tools_and_thinking(daemon):
+    import ollama
+
+    client = ollama.Client(host=daemon.url)
+    r = client.chat(model=MODEL, messages=MSGS)
+    assert r.message.content == "Hello from the fake model." and r.done
+    r = client.chat(model="toolsmol", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER])
+    assert r.message.tool_calls[0].function.name == "get_weather"
+    assert r.message.tool_calls[0].function.arguments == {"city": "Paris"}
+    calls = [tc for ch in client.chat(model="toolsmol", messages=[{"role": "user", "content": "Weather?"}],
+                                      tools=[WEATHER], stream=True) for tc in (ch.message.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.arguments == {"city": "Paris"}
+    r = client.chat(model="thinker", messages=[{"role": "user", "content": "A puzzle"}], think=True)
+    assert r.message.thinking == "Two and two." and r.message.content == "Four."
+    r = client.generate(model="thinker", prompt="A puzzle", think=False)
+    assert not r.thinking and r.response == "Four."
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=MODEL, messages=MSGS, think=True)
+    assert "does not support thinking" in str(e.value)
+
+
+def test_ollama_pull_and_create_not_streamed_and_bad_names(daemon):
+    r = httpx.post(daemon.url + "/api/pull", json={"model": MODEL, "stream": False}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "success"}
+    with httpx.Client(base_url=daemon.url, timeout=60) as c:  # one kept-alive connection throughout
+        r = c.post("/api/create", json={"model": "copy1", "from": MODEL, "stream": False})
+        assert r.status_code == 200 and r.json() == {"status": "success"}
+        r = c.post("/api/pull", json={"model": "../../etc/passwd"})  # streamed, but a 400 before any 200
+        assert r.status_code == 400 and "error" in r.json()
+        r = c.post("/api/create", json={"model": "bad name!", "from": MODEL})
+        assert r.status_code == 400
+        assert c.get("/api/version").status_code == 200
+
+
+def test_ollama_embed_dimensions(daemon):
+    r = httpx.post(daemon.url + "/api/embed", json={"model": MODEL, "input": ["ab", "abcd"], "dimensions": 2}).json()
+    assert [len(v) for v in r["embeddings"]] == [2, 2]
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-6 for v in r["embeddings"])  # re-normalized
+    r = httpx.post(daemon.url + "/v1/embeddings", json={"model": MODEL, "input": "ab", "dimensions": 3}).json()
+    assert len(r["data"][0]["embedding"]) == 3
+
+
+# -- the model manager -------------------------------------------------------------------------------
+def test_queue_overflow_and_queue_order(home):
+    fake = FakeModel(token_delay=0.01, slots=1)
+    d = InProcessDaemon(home, fake, LOCALRUN_MAX_QUEUE="1")
+    try:
+        results = {}
+
+        def ask(i):
+            results[i] = httpx.post(d.url + "/v1/chat/completions", json={"model": MODEL, "messages": MSGS},
+                                    timeout=30).status_code
+
+        first = threading.Thread(target=ask, args=(1,))
+        first.start()
+        _wait(lambda: (r := d.state.manager.runners.get(MODEL)) is not None and r.active == 1)
+        second = threading.Thread(target=ask, args=(2,))
+        second.start()
+        _wait(lambda: d.state.manager.runners[MODEL].waiting == 1)
+        r = httpx.post(d.url + "/api/chat", json={"model": MODEL, "messages": MSGS})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        first.join(30)
+        second.join(30)
+        assert results == {1: 200, 2: 200}
+    finally:
+        d.stop()
+
+
+def test_eviction_keep_alive_and_reaper(home):
+    fake = FakeModel()
+    d = InProcessDaemon(home, fake, LOCALRUN_MAX_LOADED_MODELS="1")
+    try:
+        post = lambda model, **kw: httpx.post(d.url + "/api/chat", json={"model": model, "messages": MSGS,
+                                                                         "stream": False, **kw})
+        assert post(MODEL).status_code == 200
+        assert post("toolsmol").status_code == 200  # evicts the first
+        assert fake.closes == [MODEL] and list(d.state.manager.runners) == ["toolsmol:latest"]
+        assert post("toolsmol", keep_alive=0).status_code == 200
+        _wait(lambda: not d.state.manager.runners)  # keep_alive 0: unloaded once idle
+        assert post(MODEL, keep_alive="1s").status_code == 200
+        _wait(lambda: not d.state.manager.runners, timeout=5)  # the reaper, after 1 s
+        assert fake.loads == [MODEL, "toolsmol:latest", MODEL] and fake.closes[-1] == MODEL
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_aborts_the_backend_request(home, stream):
+    fake = FakeModel(token_delay=0.02)
+    d = InProcessDaemon(home, fake)
+    try:
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 500, "ignore_eos": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", d.url + "/v1/chat/completions", json=body) as r:
+                it = r.iter_lines()
+                next(it), next(it)
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(d.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+        _wait(lambda: len(fake.aborted) == 1, timeout=5)
+        assert fake.finished == []
+        _wait(lambda: d.state.manager.runners[MODEL].active == 0, timeout=5)
+    finally:
+        d.stop()
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def test_metrics(home):
+    fake = FakeModel(token_delay=0.001)
+    d = InProcessDaemon(home, fake, LOCALRUN_API_KEY="k")
+    try:
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(d.url + "/metrics").status_code == 401  # behind the API key
+        for _ in range(2):
+            r = httpx.post(d.url + "/v1/chat/completions", headers=auth, json={"model": MODEL, "messages": MSGS})
+            assert r.status_code == 200
+        httpx.post(d.url + "/v1/chat/completions", headers=auth, json={"model": "nope", "messages": MSGS})
+        text = httpx.get(d.url + "/metrics", headers=auth).text
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("localrun_http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 2
+        assert samples[("localrun_http_requests_total", (("route", "/v1/chat/completions"), ("status", "404")))] == 1
+        assert samples[("localrun_http_requests_total", (("route", "/metrics"), ("status", "401")))] == 1
+        assert samples[("localrun_completion_tokens_total", (("model", MODEL),))] == 2 * len("Hello from the fake model.")
+        assert samples[("localrun_time_to_first_token_seconds_count", (("model", MODEL),))] == 2
+        assert samples[("localrun_inter_token_latency_seconds_count", (("model", MODEL),))] > 20
+        assert samples[("localrun_cached_prompt_tokens_total", (("model", MODEL),))] > 0  # the 2nd prompt repeats
+        assert samples[("localrun_queue_depth", (("model", MODEL),))] == 0
+        assert 0 < samples[("localrun_prefix_cache_hit_rate", (("model", MODEL),))] <= 0.5
+        assert samples[("localrun_models_loaded", ())] == 1
+    finally:
+        d.stop()
+
+
+def _wait(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
