@@ -211,6 +211,40 @@ async def test_daemon_down_shows_message_and_keeps_running(store, tmp_path):
         app.save_screenshot("daemon_down.svg", path=str(tmp_path))
 
 
+async def test_thinking_is_shown_folded_and_kept_out_of_the_answer(store, tmp_path):
+    """A model that thinks (a fake backend behind the real app): the reasoning goes into a folded
+    section above the answer, the answer alone into the conversation's content."""
+    from fakes import FakeModel, InProcessDaemon
+
+    from localrun.library import Library
+    from localrun.tui.widgets import Collapsible
+
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n<think>\n")  # the template opens the think block itself
+    home = tmp_path / "home"
+    lib = Library(home / "models")
+    lib.pull(MODEL)
+    lib.create("thinker", f'FROM {MODEL}\nTEMPLATE """{template}"""\n')
+    d = InProcessDaemon(home, FakeModel(rules={"riddle": "Two and two make four.</think>\n\nFour."}))
+    try:
+        app = ChatApp(model="thinker:latest", base_url=d.url, store=store)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot, "thinker:latest")
+            await type_and_send(pilot, "A riddle: 2+2?")
+            await reply_done(pilot)
+            view = replies(app)[-1]
+            assert view.content == "Four." and view.thinking == "Two and two make four."
+            fold = view.query_one(".thinking", Collapsible)
+            assert fold.collapsed and "Thinking (5 words)" in str(fold.title)
+            assert app.conv.messages[-1] == {"role": "assistant", "content": "Four.",
+                                             "thinking": "Two and two make four."}
+            # resumed later, the fold is still there
+            loaded = store.load(app.conv.id)
+            assert loaded.messages[-1]["thinking"] == "Two and two make four."
+    finally:
+        d.stop()
+
+
 # ---------------------------------------------------------------------------------- real daemon
 
 

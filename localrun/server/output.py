@@ -36,7 +36,7 @@ class Reasoning:
 
 def reasoning_for(template: str | None, prompt: str) -> Reasoning | None:
     """A Reasoning spec when the model's template thinks in <think> blocks, else None."""
-    if not template or THINK_OPEN not in template or THINK_CLOSE not in template:
+    if not template or THINK_OPEN not in template:
         return None
     tail = prompt.rstrip()
     opened = tail.rfind(THINK_OPEN)

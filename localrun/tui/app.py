@@ -297,7 +297,13 @@ class ChatApp(App[int]):
         outcome = "done"
         try:
             async for chunk in self.client.chat(model, messages, options=options):
-                piece = (chunk.get("message") or {}).get("content") or ""
+                message = chunk.get("message") or {}
+                thought = message.get("thinking") or ""
+                if thought:
+                    if ttft is None:
+                        ttft = time.monotonic() - t0
+                    await reply.add_thinking(thought)
+                piece = message.get("content") or ""
                 if piece:
                     if ttft is None:
                         ttft = time.monotonic() - t0
@@ -316,7 +322,10 @@ class ChatApp(App[int]):
             await stream.stop()
         wall = time.monotonic() - t0
         if text:
-            conv.messages.append({"role": "assistant", "content": text})
+            turn = {"role": "assistant", "content": text}
+            if reply.thinking:  # kept for the screen; the daemon drops it from the prompt
+                turn["thinking"] = reply.thinking
+            conv.messages.append(turn)
         elif conv.messages and conv.messages[-1]["role"] == "user":
             conv.messages.pop()  # nothing came back: the question goes back to the input box
         self.save(conv)
@@ -472,7 +481,8 @@ class ChatApp(App[int]):
         await self._reset_view()
         for m in conv.messages:
             label = conv.model if m["role"] == "assistant" else None
-            await self.log_view.mount(MessageView(m["role"], m["content"], label=label))
+            await self.log_view.mount(MessageView(m["role"], m["content"], label=label,
+                                                  thinking=m.get("thinking") or ""))
         self.query_one(SettingsPanel).show_values(conv.system, conv.options)
         self.status.set(model=conv.model, processor="")
         await self.note(f"resumed “{conv.display_title()}” ({len(conv.messages)} messages)")

@@ -28,7 +28,7 @@ class Conversation:
     model: str | None = None
     system: str | None = None
     options: dict = field(default_factory=dict)
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"}
+    messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "thinking"]}
     id: str = field(default_factory=_new_id)
     title: str = ""
     created_at: float = field(default_factory=time.time)
@@ -65,7 +65,9 @@ class Conversation:
             model=data.get("model") or None,
             system=data.get("system") or None,
             options=options,
-            messages=[{"role": m["role"], "content": m["content"]} for m in msgs],
+            messages=[{"role": m["role"], "content": m["content"],
+                       **({"thinking": m["thinking"]} if isinstance(m.get("thinking"), str) and m["thinking"] else {})}
+                      for m in msgs],
             id=cid,
             title=str(data.get("title") or ""),
             created_at=float(data.get("created_at") or time.time()),

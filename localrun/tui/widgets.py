@@ -10,7 +10,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import Input, Label, Markdown, OptionList, ProgressBar, Static, TextArea
+from textual.widgets import Collapsible, Input, Label, Markdown, OptionList, ProgressBar, Static, TextArea
 from textual.widgets.option_list import Option
 
 from localrun.tui.commands import PARAMS, CommandError, parse_param
@@ -73,17 +73,39 @@ class ChatInput(TextArea):
 
 
 class MessageView(Vertical):
-    """One turn: a role line and the text rendered as Markdown."""
+    """One turn: a role line, the model's thinking folded away (when it thought), and the text
+    rendered as Markdown."""
 
-    def __init__(self, role: str, content: str = "", label: str | None = None) -> None:
+    def __init__(self, role: str, content: str = "", label: str | None = None, thinking: str = "") -> None:
         super().__init__(classes=f"message -{role}")
         self.role = role
         self.label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         self.content = content
+        self.thinking = thinking
 
     def compose(self) -> ComposeResult:
         yield Label(self.label, classes="role")
+        if self.thinking:
+            yield self._thinking_fold()
         yield Markdown(self.content, classes="body")
+
+    def _thinking_fold(self) -> Collapsible:
+        return Collapsible(Static(self.thinking, classes="thinking-text", markup=False),
+                           title=self._thinking_title(), collapsed=True, classes="thinking")
+
+    def _thinking_title(self) -> str:
+        return f"Thinking ({len(self.thinking.split())} words)"
+
+    async def add_thinking(self, piece: str) -> None:
+        """Stream the model's reasoning into the fold (created, folded, on the first piece)."""
+        self.thinking += piece
+        folds = self.query(".thinking")
+        if not folds:
+            await self.mount(self._thinking_fold(), before=self.body)
+            return
+        fold = folds.first(Collapsible)
+        fold.title = self._thinking_title()
+        fold.query_one(".thinking-text", Static).update(self.thinking)
 
     @property
     def body(self) -> Markdown:
