@@ -395,3 +395,25 @@ def test_tools_and_tool_choice(daemon_a, oai):
     r = daemon_a.http.post("/api/chat", json={"model": "toolsmol", "messages": CHAT, "tools": [WEATHER], "stream": False,
                                               "options": {"num_predict": 8}})
     assert r.status_code == 200 and r.json()["done"]
+
+
+def test_ollama_sdk_and_langchain_against_the_real_model(daemon_a):
+    """The SDKs users point at Ollama/OpenAI servers work by changing only the base URL (and key)."""
+    import ollama
+    from langchain_ollama import ChatOllama
+    from langchain_openai import ChatOpenAI
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    client = ollama.Client(host=daemon_a.url, headers=auth)
+    r = client.chat(model=MODEL, messages=CHAT, options={"num_predict": 8, "temperature": 0})
+    assert r.message.content and r.done and r.eval_count <= 8
+    text = "".join(c.message.content for c in client.chat(model=MODEL, messages=CHAT, stream=True,
+                                                            options={"num_predict": 8, "temperature": 0}))
+    assert text == r.message.content
+    assert len(client.embed(model=MODEL, input="hello").embeddings[0]) == 576
+    lc_ollama = ChatOllama(base_url=daemon_a.url, model=MODEL, num_predict=8, temperature=0,
+                           client_kwargs={"headers": auth})
+    assert lc_ollama.invoke("What is the capital of France?").content == r.message.content
+    lc_openai = ChatOpenAI(base_url=daemon_a.url + "/v1", api_key=KEY, model=MODEL, max_tokens=8, temperature=0,
+                           max_retries=0)
+    assert lc_openai.invoke("What is the capital of France?").content == r.message.content

@@ -284,3 +284,31 @@ def _wait(pred, timeout: float = 10.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.01)
+
+
+# -- LangChain's chat models, pointed at the daemon by base URL only ----------------------------------
+def test_langchain_openai_and_ollama_chat_models(daemon):
+    from langchain_ollama import ChatOllama
+    from langchain_openai import ChatOpenAI
+
+    for llm in (ChatOpenAI(base_url=daemon.url + "/v1", api_key="unused", model=MODEL, max_retries=0),
+                ChatOllama(base_url=daemon.url, model=MODEL)):
+        assert llm.invoke("Hi").content == "Hello from the fake model."
+        assert "".join(c.content for c in llm.stream("Hi")) == "Hello from the fake model."
+
+    oai = ChatOpenAI(base_url=daemon.url + "/v1", api_key="unused", model="toolsmol", max_retries=0)
+    forced = oai.bind_tools([WEATHER], tool_choice="get_weather")
+    msg = forced.invoke("Weather in Paris?")
+    assert msg.tool_calls[0]["name"] == "get_weather" and msg.tool_calls[0]["args"] == {"city": "Paris"}
+    chunks = list(forced.stream("Weather in Paris?"))  # streamed: the call arrives whole
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    assert total.tool_calls[0]["args"] == {"city": "Paris"} and not total.content
+
+    olm = ChatOllama(base_url=daemon.url, model="toolsmol").bind_tools([WEATHER])
+    msg = olm.invoke("Weather in Paris?")
+    assert msg.tool_calls[0]["name"] == "get_weather" and msg.tool_calls[0]["args"] == {"city": "Paris"}
+    thinker = ChatOllama(base_url=daemon.url, model="thinker", reasoning=True)
+    msg = thinker.invoke("A puzzle: 2+2?")
+    assert msg.content == "Four." and msg.additional_kwargs["reasoning_content"] == "Two and two."
