@@ -35,6 +35,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
+    "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
 }
 
@@ -132,6 +133,7 @@ class Settings:
     log_level: str
     llamacpp_extra_buffers: str = "auto"
     load_timeout: float | None = 300.0  # seconds; None = no limit
+    shutdown_grace: float = 10.0  # seconds
 
     @property
     def models_dir(self) -> Path:
@@ -170,6 +172,7 @@ class Settings:
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
+            "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
         }
         return [(k, values[k]) for k in ENV_VARS]
@@ -210,6 +213,12 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError(f"LOCALRUN_LOAD_TIMEOUT: {exc}") from None
     if load_timeout == 0:
         raise ValueError("LOCALRUN_LOAD_TIMEOUT must be positive (or -1 for no limit)")
+    try:
+        grace = parse_duration(e.get("LOCALRUN_SHUTDOWN_GRACE"), default=10.0)
+    except ValueError as exc:
+        raise ValueError(f"LOCALRUN_SHUTDOWN_GRACE: {exc}") from None
+    if grace is None or grace > 3600:
+        raise ValueError("LOCALRUN_SHUTDOWN_GRACE must be between 0 and 1h")
     return Settings(
         home=home,
         host=host,
@@ -226,6 +235,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         log_level=log_level,
         llamacpp_extra_buffers=extra_buffers,
         load_timeout=load_timeout,
+        shutdown_grace=grace,
     )
 
 

@@ -66,3 +66,10 @@ class BackendError(LocalrunError):
 
     status = 500
     code = "backend_error"
+
+
+class ShuttingDown(LocalrunError):
+    """The daemon is stopping: no new work, and work still running past the grace period ends."""
+
+    status = 503
+    code = "shutting_down"

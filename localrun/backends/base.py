@@ -101,6 +101,9 @@ class BackendInfo:
     supports_embeddings: bool = True
     supports_logprobs: bool = True
     supports_json_schema: bool = True
+    # the longest text (in bytes) one token stands for; prompts longer than this x the window
+    # are refused before tokenizing (0: unknown, no such check)
+    max_token_bytes: int = 0
 
 
 @dataclass

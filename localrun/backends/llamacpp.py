@@ -17,6 +17,7 @@ import asyncio
 import codecs
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -159,12 +160,12 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
 
 
-def _token_piece(llama_cpp, vocab, token: int) -> bytes:
+def _token_piece(llama_cpp, vocab, token: int, special: bool = False) -> bytes:
     buf = ctypes.create_string_buffer(64)
-    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, False)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, special)
     if n < 0:  # piece longer than the buffer
         buf = ctypes.create_string_buffer(-n)
-        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, False)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
     return buf.raw[: max(n, 0)]
 
 
@@ -183,14 +184,64 @@ def _common_prefix(llm, tokens: list[int]) -> int:
     return n
 
 
-def json_schema_grammar(schema: dict[str, Any]):
-    """A llama.cpp grammar for a JSON schema; InvalidRequest when it cannot be built."""
-    from llama_cpp.llama_grammar import LlamaGrammar
+# Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
+# nested rules (minItems 1024 made sampling take ~1 s per token here; a huge one took gigabytes).
+SCHEMA_MAX_COUNT = 256  # minItems, maxLength, ... above this are refused
+SCHEMA_MAX_NODES = 5000  # objects and arrays in the schema
+SCHEMA_MAX_DEPTH = 32
+GRAMMAR_MAX_BYTES = 64 * 1024  # of GBNF text
+_COUNT_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+               "minContains", "maxContains")
 
+
+def check_schema_bounds(schema: Any) -> None:
+    """InvalidRequest when the schema asks for more grammar than localrun builds (walked
+    iteratively, so a deep schema cannot exhaust the stack)."""
+    stack: list[tuple[Any, int]] = [(schema, 0)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            nodes += 1
+            for k in _COUNT_KEYS:
+                v = node.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > SCHEMA_MAX_COUNT:
+                    raise InvalidRequest(f"the JSON schema's '{k}' is {v:g}; localrun builds grammars for counts up "
+                                         f"to {SCHEMA_MAX_COUNT}")
+            children = list(node.values())
+        elif isinstance(node, list):
+            nodes += 1
+            children = node
+        else:
+            continue
+        if nodes > SCHEMA_MAX_NODES or depth > SCHEMA_MAX_DEPTH:
+            raise InvalidRequest(f"the JSON schema is too large to build a grammar for (over {SCHEMA_MAX_NODES} "
+                                 f"objects or {SCHEMA_MAX_DEPTH} levels deep)")
+        stack.extend((c, depth + 1) for c in children)
+
+
+def json_schema_grammar(schema: dict[str, Any]):
+    """A llama.cpp grammar for a JSON schema, built once per schema (cached); InvalidRequest
+    when it cannot be built or is over the bounds above."""
+    return _grammar(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(schema_json: str):
+    from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
+
+    check_schema_bounds(json.loads(schema_json))
     try:
-        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        gbnf = json_schema_to_gbnf(schema_json)
     except Exception as exc:
         raise InvalidRequest(f"invalid JSON schema in response_format: {exc}") from None
+    if len(gbnf) > GRAMMAR_MAX_BYTES:
+        raise InvalidRequest(f"the JSON schema's grammar is {len(gbnf)} bytes, over the {GRAMMAR_MAX_BYTES} byte limit; "
+                             "simplify the schema")
+    try:
+        return LlamaGrammar.from_string(gbnf, verbose=False)
+    except Exception as exc:
+        raise InvalidRequest(f"llama.cpp cannot use the JSON schema's grammar: {exc}") from None
 
 
 class LlamaCppBackend:
@@ -234,6 +285,8 @@ class LlamaCppBackend:
             slots=slots,
             size_bytes=size,
             size_vram_bytes=vram,
+            max_token_bytes=max((len(_token_piece(llama_cpp, self._vocab, t, special=True))
+                                 for t in range(self._n_vocab)), default=0),
         )
 
     def _new_llama(self, n_ctx: int, embedding: bool = False):

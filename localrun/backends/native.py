@@ -115,6 +115,7 @@ class NativeBackend:
             context_length=engine.config.max_model_len, slots=engine.config.max_num_seqs,
             size_bytes=size, size_vram_bytes=size if cuda else 0,
             supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
+            max_token_bytes=self.tokenizer.max_token_bytes(),
         )
         engine.start()
 

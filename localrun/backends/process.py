@@ -239,6 +239,11 @@ class RemoteBackend:
             if not finished:
                 self._send({"op": "abort", "id": rid})
 
+    def interrupt_all(self, exc: BaseException) -> None:
+        """End every stream in flight with `exc` (each is then aborted in the runner)."""
+        for q in self._streams.values():
+            q.put_nowait(exc)
+
     async def close(self) -> None:
         """Ask the runner to close its backend and exit; SIGTERM, then SIGKILL, if it does not."""
         self._closing = True

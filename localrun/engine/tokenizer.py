@@ -53,6 +53,11 @@ class Tokenizer:
     def token_str(self, token_id: int) -> str:
         return self._tok.decode([token_id])
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for (its vocabulary form in
+        UTF-8 is never shorter), so a prompt of more bytes than this x N has more than N tokens."""
+        return max((len(t.encode("utf-8")) for t in self._tok.get_vocab()), default=0)
+
 
 class Detokenizer:
     """Turns a growing token list into text deltas without splitting multi-byte characters or

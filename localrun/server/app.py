@@ -148,6 +148,38 @@ class _TooLarge(Exception):
     pass
 
 
+class ErrorMiddleware:
+    """Any exception a route did not turn into a response becomes a shaped 500 here, logged,
+    with nothing internal in it. Starlette's own last-resort handler answers 500 too, but then
+    re-raises, and the server closes the client's kept-alive connection; this one does not."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracked(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:  # noqa: BLE001 - the last place an error can still be an answer
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                body = json.dumps(error_body(scope.get("path", ""), 500, f"internal error: {type(exc).__name__}",
+                                             "internal_error")).encode()
+                await send({"type": "http.response.start", "status": 500,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+
+
 def _default_library(s: Settings):
     from localrun.library import Library
 
@@ -199,11 +231,6 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         return JSONResponse(error_body(request.url.path, exc.status_code, msg, "not_found"), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}", "internal_error"),
-                            status_code=500)
 
     @app.get("/")
     @app.head("/")
@@ -224,6 +251,7 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
     app.include_router(openai_router)
     app.include_router(ollama_router)
 
+    app.add_middleware(ErrorMiddleware)  # innermost of ours: a bug is a shaped 500, the connection lives on
     if s.origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -268,7 +296,15 @@ def _server_class():
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a SIGTERM/SIGINT that ended in a graceful shutdown is a normal
-        exit (status 0), not the signal raised again once the shutdown is done."""
+        exit (status 0), not the signal raised again once the shutdown is done; and the first
+        signal starts the daemon's drain (no new work, LOCALRUN_SHUTDOWN_GRACE for what runs)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            state = getattr(getattr(self.config.app, "state", None), "lr", None)
+            loop = asyncio.get_event_loop()
+            if state is not None and loop.is_running():
+                loop.call_soon_threadsafe(state.begin_drain)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -303,7 +339,10 @@ def serve(s: Settings | None = None) -> int:
     except LocalrunError as exc:
         log.warning("%s", exc.message)
     app = create_app(s)
-    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning", timeout_graceful_shutdown=10,
+    # uvicorn waits for open responses up to its own timeout: longer than our grace, so that streams
+    # past the grace end themselves (with an error and a finish reason) rather than being cut
+    config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning",
+                            timeout_graceful_shutdown=s.shutdown_grace + 15,
                             h11_max_incomplete_event_size=64 * 1024, access_log=False)
     server = _server_class()(config)
     try:

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage
 from localrun.chat_template import render_chat
-from localrun.errors import InvalidRequest
+from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import OutputParser, reasoning_for
 
@@ -110,6 +110,7 @@ class Generation:
         self._first: tuple[AsyncIterator[Chunk], Chunk] | None = None
         self._released = False
         self._started = False
+        self.interrupted: BaseException | None = None  # set when the daemon ends this generation early
 
     @property
     def load_seconds(self) -> float:
@@ -130,6 +131,7 @@ class Generation:
     async def release(self) -> None:
         if not self._released:
             self._released = True
+            self.service.active.discard(self)
             if self._first is not None:
                 await self._first[0].aclose()
                 self._first = None
@@ -143,6 +145,8 @@ class Generation:
         metrics = self.service.metrics
         try:
             for i, req in enumerate(self.requests):
+                if self.interrupted is not None:
+                    raise self.interrupted
                 if i == 0 and self._first is not None:
                     stream, pending = self._first
                     self._first = None
@@ -153,6 +157,8 @@ class Generation:
                 first_at, last_at = None, None
                 try:
                     while True:
+                        if self.interrupted is not None:
+                            raise self.interrupted
                         if pending is not None:
                             chunk, pending = pending, None
                         else:
@@ -226,10 +232,36 @@ class GenerationService:
     def __init__(self, manager: ModelManager, metrics: Any = None) -> None:
         self.manager = manager
         self.metrics = metrics
+        self.active: set[Generation] = set()
+        self.draining = False
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise ShuttingDown("the daemon is shutting down; send the request again once it is back")
+
+    async def drain(self, grace: float) -> None:
+        """Admit nothing new; let running generations go on for up to `grace` seconds, then end
+        each remaining one with an error (its stream closes properly, with a finish reason)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if not self.active:
+            return
+        exc = ShuttingDown(f"the daemon is shutting down: this answer was cut after the {grace:g}s grace period "
+                           "(LOCALRUN_SHUTDOWN_GRACE); send the request again once it is back")
+        for gen in list(self.active):
+            gen.interrupted = exc
+        for runner in list(self.manager.runners.values()):
+            interrupt = getattr(runner.backend, "interrupt_all", None)
+            if interrupt is not None:  # wakes the streams waiting on their next token
+                interrupt(exc)
 
     async def start(self, job: Job) -> Generation:
         """Render, lease, check, tokenize and start `job`; raises (with the lease given back)
         on anything the request itself got wrong, before any response is sent."""
+        self._admit()
         t0 = time.perf_counter()
         prompt = await asyncio.to_thread(render_prompt, job)
         template = job.template or job.resolved.template
@@ -238,15 +270,21 @@ class GenerationService:
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
                                  "<think> block); leave 'think' unset or false")
         lease, release = await self._lease(job)
+        gen = None
         try:
+            self._admit()  # it may have waited in the queue while the daemon began to stop
             self._check_capabilities(job, lease)
+            self._check_length(prompt, lease)
             ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
             requests = self._requests(job, lease, prompt, ids)
             gen = Generation(self, job, lease, release, requests, prompt, reasoning, t0)
+            self.active.add(gen)
             if self.metrics is not None:
                 self.metrics.started(gen)
             await gen._prime()
         except BaseException:
+            if gen is not None:
+                self.active.discard(gen)
             await release()
             raise
         return gen
@@ -287,6 +325,16 @@ class GenerationService:
                                  "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+
+    @staticmethod
+    def _check_length(prompt: str, lease: Lease) -> None:
+        """Refuse a prompt that cannot fit the window before spending time tokenizing it: no
+        token stands for more than max_token_bytes bytes (and a character is at least a byte)."""
+        per_token = lease.backend.info.max_token_bytes
+        if per_token and len(prompt) > per_token * lease.num_ctx:
+            raise InvalidRequest(f"the prompt is {len(prompt)} characters: more than the context window of "
+                                 f"{lease.num_ctx} tokens (num_ctx) can hold; shorten the prompt or ask for a larger "
+                                 "num_ctx")
 
     @staticmethod
     def _requests(job: Job, lease: Lease, prompt: str, ids: list[int]) -> list[GenerationRequest]:
@@ -334,13 +382,25 @@ def render_prompt(job: Job) -> str:
     return render_chat(job.template or r.template, msgs, add_generation_prompt=True, **extra)
 
 
+class ClientGone(LocalrunError):
+    """The HTTP client closed the connection before its (non-streamed) answer was ready."""
+
+    status = 499
+    code = "client_closed_request"
+
+
 async def until_disconnected(request: Any, coro) -> Any:
-    """Run `coro`, cancelling it when the HTTP client goes away (non-streamed requests)."""
+    """Run `coro`, cancelling it when the HTTP client goes away (non-streamed requests); the
+    work stops (the backend aborts the request) and the route ends with ClientGone, which
+    nobody is left to read, instead of an exception escaping to the server."""
     task = asyncio.ensure_future(coro)
+    gone = False
 
     async def watch():
+        nonlocal gone
         while not task.done():
             if await request.is_disconnected():
+                gone = True
                 task.cancel()
                 return
             await asyncio.sleep(0.25)
@@ -348,6 +408,10 @@ async def until_disconnected(request: Any, coro) -> Any:
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if gone:
+            raise ClientGone("the client closed the connection") from None
+        raise
     finally:
         watcher.cancel()
 

@@ -335,7 +335,6 @@ class ModelManager:
 
     async def _load(self, resolved: Any, num_ctx: int) -> Runner:
         key = resolved.name
-        await self._make_room(key)
         gpu = await asyncio.to_thread(_maybe_cuda)
         choice = choose(self.settings.backend, resolved.format, gpu)
         module = backend_module(choice.backend)
@@ -349,18 +348,32 @@ class ModelManager:
             spec.extra["n_threads"] = int(spec.extra["num_thread"])
         est = await asyncio.to_thread(module.estimate_memory, spec)
         layers = int(getattr(resolved.info, "block_count", 0) or 1)
-        while True:
-            gpu_kind, gpu_free = None, None
-            if choice.backend == "native":
-                gpu_kind, gpu_free = ("CUDA", gpu.free_bytes) if gpu else (None, None)
-            else:
-                from localrun.backends.llamacpp import gpu_offload_supported
 
-                if gpu_offload_supported():
-                    if gpu is not None:
-                        gpu_kind, gpu_free = "CUDA", gpu.free_bytes
-                    elif is_apple_silicon():
-                        gpu_kind = "Metal"
+        def where(g) -> tuple[str | None, int | None]:
+            if choice.backend == "native":
+                return ("CUDA", g.free_bytes) if g else (None, None)
+            from localrun.backends.llamacpp import gpu_offload_supported
+
+            if gpu_offload_supported():
+                if g is not None:
+                    return "CUDA", g.free_bytes
+                if is_apple_silicon():
+                    return "Metal", None
+            return None, None
+
+        # admission before eviction: refuse a model that cannot fit even with every other model
+        # unloaded, without touching the loaded ones
+        others = [r for r in self.runners.values() if r.name != key]
+        gpu_kind, gpu_free = where(gpu)
+        try:
+            plan_load(est, layers, ram_free=free_ram() + sum(r.plan.size - r.plan.size_vram for r in others),
+                      gpu_free=None if gpu_free is None else gpu_free + sum(r.plan.size_vram for r in others),
+                      gpu_kind=gpu_kind)
+        except InsufficientMemory as exc:
+            raise InsufficientMemory(f"{key} cannot fit even with every other model unloaded: {exc.message}") from None
+        await self._make_room(key)
+        while True:
+            gpu_kind, gpu_free = where(gpu)
             try:
                 plan = plan_load(est, layers, ram_free=free_ram(), gpu_free=gpu_free, gpu_kind=gpu_kind)
                 break

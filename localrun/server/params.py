@@ -81,11 +81,32 @@ def get_stop(value: Any) -> list[str]:
     return [s for s in stops if s]
 
 
+MAX_SCHEMA_NODES = 5000  # objects + arrays; checked before the (event-loop) validation
+
+
+def _check_size(value: Any, limit: int, what: str) -> None:
+    """InvalidRequest when `value` holds more than `limit` objects and arrays (walked
+    iteratively, stopping at the limit: bounded work however big the value is)."""
+    stack, n = [value], 0
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        else:
+            continue
+        n += 1
+        if n > limit:
+            raise InvalidRequest(f"{what} is too large (over {limit} objects and arrays)")
+
+
 def check_json_schema(schema: Any) -> dict:
     """A JSON schema must be an object that is itself a valid schema; else 400 (and the daemon
     keeps serving). Turning it into a grammar is the backend's business (it answers 400 too)."""
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be an object")
+    _check_size(schema, MAX_SCHEMA_NODES, "the JSON schema")
     import jsonschema
 
     try:

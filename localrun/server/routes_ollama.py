@@ -113,9 +113,16 @@ async def _progress(request: Request, work, stream: bool):
             await q.put({"error": f"internal error: {type(exc).__name__}", "status": 500})
         await q.put(None)
 
+    st: State = request.app.state.lr
+    if st.generation.draining:
+        from localrun.errors import ShuttingDown
+
+        raise ShuttingDown("the daemon is shutting down; pull or create again once it is back")
+    st.pulls.add(cancel)
     task = asyncio.ensure_future(run())
     _BACKGROUND.add(task)  # the loop keeps only weak references to tasks
     task.add_done_callback(_BACKGROUND.discard)
+    task.add_done_callback(lambda _t: st.pulls.discard(cancel))
 
     async def events() -> AsyncIterator[dict]:
         last = None
@@ -319,11 +326,13 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
                     yield ndjson(piece(calls=ev.calls))
                 elif isinstance(ev, Done):
                     yield ndjson(final(gen, ev.finish_reason))
-        except Exception as exc:  # noqa: BLE001 - an error line ends the stream (Ollama's shape)
+        except Exception as exc:  # noqa: BLE001 - a last line with done and the error (Ollama's clients raise)
             if not isinstance(exc, LocalrunError):
                 log.error("stream failed: %s: %s", type(exc).__name__, exc)
                 exc = LocalrunError(f"internal error: {type(exc).__name__}")
-            yield ndjson({"error": exc.public_message, "status": exc.status})
+            out = piece()
+            out.update(done=True, done_reason="abort", error=exc.public_message, status=exc.status)
+            yield ndjson(out)
         finally:
             await gen.release()
 

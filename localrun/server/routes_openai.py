@@ -158,21 +158,25 @@ def _body(obj_type: str, cid: str, created: int, gen: Generation, choices: list)
             "system_fingerprint": "localrun"}
 
 
-def _sse_response(obj_type: str, cid: str, created: int, gen: Generation, include_usage: bool, render):
+def _sse_response(obj_type: str, cid: str, created: int, gen: Generation, include_usage: bool, render, cut):
     """SSE for chat and text completions: `render(event, chunk)` yields the choices' chunks;
-    this adds the usage chunk, `data: [DONE]`, errors (an error event, then [DONE], as vLLM
-    does), and gives the model back however the stream ends."""
+    this adds the usage chunk and `data: [DONE]`, and gives the model back however the stream
+    ends. An error mid-stream (a runner that died, the daemon stopping) ends the choice being
+    streamed: a last chunk with finish_reason "abort" (`cut(index)`) and the error object, then
+    [DONE]: SDKs raise instead of returning a silently cut answer."""
 
-    def chunk(choices: list, usage: dict | None = None) -> bytes:
+    def chunk(choices: list, usage: dict | None = None, **extra) -> bytes:
         obj = {"id": cid, "object": obj_type, "created": created, "model": gen.model, "choices": choices,
-               "system_fingerprint": "localrun"}
+               "system_fingerprint": "localrun", **extra}
         if include_usage:
             obj["usage"] = usage
         return sse(obj)
 
     async def events() -> AsyncIterator[bytes]:
+        index = 0
         try:
             async for ev in gen.events():
+                index = ev.index
                 for data in render(ev, chunk):
                     yield data
             if include_usage:
@@ -180,7 +184,7 @@ def _sse_response(obj_type: str, cid: str, created: int, gen: Generation, includ
                 yield chunk([], usage_body(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001
-            yield sse(stream_error(exc))
+            yield chunk([cut(index)], **stream_error(exc))
             yield b"data: [DONE]\n\n"
         finally:
             await gen.release()
@@ -248,7 +252,8 @@ async def chat_completions(request: Request):
             yield chunk([{"index": ev.index, "delta": {}, "finish_reason": _finish(ev.finish_reason), "logprobs": None}])
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return _sse_response("chat.completion.chunk", cid, created, gen, include_usage, render)
+    cut = lambda i: {"index": i, "delta": {}, "finish_reason": "abort", "logprobs": None}  # noqa: E731
+    return _sse_response("chat.completion.chunk", cid, created, gen, include_usage, render, cut)
 
 
 @router.post("/completions")
@@ -300,7 +305,8 @@ async def completions(request: Request):
             yield chunk([{"index": ev.index, "text": "", "finish_reason": _finish(ev.finish_reason), "logprobs": None}])
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return _sse_response("text_completion", cid, created, gen, include_usage, render)
+    cut = lambda i: {"index": i, "text": "", "finish_reason": "abort", "logprobs": None}  # noqa: E731
+    return _sse_response("text_completion", cid, created, gen, include_usage, render, cut)
 
 
 @router.post("/embeddings")

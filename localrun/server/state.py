@@ -27,7 +27,18 @@ class State:
         self.manager = ModelManager(settings, library, loader)
         self.metrics = Metrics(self.manager)
         self.generation = GenerationService(self.manager, self.metrics)
+        self.pulls: set = set()  # cancel events of the pulls and creates in flight
         self._quick: set[str] = set()  # names whose last resolve was cheap (see resolve)
+        self._drain: asyncio.Task | None = None
+
+    def begin_drain(self) -> None:
+        """SIGTERM: stop admitting, end pulls (they stay resumable), give running generations
+        LOCALRUN_SHUTDOWN_GRACE to finish, then end the rest properly."""
+        if self._drain is not None:
+            return
+        for cancel in list(self.pulls):
+            cancel.set()
+        self._drain = asyncio.get_running_loop().create_task(self.generation.drain(self.settings.shutdown_grace))
 
     async def resolve(self, name: str):
         if not isinstance(name, str) or not name.strip():
@@ -59,8 +70,8 @@ async def json_body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
+    try:  # a big body is parsed off the event loop (a 32 MiB JSON takes a noticeable while)
+        body = json.loads(raw) if len(raw) < 256 * 1024 else await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(body, dict):
