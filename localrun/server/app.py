@@ -220,8 +220,10 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
 
     from localrun.server.routes_ollama import router as ollama_router
     from localrun.server.routes_openai import router as openai_router
+    from localrun.server.routes_responses import router as responses_router
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(ollama_router)
 
     if s.origins:
