@@ -15,12 +15,11 @@ import json
 import httpx
 import openai
 import pytest
-from fakes import FakeModel, InProcessDaemon
+from fakes import THINK_TEMPLATE, FakeModel, InProcessDaemon, library_home
 from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from localrun.library import Library
 from localrun.server.response_store import ResponseStore, new_response_id
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,10 +33,6 @@ TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% if m.tool_calls %}CALLS {{ m.tool_calls | tojson }}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% endif %}")
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
@@ -47,12 +42,8 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("responses_home")
-    lib = Library(home / "models")
-    lib.pull(MODEL)
-    lib.create("toolsmol", f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n')
-    lib.create("thinker", f'FROM {MODEL}\nTEMPLATE """{THINK_TEMPLATE}"""\n')
-    return home
+    return library_home(tmp_path_factory.mktemp("responses_home"), {"toolsmol": TOOLS_TEMPLATE,
+                                                                     "thinker": THINK_TEMPLATE})
 
 
 @pytest.fixture
@@ -193,6 +184,8 @@ def test_tool_choice_forces_a_call_and_parallel_tool_calls(client, fake):
     assert [json.loads(o.arguments)["city"] for o in r.output] == ["Paris", "Rome"]
     r = client.responses.create(model="toolsmol", input="Two cities", tools=[WEATHER], parallel_tool_calls=False)
     assert [json.loads(o.arguments)["city"] for o in r.output] == ["Paris"]
+    r = client.responses.create(model="toolsmol", input="Two cities", tools=[WEATHER], max_tool_calls=1)
+    assert [json.loads(o.arguments)["city"] for o in r.output] == ["Paris"] and r.max_tool_calls == 1
     r = client.responses.create(model="toolsmol", input="Weather?", tools=[WEATHER], tool_choice="none")
     assert "Tools:" not in _prompt(fake) and r.output[0].type == "message"  # the call is plain text then
 
@@ -324,6 +317,13 @@ def test_reasoning_items_from_a_thinking_template(daemon, client, fake):
                                  reasoning={"effort": "none"})
     assert "<think>\n\n</think>" in _prompt(fake) and [o.type for o in r2.output] == ["message"]
     assert r2.reasoning.effort == "none"
+    # managing the context by hand (store false): the output items go back in as input as they are
+    r3 = client.responses.create(model="thinker", store=False, input=[
+        {"role": "user", "content": "A puzzle: 2+2?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "Why?"}])
+    prompt = _prompt(fake)
+    assert prompt.index("A puzzle: 2+2?") < prompt.index("<|im_start|>assistant\nFour.<|im_end|>") < prompt.index("Why?")
+    assert r3.output_text == "Four."
     client.responses.create(model="thinker", input="A puzzle", reasoning={"effort": "high"})
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"})

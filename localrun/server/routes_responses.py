@@ -262,9 +262,9 @@ def _refuse_unsupported(body: dict) -> None:
 class _Builder:
     """Events -> the response's output items, and the semantic stream events on the way."""
 
-    def __init__(self, response: dict, parallel_tool_calls: bool) -> None:
+    def __init__(self, response: dict, max_calls: int | None) -> None:
         self.response = response
-        self.parallel = parallel_tool_calls
+        self.max_calls = max_calls  # parallel_tool_calls false: 1
         self.seq = 0
         self.open: dict | None = None  # the reasoning or message item being written
         self.texts: list[str] = []
@@ -332,7 +332,7 @@ class _Builder:
                 out += self._text("message", ev.content)
         elif isinstance(ev, ToolCalls):
             out += self._close()
-            for call in ev.calls if self.parallel else ev.calls[:1]:
+            for call in ev.calls[:self.max_calls]:
                 item = {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": call["name"],
                         "arguments": "", "status": "in_progress"}
                 self.response["output"].append(item)
@@ -382,6 +382,7 @@ async def create_response(request: Request):
     stream = p.get_bool(body, "stream")
     keep = p.get_bool(body, "store", default=True)
     parallel = p.get_bool(body, "parallel_tool_calls", default=True)
+    max_calls = p.get_int(body, "max_tool_calls", 1)
     instructions = p.get_str(body, "instructions")
     previous = p.get_str(body, "previous_response_id")
     items = input_items(body.get("input"))
@@ -414,13 +415,13 @@ async def create_response(request: Request):
     response = {
         "id": new_response_id(), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
-        "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": body.get("max_tool_calls"),
+        "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": max_calls,
         "model": resolved.name, "output": [], "parallel_tool_calls": parallel, "previous_response_id": previous,
         "reasoning": reasoning, "store": keep, "temperature": opts.temperature, "text": text,
         "tool_choice": choice_echo, "tools": tools_echo, "top_p": opts.top_p, "truncation": "disabled",
         "usage": None, "user": p.get_str(body, "user"), "metadata": metadata,
     }
-    builder = _Builder(response, parallel)
+    builder = _Builder(response, max_calls if parallel else 1)
 
     async def finish(usage) -> dict:
         done = builder.done(usage)
