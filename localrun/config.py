@@ -22,7 +22,7 @@ DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
 
 # name -> (default, help). The order here is the order `localrun serve --help` shows.
 ENV_VARS: dict[str, tuple[str, str]] = {
-    "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs and chats live"),
+    "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs, chats and stored responses live"),
     "LOCALRUN_HOST": (DEFAULT_HOST, "host:port the daemon binds and the CLI/TUI talk to"),
     "LOCALRUN_KEEP_ALIVE": ("5m", "how long an idle model stays loaded (duration, seconds, -1 = forever, 0 = unload at once)"),
     "LOCALRUN_NUM_PARALLEL": ("1", "parallel request slots per loaded llama.cpp model (the native engine batches up to max(NUM_PARALLEL, 64))"),
@@ -142,6 +142,10 @@ class Settings:
     @property
     def chats_dir(self) -> Path:
         return self.home / "chats"
+
+    @property
+    def responses_dir(self) -> Path:
+        return self.home / "responses"
 
     @property
     def logs_dir(self) -> Path:

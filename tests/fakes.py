@@ -23,6 +23,24 @@ from localrun.errors import BackendError
 from localrun.stop_strings import StopScanner
 
 DEFAULT_REPLY = "Hello from the fake model."
+MODEL = "smollm2:135m"
+# a template that thinks in <think> blocks, and closes the block itself when asked not to think
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}")
+
+
+def library_home(home: Path, templates: dict[str, str]) -> Path:
+    """A LOCALRUN_HOME whose library holds smollm2:135m (the real GGUF, offline) and, for each
+    name -> TEMPLATE in `templates`, a model made from it with that template."""
+    from localrun.library import Library
+
+    lib = Library(home / "models")
+    lib.pull(MODEL)
+    for name, template in templates.items():
+        lib.create(name, f'FROM {MODEL}\nTEMPLATE """{template}"""\n')
+    return home
 
 
 @dataclass

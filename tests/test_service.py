@@ -12,9 +12,8 @@ import time
 
 import httpx
 import pytest
-from fakes import FakeModel, InProcessDaemon
+from fakes import THINK_TEMPLATE, FakeModel, InProcessDaemon, library_home
 
-from localrun.library import Library
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,10 +22,6 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                             "required": ["city"]}}}
@@ -35,12 +30,7 @@ MSGS = [{"role": "user", "content": "Hi there"}]
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("svc_home")
-    lib = Library(home / "models")
-    lib.pull(MODEL)
-    lib.create("toolsmol", f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n')
-    lib.create("thinker", f'FROM {MODEL}\nTEMPLATE """{THINK_TEMPLATE}"""\n')
-    return home
+    return library_home(tmp_path_factory.mktemp("svc_home"), {"toolsmol": TOOLS_TEMPLATE, "thinker": THINK_TEMPLATE})
 
 
 @pytest.fixture

@@ -247,8 +247,10 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
 
     from localrun.server.routes_ollama import router as ollama_router
     from localrun.server.routes_openai import router as openai_router
+    from localrun.server.routes_responses import router as responses_router
 
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(ollama_router)
 
     app.add_middleware(ErrorMiddleware)  # innermost of ours: a bug is a shaped 500, the connection lives on

@@ -1,0 +1,504 @@
+"""The OpenAI Responses API under /v1/responses: JSON -> Job, events -> a response object or
+its semantic SSE events (a translator only; generation is the service's).
+
+- Input: a string, or items: messages (easy {"role", "content"} or typed, text parts only),
+  function_call and function_call_output items, reasoning items (kept, not re-rendered).
+  `instructions` become the system message of this request only.
+- Output items: a reasoning item when the model thought (its text as reasoning_text
+  content), a message with output_text, function_call items.
+- Stateful: with `store` (the default) the response and the items it saw are kept
+  (:mod:`localrun.server.response_store`); `previous_response_id` puts that conversation
+  (its items, then its output) before this request's input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from localrun.errors import InvalidRequest
+from localrun.server import params as p
+from localrun.server.generation import Delta, Done, Event, Job, ToolCalls, until_disconnected
+from localrun.server.response_store import ResponseStore, check_id, new_response_id
+from localrun.server.routes_openai import stream_error
+from localrun.server.state import State, json_body, sse_response
+
+router = APIRouter(prefix="/v1")
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+MAX_METADATA = 16
+
+
+def _new(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def responses_store(request: Request) -> ResponseStore:
+    """The app's response store (made on first use, under LOCALRUN_HOME)."""
+    app_state = request.app.state
+    store = getattr(app_state, "responses", None)
+    if store is None:
+        store = app_state.responses = ResponseStore(app_state.lr.settings.responses_dir)
+    return store
+
+
+# -- input items -------------------------------------------------------------------------------
+def _parts_text(content: Any, where: str) -> str:
+    """The text of a string or a list of text parts; anything else (images, files, audio) is a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: 'content' must be a string or a list of content parts")
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _TEXT_PARTS or kind == "refusal":
+            text = part.get("text" if kind != "refusal" else "refusal")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"{where}.content[{k}]: a {kind} part needs a string")
+            out.append(text)
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise InvalidRequest(f"{where}.content[{k}]: {kind} is not supported; localrun's models read text only")
+        else:
+            raise InvalidRequest(f"{where}.content[{k}]: content parts must be input_text (or output_text)")
+    return "".join(out)
+
+
+def _str_field(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{where}: '{key}' must be a string")
+    return v
+
+
+def input_items(value: Any) -> list[dict]:
+    """A request's `input` as stored items, each with an id."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise InvalidRequest("'input' must not be empty")
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'input' must be a non-empty string or a non-empty list of items")
+    items = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{where} must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        rid = item.get("id") if isinstance(item.get("id"), str) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequest(f"{where}.role must be user, assistant, system or developer")
+            text = _parts_text(item.get("content"), where)
+            part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
+                    else {"type": "input_text", "text": text})
+            items.append({"type": "message", "id": rid or _new("msg"), "role": role, "status": "completed",
+                          "content": [part]})
+        elif kind == "function_call":
+            items.append({"type": "function_call", "id": rid or _new("fc"), "call_id": _str_field(item, "call_id", where),
+                          "name": _str_field(item, "name", where), "arguments": _str_field(item, "arguments", where),
+                          "status": "completed"})
+        elif kind == "function_call_output":
+            out = item.get("output")
+            items.append({"type": "function_call_output", "id": rid or _new("fco"),
+                          "call_id": _str_field(item, "call_id", where),
+                          "output": out if isinstance(out, str) else _parts_text(out, where + ".output"),
+                          "status": "completed"})
+        elif kind == "reasoning":
+            texts = [c.get("text") for c in item.get("content") or [] if isinstance(c, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise InvalidRequest(f"{where}: reasoning content must be reasoning_text parts")
+            items.append({"type": "reasoning", "id": rid or _new("rs"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": t} for t in texts]})
+        elif kind == "item_reference":
+            raise InvalidRequest(f"{where}: item_reference is not supported; use previous_response_id or send the item")
+        else:
+            raise InvalidRequest(f"{where}: items of type {json.dumps(kind)[:40]} are not supported (message, "
+                                 "function_call, function_call_output, reasoning)")
+    return items
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError:
+        return text  # as the model wrote it; the template shows it as is
+
+
+def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
+    """Stored items -> the chat messages a template renders."""
+    msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    names: dict[str, str] = {}
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
+    for it in items:
+        kind = it.get("type")
+        last = msgs[-1] if msgs else None
+        if kind == "reasoning":
+            thought += "".join(c.get("text", "") for c in it.get("content") or [])
+        elif kind == "message":
+            role = "system" if it.get("role") == "developer" else it.get("role")
+            msg: dict[str, Any] = {"role": role, "content": "".join(c.get("text") or c.get("refusal") or ""
+                                                                    for c in it.get("content") or [])}
+            if role == "assistant" and thought:
+                msg["reasoning_content"] = thought
+            thought = "" if role in ("assistant", "user") else thought
+            msgs.append(msg)
+        elif kind == "function_call":
+            names[it["call_id"]] = it["name"]
+            call = {"type": "function", "id": it["call_id"],
+                    "function": {"name": it["name"], "arguments": _arguments(it["arguments"])}}
+            if last is not None and last["role"] == "assistant":  # the same turn: text, then calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call],
+                             **({"reasoning_content": thought} if thought else {})})
+            thought = ""
+        elif kind == "function_call_output":
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"],
+                         **({"name": names[it["call_id"]]} if it["call_id"] in names else {})})
+    return msgs
+
+
+# -- the rest of the request -----------------------------------------------------------------------
+def _tools(value: Any, template: str | None) -> tuple[list[dict] | None, list[dict]]:
+    """(chat-shaped tools for the job, Responses-shaped tools for the answer)."""
+    if value is None or value == []:
+        return None, []
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise InvalidRequest("'tools' must be a list of objects")
+    chat, echo = [], []
+    for i, t in enumerate(value):
+        if t.get("type") != "function":
+            raise InvalidRequest(f"tools[{i}]: {json.dumps(t.get('type'))[:40]} tools are not supported; localrun "
+                                 "runs function tools ({'type': 'function', 'name', 'parameters'}) only")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"tools[{i}] needs a 'name'")
+        fn = {"name": name, "description": t.get("description"), "parameters": t.get("parameters")}
+        chat.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+        echo.append({"type": "function", **fn, "strict": t.get("strict")})
+    return p.check_tools(chat, template), echo
+
+
+def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[Any, Any]:
+    """(tool_choice for params.tool_choice_schema, the value to echo)."""
+    if choice is None:
+        return "auto", "auto"
+    if choice in ("auto", "none", "required"):
+        named: Any = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        named = {"name": choice["name"]}
+    else:
+        raise InvalidRequest("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+    if named not in ("auto", "none") and not tools:
+        raise InvalidRequest("'tool_choice' asks for a tool call but 'tools' is empty")
+    return named, choice
+
+
+def _text_format(value: Any, opts) -> dict:
+    """`text.format` onto the sampling options; returns the `text` to echo."""
+    if value is None:
+        return {"format": {"type": "text"}}
+    if not isinstance(value, dict):
+        raise InvalidRequest("'text' must be an object")
+    fmt = value.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest("'text.format.type' must be text, json_object or json_schema")
+    if fmt["type"] == "json_object":
+        opts.json_mode = True
+    elif fmt["type"] == "json_schema":
+        if not isinstance(fmt.get("name"), str) or "schema" not in fmt:
+            raise InvalidRequest("'text.format' json_schema needs a 'name' and a 'schema'")
+        opts.json_schema = p.check_json_schema(fmt["schema"])
+    out = {"format": fmt}
+    if value.get("verbosity") is not None:
+        if value["verbosity"] not in ("low", "medium", "high"):
+            raise InvalidRequest("'text.verbosity' must be low, medium or high")
+        out["verbosity"] = value["verbosity"]
+    return out
+
+
+def _reasoning(value: Any) -> tuple[bool | None, dict]:
+    """(Job.think, the `reasoning` to echo): any effort but "none" asks the template to think."""
+    if value is None:
+        return None, {"effort": None, "summary": None}
+    if not isinstance(value, dict):
+        raise InvalidRequest("'reasoning' must be an object")
+    effort = value.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidRequest("'reasoning.effort' must be a string (none, minimal, low, medium, high)")
+    return (None if effort is None else effort != "none"), {"effort": effort, "summary": value.get("summary")}
+
+
+def _metadata(value: Any) -> dict:
+    if value is None:
+        return {}
+    if (not isinstance(value, dict) or len(value) > MAX_METADATA
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                       for k, v in value.items())):
+        raise InvalidRequest(f"'metadata' must be an object of at most {MAX_METADATA} string values "
+                             "(keys up to 64 characters, values up to 512)")
+    return value
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("background"):
+        raise InvalidRequest("'background' responses are not supported; use 'stream' instead")
+    for key in ("conversation", "prompt"):
+        if body.get(key) is not None:
+            raise InvalidRequest(f"'{key}' is not supported; use previous_response_id and input")
+    if body.get("truncation") not in (None, "disabled"):
+        raise InvalidRequest("'truncation' must be 'disabled': localrun never drops input silently")
+
+
+# -- output -----------------------------------------------------------------------------------
+class _Builder:
+    """Events -> the response's output items, and the semantic stream events on the way."""
+
+    def __init__(self, response: dict, max_calls: int | None) -> None:
+        self.response = response
+        self.max_calls = max_calls  # parallel_tool_calls false: 1
+        self.seq = 0
+        self.open: dict | None = None  # the reasoning or message item being written
+        self.texts: list[str] = []
+        self.reasoning_tokens = 0
+        self.finish = "stop"
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def snapshot(self, kind: str) -> dict:
+        return self.event(kind, response=copy.deepcopy(self.response))
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.response["output"]) - 1, "content_index": 0}
+
+    def _start(self, kind: str) -> list[dict]:
+        out = self._close()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": _new("rs"), "summary": [], "content": [], "status": "in_progress"}
+            part: dict = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": _new("msg"), "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.response["output"].append(item)
+        self.open, self.texts = item, []
+        out.append(self.event("response.output_item.added", output_index=len(self.response["output"]) - 1,
+                              item=copy.deepcopy(item)))
+        out.append(self.event("response.content_part.added", part=part, **self._where()))
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        out = [] if self.open is not None and self.open["type"] == kind else self._start(kind)
+        self.texts.append(text)
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        out.append(self.event(name, delta=text, **self._where(), **extra))
+        return out
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        item = self.open
+        if item is None:
+            return []
+        text, where = "".join(self.texts), self._where()
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            out = [self.event("response.reasoning_text.done", text=text, **where)]
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out = [self.event("response.output_text.done", text=text, logprobs=[], **where)]
+        item["content"], item["status"] = [part], status
+        out.append(self.event("response.content_part.done", part=copy.deepcopy(part), **where))
+        out.append(self.event("response.output_item.done", output_index=where["output_index"], item=copy.deepcopy(item)))
+        self.open = None
+        return out
+
+    def feed(self, ev: Event) -> list[dict]:
+        out: list[dict] = []
+        if isinstance(ev, Delta):
+            if ev.reasoning:
+                self.reasoning_tokens += len(ev.token_ids)
+                out += self._text("reasoning", ev.reasoning)
+            if ev.content:
+                out += self._text("message", ev.content)
+        elif isinstance(ev, ToolCalls):
+            out += self._close()
+            for call in ev.calls[:self.max_calls]:
+                item = {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": call["name"],
+                        "arguments": "", "status": "in_progress"}
+                self.response["output"].append(item)
+                at = {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
+                out.append(self.event("response.output_item.added", output_index=at["output_index"],
+                                      item=copy.deepcopy(item)))
+                out.append(self.event("response.function_call_arguments.delta", delta=call["arguments"], **at))
+                out.append(self.event("response.function_call_arguments.done", arguments=call["arguments"], **at))
+                item.update(arguments=call["arguments"], status="completed")
+                out.append(self.event("response.output_item.done", output_index=at["output_index"],
+                                      item=copy.deepcopy(item)))
+        elif isinstance(ev, Done):
+            self.finish = ev.finish_reason
+            status = "incomplete" if ev.finish_reason == "length" else "completed"
+            if self.open is None and not self.response["output"]:  # nothing written: an empty message
+                out += self._start("message")
+            out += self._close(status)
+        return out
+
+    def done(self, usage) -> dict:
+        """The finished response object."""
+        r = self.response
+        r["status"] = "incomplete" if self.finish == "length" else "completed"
+        r["incomplete_details"] = {"reason": "max_output_tokens"} if self.finish == "length" else None
+        r["completed_at"] = int(time.time())
+        r["usage"] = {"input_tokens": usage.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+                      "output_tokens": usage.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": min(self.reasoning_tokens, usage.completion_tokens)},
+                      "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+        return r
+
+
+def _sse(ev: dict) -> bytes:
+    return (b"event: " + ev["type"].encode() + b"\ndata: "
+            + json.dumps(ev, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+
+# -- routes -----------------------------------------------------------------------------------------
+@router.post("/responses")
+async def create_response(request: Request):
+    st: State = request.app.state.lr
+    store = responses_store(request)
+    body = await json_body(request)
+    _refuse_unsupported(body)
+    model = p.get_str(body, "model", required=True)
+    stream = p.get_bool(body, "stream")
+    keep = p.get_bool(body, "store", default=True)
+    parallel = p.get_bool(body, "parallel_tool_calls", default=True)
+    max_calls = p.get_int(body, "max_tool_calls", 1)
+    instructions = p.get_str(body, "instructions")
+    previous = p.get_str(body, "previous_response_id")
+    items = input_items(body.get("input"))
+    metadata = _metadata(body.get("metadata"))
+    think, reasoning = _reasoning(body.get("reasoning"))
+    context: list[dict] = []
+    if previous is not None:
+        check_id(previous, "previous_response_id")
+        record = await asyncio.to_thread(store.load, previous, "previous response")
+        context = record["context"] + record["response"]["output"]
+    context += items
+
+    resolved = await st.resolve(model)
+    opts, num_ctx = p.base_options(resolved)
+    if (v := p.get_int(body, "max_output_tokens", 1, 1 << 20)) is not None:
+        opts.max_tokens = v
+    for key, hi in (("temperature", 2.0), ("top_p", 1.0)):
+        if (v := p.get_float(body, key, 0.0, hi)) is not None:
+            setattr(opts, key, v)
+    text = _text_format(body.get("text"), opts)
+    tools, tools_echo = _tools(body.get("tools"), resolved.template)
+    choice, choice_echo = _tool_choice(body.get("tool_choice"), tools)
+    if tools:
+        tools, forced = p.tool_choice_schema(tools, choice)
+        if forced is not None:
+            opts.json_schema = forced
+    job = Job(resolved, opts, messages=chat_messages(context, instructions), tools=tools, think=think,
+              num_ctx=p.get_int(body, "num_ctx", 16, 1 << 20) or num_ctx, keep_alive=st.keep_alive(body),
+              api="openai.responses")
+    response = {
+        "id": new_response_id(), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": max_calls,
+        "model": resolved.name, "output": [], "parallel_tool_calls": parallel, "previous_response_id": previous,
+        "reasoning": reasoning, "store": keep, "temperature": opts.temperature, "text": text,
+        "tool_choice": choice_echo, "tools": tools_echo, "top_p": opts.top_p, "truncation": "disabled",
+        "usage": None, "user": p.get_str(body, "user"), "metadata": metadata,
+    }
+    builder = _Builder(response, max_calls if parallel else 1)
+
+    async def finish(usage) -> dict:
+        done = builder.done(usage)
+        if keep:
+            await asyncio.to_thread(store.save, {"response": done, "context": context})
+        return done
+
+    if not stream:
+        async def run() -> dict:
+            gen = await st.generation.start(job)
+            try:
+                async for ev in gen.events():
+                    builder.feed(ev)
+            finally:
+                await gen.release()
+            return await finish(gen.usage)
+
+        return await until_disconnected(request, run())
+
+    gen = await st.generation.start(job)
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield _sse(builder.snapshot("response.created"))
+            yield _sse(builder.snapshot("response.in_progress"))
+            async for ev in gen.events():
+                for out in builder.feed(ev):
+                    yield _sse(out)
+            done = await finish(gen.usage)
+            yield _sse(builder.snapshot("response.incomplete" if done["status"] == "incomplete"
+                                        else "response.completed"))
+        except Exception as exc:  # noqa: BLE001 - the status was sent: an error event, then response.failed
+            err = stream_error(exc)["error"]
+            yield _sse(builder.event("error", code=err["code"], message=err["message"], param=None))
+            response.update(status="failed", error={"code": "server_error", "message": err["message"]})
+            yield _sse(builder.snapshot("response.failed"))
+        finally:
+            await gen.release()
+
+    return sse_response(events(), gen.release)
+
+
+@router.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    record = await asyncio.to_thread(responses_store(request).load, check_id(response_id))
+    return record["response"]
+
+
+@router.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    await asyncio.to_thread(responses_store(request).delete, check_id(response_id))
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request):
+    """The items the model saw before its output (the conversation it continued, then this
+    request's input), paged as OpenAI does: limit, order (desc by default), after, before."""
+    record = await asyncio.to_thread(responses_store(request).load, check_id(response_id))
+    q = request.query_params
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be asc or desc")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("'limit' must be an integer") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("'limit' must be between 1 and 100")
+    items = record["context"] if order == "asc" else record["context"][::-1]
+    ids = [it.get("id") for it in items]
+    for key, cut in (("after", lambda i: items[i + 1:]), ("before", lambda i: items[:i])):
+        if q.get(key) is not None:
+            if q[key] not in ids:
+                raise InvalidRequest(f"'{key}': no item '{q[key][:80]}' in this response's input")
+            items = cut(ids.index(q[key]))
+            ids = [it.get("id") for it in items]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
