@@ -226,7 +226,9 @@ def _text_format(value: Any, opts) -> dict:
 
 
 def _reasoning(value: Any) -> tuple[bool | None, dict]:
-    """(Job.think, the `reasoning` to echo): any effort but "none" asks the template to think."""
+    """(Job.think, the `reasoning` to echo): effort "none" asks the template not to think; any
+    other effort leaves thinking to the template (clients such as Codex always send an effort,
+    and a model that cannot think should still answer them)."""
     if value is None:
         return None, {"effort": None, "summary": None}
     if not isinstance(value, dict):
@@ -234,7 +236,7 @@ def _reasoning(value: Any) -> tuple[bool | None, dict]:
     effort = value.get("effort")
     if effort is not None and not isinstance(effort, str):
         raise InvalidRequest("'reasoning.effort' must be a string (none, minimal, low, medium, high)")
-    return (None if effort is None else effort != "none"), {"effort": effort, "summary": value.get("summary")}
+    return (False if effort == "none" else None), {"effort": effort, "summary": value.get("summary")}
 
 
 def _metadata(value: Any) -> dict:
