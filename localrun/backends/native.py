@@ -99,7 +99,15 @@ def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams
         raise InvalidRequest(str(exc)) from None
 
 
+def _cuda_error(message: str) -> bool:
+    """A CUDA error (illegal memory access, device-side assert, ECC, ...) leaves the process's CUDA
+    context unusable; every later kernel launch fails too."""
+    return "CUDA error" in message or "cudaError" in message or "AcceleratorError" in message
+
+
 class NativeBackend:
+    fatal: str | None = None  # set when the backend cannot go on; the runner then exits and restarts
+
     def __init__(self, spec: LoadSpec, engine: LLMEngine, device: str) -> None:
         self.spec, self.engine = spec, engine
         if engine.tokenizer is None:
@@ -143,6 +151,8 @@ class NativeBackend:
         try:
             async for d in stream:
                 if d.error:
+                    if _cuda_error(d.error):  # the CUDA context is poisoned: the runner must restart
+                        self.fatal = d.error
                     raise BackendError(d.error)
                 usage = None
                 if d.usage is not None:

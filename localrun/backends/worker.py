@@ -127,7 +127,7 @@ class Runner:
             await gen.aclose()
             self.tasks.pop(rid, None)
             self.delivered.pop(rid, None)
-        self.check_fatal()
+        await self.check_fatal()
 
     async def call(self, rid: int, op: str, msg: dict) -> None:
         try:
@@ -149,15 +149,19 @@ class Runner:
             self.send({"t": "error", "id": rid, "error": wire.error_to_wire(exc)})
         finally:
             self.tasks.pop(rid, None)
-        self.check_fatal()
+        await self.check_fatal()
 
-    def check_fatal(self) -> None:
+    async def check_fatal(self) -> None:
         """A backend that says it cannot go on (a CUDA error poisons the context) ends the runner;
         the daemon loads the model afresh on the next request."""
         fatal = getattr(self.backend, "fatal", None)
         if fatal:
             log.error("unrecoverable backend error, exiting: %s", fatal)
             self.send({"t": "fatal", "message": str(fatal)})
+            try:
+                await asyncio.wait_for(self.chan.drain(), 2.0)
+            except Exception:  # the daemon is gone, or slow: exit all the same
+                pass
             os._exit(EXIT_FATAL)
 
 

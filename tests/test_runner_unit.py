@@ -1,0 +1,75 @@
+"""The runner's own machinery without a model: the worker's Runner loop (localrun.backends.worker)
+in a real subprocess, talking to the daemon side's RemoteBackend over a real socket pair. A backend
+that reports an unrecoverable error (what a CUDA error does to the native engine) makes the runner
+exit with status 70 after telling the daemon why; the daemon's error names it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+import pytest
+
+from localrun.backends import wire
+from localrun.backends.base import GenerationRequest, SamplingOptions
+from localrun.backends.process import RemoteBackend, RunnerDied
+from localrun.errors import BackendError
+
+RUNNER = r'''
+import asyncio, socket, sys
+from localrun.backends import wire
+from localrun.backends.base import BackendInfo
+from localrun.backends.worker import Runner
+from localrun.errors import BackendError
+
+class Broken:
+    fatal = None
+    info = BackendInfo(name="broken", device="CUDA", processor="100% GPU", reason="test", context_length=64, slots=1)
+    async def generate(self, request):
+        if request.prompt == "ok":
+            from localrun.backends.base import Chunk, Usage
+            yield Chunk(text="fine", token_ids=[1])
+            yield Chunk(finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1))
+            return
+        self.fatal = "CUDA error: an illegal memory access was encountered"
+        raise BackendError(self.fatal)
+    async def close(self):
+        pass
+
+async def main():
+    chan = await wire.Channel.connect(socket.socket(fileno=int(sys.argv[1])))
+    chan.send({"t": "ready", "pid": 0, "info": wire.info_to_wire(Broken.info)})
+    await Runner(chan, Broken()).serve()
+
+asyncio.run(main())
+'''
+
+
+async def _start() -> RemoteBackend:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", RUNNER, str(theirs.fileno()),
+                                                pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.PIPE)
+    theirs.close()
+    remote = RemoteBackend("broken:test", "native", proc, await wire.Channel.connect(ours))
+    await asyncio.wait_for(remote._ready, 30)
+    return remote
+
+
+async def test_a_fatal_backend_error_ends_the_runner_with_a_clear_reason():
+    remote = await _start()
+    try:
+        chunks = [c async for c in remote.generate(GenerationRequest("ok", SamplingOptions()))]
+        assert chunks[0].text == "fine" and chunks[-1].finish_reason == "stop"
+        with pytest.raises(BackendError) as e:  # the request that hit the error gets it, typed
+            async for _ in remote.generate(GenerationRequest("boom", SamplingOptions())):
+                pass
+        assert "illegal memory access" in e.value.message
+        died = await asyncio.wait_for(asyncio.shield(remote.exited), 10)
+        assert isinstance(died, RunnerDied) and died.returncode == 70
+        assert "unrecoverable error: CUDA error" in died.message and "broken:test" in died.message
+        with pytest.raises(RunnerDied):  # and the next one on this runner is refused at once
+            async for _ in remote.generate(GenerationRequest("ok", SamplingOptions())):
+                pass
+    finally:
+        remote.kill()
