@@ -106,8 +106,9 @@ class FakeBackend:
                 if tail:
                     yield Chunk(text=tail)
             m.finished.append(request.request_id)
-            yield Chunk(finish_reason=finish, usage=Usage(prompt_tokens=len(ids), completion_tokens=n,
-                                                          cached_tokens=cached, eval_seconds=time.perf_counter() - t0))
+            yield Chunk(finish_reason=finish, stop_sequence=stops.matched,
+                        usage=Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=cached,
+                                    eval_seconds=time.perf_counter() - t0))
         finally:  # closed early (the client left): an abort
             if request.request_id not in m.finished and request.request_id not in m.aborted:
                 m.aborted.append(request.request_id)
