@@ -33,7 +33,7 @@ from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, To
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest
 from localrun.server.manager import DEFAULT, Lease, ModelManager
-from localrun.server.output import OutputParser, reasoning_for
+from localrun.server.output import OutputParser, Reasoning, reasoning_for
 
 
 @dataclass
@@ -273,7 +273,7 @@ class GenerationService:
         return vectors, n_tokens
 
     @staticmethod
-    async def _render(job: Job):
+    async def _render(job: Job) -> tuple[str, Reasoning | None]:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
         prompt = await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
