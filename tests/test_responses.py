@@ -15,7 +15,7 @@ import json
 import httpx
 import openai
 import pytest
-from fakes import THINK_TEMPLATE, FakeModel, InProcessDaemon, library_home
+from fakes import FakeModel, InProcessDaemon, library_home
 from openai import OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -42,8 +42,8 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    return library_home(tmp_path_factory.mktemp("responses_home"), {"toolsmol": TOOLS_TEMPLATE,
-                                                                     "thinker": THINK_TEMPLATE})
+    return library_home(tmp_path_factory.mktemp("responses_home"),
+                        {"toolsmol": f'FROM {MODEL}\nTEMPLATE """{TOOLS_TEMPLATE}"""\n'})
 
 
 @pytest.fixture

@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
-from fakes import THINK_TEMPLATE, FakeModel, InProcessDaemon, library_home
-
+from fakes import MODEL, FakeModel, InProcessDaemon, api_rules, library_home, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = "smollm2:135m"
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                             "required": ["city"]}}}
@@ -30,13 +23,12 @@ MSGS = [{"role": "user", "content": "Hi there"}]
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    return library_home(tmp_path_factory.mktemp("svc_home"), {"toolsmol": TOOLS_TEMPLATE, "thinker": THINK_TEMPLATE})
+    return library_home(tmp_path_factory.mktemp("svc_home"))
 
 
 @pytest.fixture
 def fake():
-    return FakeModel(rules={"Weather": CALL, "puzzle": "<think>Two and two.</think>\n\nFour.",
-                            "Say the magic": "abc STOP def"})
+    return FakeModel(rules=api_rules())
 
 
 @pytest.fixture
@@ -188,10 +180,10 @@ def test_queue_overflow_and_queue_order(home):
 
         first = threading.Thread(target=ask, args=(1,))
         first.start()
-        _wait(lambda: (r := d.state.manager.runners.get(MODEL)) is not None and r.active == 1)
+        wait_until(lambda: (r := d.state.manager.runners.get(MODEL)) is not None and r.active == 1)
         second = threading.Thread(target=ask, args=(2,))
         second.start()
-        _wait(lambda: d.state.manager.runners[MODEL].waiting == 1)
+        wait_until(lambda: d.state.manager.runners[MODEL].waiting == 1)
         r = httpx.post(d.url + "/api/chat", json={"model": MODEL, "messages": MSGS})
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         first.join(30)
@@ -211,9 +203,9 @@ def test_eviction_keep_alive_and_reaper(home):
         assert post("toolsmol").status_code == 200  # evicts the first
         assert fake.closes == [MODEL] and list(d.state.manager.runners) == ["toolsmol:latest"]
         assert post("toolsmol", keep_alive=0).status_code == 200
-        _wait(lambda: not d.state.manager.runners)  # keep_alive 0: unloaded once idle
+        wait_until(lambda: not d.state.manager.runners)  # keep_alive 0: unloaded once idle
         assert post(MODEL, keep_alive="1s").status_code == 200
-        _wait(lambda: not d.state.manager.runners, timeout=5)  # the reaper, after 1 s
+        wait_until(lambda: not d.state.manager.runners, timeout=5)  # the reaper, after 1 s
         assert fake.loads == [MODEL, "toolsmol:latest", MODEL] and fake.closes[-1] == MODEL
     finally:
         d.stop()
@@ -232,9 +224,9 @@ def test_client_leaving_aborts_the_backend_request(home, stream):
         else:
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(d.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
-        _wait(lambda: len(fake.aborted) == 1, timeout=5)
+        wait_until(lambda: len(fake.aborted) == 1, timeout=5)
         assert fake.finished == []
-        _wait(lambda: d.state.manager.runners[MODEL].active == 0, timeout=5)
+        wait_until(lambda: d.state.manager.runners[MODEL].active == 0, timeout=5)
     finally:
         d.stop()
 
@@ -267,13 +259,6 @@ def test_metrics(home):
         assert samples[("localrun_models_loaded", ())] == 1
     finally:
         d.stop()
-
-
-def _wait(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.01)
 
 
 # -- LangChain's chat models, pointed at the daemon by base URL only ----------------------------------

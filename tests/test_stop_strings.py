@@ -8,7 +8,7 @@ import random
 from localrun.stop_strings import StopScanner
 
 
-def _run(stops, pieces):
+def _run(stops, pieces, matched=None):
     s = StopScanner(stops)
     sent, hit = [], False
     for p in pieces:
@@ -18,6 +18,8 @@ def _run(stops, pieces):
             break
     if not hit:
         sent.append(s.flush())
+    if matched is not None:
+        matched.append(s.matched)
     return "".join(sent), hit, sent
 
 
@@ -34,7 +36,10 @@ def test_random_splits_match_the_reference():
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        got, hit, _ = _run(stops, pieces)
+        matched = []
+        got, hit, _ = _run(stops, pieces, matched)
         first = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
         assert hit == (first >= 0), (text, stops, pieces)
         assert got == (text[:first] if first >= 0 else text), (text, stops, pieces)
+        # which stop string ended it: one that occurs where the text was cut
+        assert (matched[0] is None) if first < 0 else text.startswith(matched[0], first), (text, stops, matched)

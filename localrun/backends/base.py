@@ -86,6 +86,7 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
 
 
 @dataclass

@@ -458,6 +458,7 @@ class LlamaCppBackend:
             Chunk(
                 text=tail,
                 finish_reason=finish,
+                stop_sequence=stops.matched,
                 usage=Usage(
                     prompt_tokens=len(tokens),
                     completion_tokens=n_out,

@@ -161,7 +161,7 @@ class NativeBackend:
                                   eval_seconds=d.usage["eval_seconds"])
                 yield Chunk(text=d.text, token_ids=list(d.token_ids),
                             logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
-                            finish_reason=d.finish_reason, usage=usage)
+                            finish_reason=d.finish_reason, usage=usage, stop_sequence=d.stop_sequence)
         finally:
             await stream.aclose()  # no-op when finished; aborts (and frees KV) otherwise
 

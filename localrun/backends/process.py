@@ -291,7 +291,7 @@ class RemoteBackend:
 def _merge(a: Chunk, b: Chunk) -> Chunk:
     lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
     return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
-                 finish_reason=b.finish_reason, usage=b.usage)
+                 finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence)
 
 
 def _runner_env() -> dict[str, str]:

@@ -84,13 +84,15 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["f"] = c.finish_reason
     if c.usage is not None:
         d["u"] = dict(c.usage.__dict__)
+    if c.stop_sequence is not None:
+        d["s"] = c.stop_sequence
     return d
 
 
 def chunk_from_wire(d: dict) -> Chunk:
     lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
     return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
-                 usage=Usage(**d["u"]) if "u" in d else None)
+                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"))
 
 
 # -- load spec and info -----------------------------------------------------------------------

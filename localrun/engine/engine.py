@@ -50,6 +50,7 @@ class StreamDelta:
     logprobs: list | None = None
     usage: dict | None = None  # on the last delta: prompt/completion/cached tokens and timings
     error: str | None = None
+    stop_sequence: str | None = None  # on the last delta: the stop string that ended the request
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Request:
     finish_time: float | None = None
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet streamed
     pending_lp: list = field(default_factory=list)
+    stop_sequence: str | None = None  # the stop string that ended it
 
 
 class RequestStream:
@@ -270,10 +272,11 @@ class LLMEngine:
     def _cut_stop(req: _Request) -> str | None:
         stops = req.seq.params.stop
         start = max(0, req.sent - max(len(s) for s in stops))
-        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
+        hits = [(i, s) for i, s in ((req.text.find(s, start), s) for s in stops) if i >= 0]
         if not hits:
             return None
-        req.text = req.text[: min(hits)]
+        cut, req.stop_sequence = min(hits, key=lambda h: h[0])
+        req.text = req.text[:cut]
         return "stop"
 
     def _emit(self, req: _Request, upto: int, finish: str | None = None, usage: dict | None = None) -> None:
@@ -281,7 +284,8 @@ class LLMEngine:
         if not (text or req.pending_ids or finish):
             return
         req.sent = max(req.sent, upto)
-        delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage)
+        delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage,
+                            stop_sequence=req.stop_sequence if finish else None)
         req.pending_ids, req.pending_lp = [], []
         try:
             req.stream._push(delta)

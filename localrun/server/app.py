@@ -245,12 +245,14 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
 
         return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
 
+    from localrun.server.routes_anthropic import router as anthropic_router
     from localrun.server.routes_ollama import router as ollama_router
     from localrun.server.routes_openai import router as openai_router
     from localrun.server.routes_responses import router as responses_router
 
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(anthropic_router)
     app.include_router(ollama_router)
 
     app.add_middleware(ErrorMiddleware)  # innermost of ours: a bug is a shaped 500, the connection lives on

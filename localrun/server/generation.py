@@ -33,7 +33,7 @@ from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, To
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server.manager import DEFAULT, Lease, ModelManager
-from localrun.server.output import OutputParser, reasoning_for
+from localrun.server.output import OutputParser, Reasoning, reasoning_for
 
 
 @dataclass
@@ -76,6 +76,7 @@ class Done:
     index: int
     finish_reason: str  # "stop" | "length" | "tool_calls" | "abort"
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it, when one did
 
 
 Event = Delta | ToolCalls | Done
@@ -90,6 +91,7 @@ class Choice:
     reasoning: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str = "stop"
+    stop_sequence: str | None = None
     usage: Usage = field(default_factory=Usage)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -193,7 +195,7 @@ class Generation:
                             reason = "tool_calls" if calls else chunk.finish_reason
                             if metrics is not None:
                                 metrics.finished(self, usage, reason)
-                            yield Done(i, reason, usage)
+                            yield Done(i, reason, usage, chunk.stop_sequence if reason == "stop" else None)
                             break
                 finally:
                     await stream.aclose()
@@ -222,7 +224,7 @@ class Generation:
             elif isinstance(ev, ToolCalls):
                 ch.tool_calls.extend(ev.calls)
             else:
-                ch.finish_reason, ch.usage = ev.finish_reason, ev.usage
+                ch.finish_reason, ch.usage, ch.stop_sequence = ev.finish_reason, ev.usage, ev.stop_sequence
         for ch, (content, reasoning) in zip(choices, parts):
             ch.content, ch.reasoning = "".join(content), "".join(reasoning)
         return choices
@@ -263,12 +265,7 @@ class GenerationService:
         on anything the request itself got wrong, before any response is sent."""
         self._admit()
         t0 = time.perf_counter()
-        prompt = await asyncio.to_thread(render_prompt, job)
-        template = job.template or job.resolved.template
-        reasoning = reasoning_for(template, prompt)
-        if job.think is True and reasoning is None:
-            raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
-                                 "<think> block); leave 'think' unset or false")
+        prompt, reasoning = await self._render(job)
         lease, release = await self._lease(job)
         gen = None
         try:
@@ -289,6 +286,18 @@ class GenerationService:
             raise
         return gen
 
+    async def count_tokens(self, job: Job) -> int:
+        """The length in tokens of the prompt `job` renders to, by its model's own template and
+        tokenizer; nothing is generated (the model is loaded, or kept, for its tokenizer)."""
+        self._admit()
+        prompt, _ = await self._render(job)
+        lease, release = await self._lease(job)
+        try:
+            self._check_length(prompt, lease)  # bounded work: a prompt that cannot fit is not tokenized
+            return len(await lease.backend.tokenize(prompt, add_special=job.add_special))
+        finally:
+            await release()
+
     async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
                     dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Embedding vectors (truncated to `dimensions`, then re-normalized, as OpenAI's
@@ -302,6 +311,16 @@ class GenerationService:
         if dimensions is not None:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens
+
+    @staticmethod
+    async def _render(job: Job) -> tuple[str, Reasoning | None]:
+        """The prompt, and how the model marks its thinking (None: it does not think)."""
+        prompt = await asyncio.to_thread(render_prompt, job)
+        reasoning = reasoning_for(job.template or job.resolved.template, prompt)
+        if job.think is True and reasoning is None:
+            raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
+                                 "<think> block); leave thinking unset or turn it off")
+        return prompt, reasoning
 
     async def _lease(self, job: Job) -> tuple[Lease, Callable[[], Awaitable[None]]]:
         cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive)

@@ -70,14 +70,14 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     return v
 
 
-def get_stop(value: Any) -> list[str]:
+def get_stop(value: Any, key: str = "stop") -> list[str]:
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest("'stop' must be a string or a list of strings")
+        raise InvalidRequest(f"'{key}' must be a string or a list of strings")
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in stops):
-        raise InvalidRequest(f"'stop' allows at most {MAX_STOP} strings of up to {MAX_STOP_LEN} characters")
+        raise InvalidRequest(f"'{key}' allows at most {MAX_STOP} strings of up to {MAX_STOP_LEN} characters")
     return [s for s in stops if s]
 
 
