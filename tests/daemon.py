@@ -35,7 +35,7 @@ class Daemon:
         self.log = home / "daemon.log"
         home.mkdir(parents=True, exist_ok=True)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
-        full_env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{self.port}", LOCALRUN_LOG_LEVEL="info",
+        full_env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{self.port}",
                         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
         self.proc = subprocess.Popen([sys.executable, "-m", "localrun.server"], env=full_env, cwd=str(home),
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)

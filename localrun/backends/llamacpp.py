@@ -347,6 +347,7 @@ class LlamaCppBackend:
                 if item.finish_reason is not None:
                     return
         finally:
+            log.debug("generate %s closed by its consumer", request.request_id)
             cancel.set()
             delivered.set()
 
@@ -452,6 +453,7 @@ class LlamaCppBackend:
                         delivered.wait(0.05)
         finally:
             gen.close()
+        log.debug("generation %s ended: %s after %d tokens", request.request_id, finish, n_out)
         t_end = time.perf_counter()
         t_first = t_first or t_end
         emit(

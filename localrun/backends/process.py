@@ -237,6 +237,7 @@ class RemoteBackend:
         finally:
             self._streams.pop(rid, None)
             if not finished:
+                log.debug("%s: aborting request %d in the runner", self.name, rid)
                 self._send({"op": "abort", "id": rid})
 
     def interrupt_all(self, exc: BaseException) -> None:

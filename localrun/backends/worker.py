@@ -90,6 +90,7 @@ class Runner:
                 self.tasks[rid] = asyncio.get_running_loop().create_task(self.generate(rid, msg["request"]))
             elif op == "abort":
                 task = self.tasks.get(rid)
+                log.debug("abort %s (%s)", rid, "running" if task is not None else "already done")
                 if task is not None:
                     task.cancel()
             elif op == "delivered":
