@@ -73,3 +73,65 @@ async def test_a_fatal_backend_error_ends_the_runner_with_a_clear_reason():
                 pass
     finally:
         remote.kill()
+
+
+class _Pipe:
+    """The runner's end of the channel, in process: messages in through a queue, out into a list."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.sent: list[dict] = []
+
+    async def recv(self) -> dict:
+        return await self.inbox.get()
+
+    def send(self, obj: dict) -> None:
+        self.sent.append(obj)
+
+    async def drain(self) -> None:
+        pass
+
+
+class _Endless:
+    """Generates until closed; says when it was closed."""
+
+    fatal = None
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def generate(self, request):
+        from localrun.backends.base import Chunk
+        try:
+            while True:
+                await asyncio.sleep(0.001)
+                yield Chunk(text="x", token_ids=[1])
+        finally:
+            self.closed.set()
+
+
+async def test_abort_arriving_with_delivered_stops_the_generation():
+    """The daemon's 'delivered' (first chunk handed on) and 'abort' (the client left) often arrive
+    in one read. The runner must stop generating then too (Python 3.11's wait_for swallowed that
+    cancel, and the abandoned answer ran to max_tokens in the background)."""
+    from localrun.backends.worker import Runner
+
+    pipe, backend = _Pipe(), _Endless()
+    serve = asyncio.ensure_future(Runner(pipe, backend).serve())
+    try:
+        req = wire.request_to_wire(GenerationRequest("go", SamplingOptions()))
+        pipe.inbox.put_nowait({"op": "generate", "id": 1, "request": req})
+        for _ in range(500):
+            if pipe.sent:
+                break
+            await asyncio.sleep(0.01)
+        assert pipe.sent and pipe.sent[0]["t"] == "chunk"
+        pipe.inbox.put_nowait({"op": "delivered", "id": 1})
+        pipe.inbox.put_nowait({"op": "abort", "id": 1})
+        await asyncio.wait_for(backend.closed.wait(), 2)
+        n = len(pipe.sent)
+        await asyncio.sleep(0.1)
+        assert len(pipe.sent) == n  # nothing more after the abort
+    finally:
+        pipe.inbox.put_nowait({"op": "close"})
+        await asyncio.wait_for(serve, 5)

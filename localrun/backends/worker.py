@@ -74,6 +74,10 @@ class Runner:
         self.chan, self.backend = chan, backend
         self.tasks: dict[int, asyncio.Task] = {}
         self.delivered: dict[int, asyncio.Event] = {}
+        # requests the daemon aborted: checked between chunks as well as cancelling the task,
+        # since Python 3.11's wait_for swallows a cancel that lands with the event it awaits
+        # (the daemon's 'delivered' and 'abort' often arrive in one read)
+        self.aborted: set[int] = set()
 
     def send(self, obj: dict) -> None:
         self.chan.send(obj)
@@ -92,6 +96,7 @@ class Runner:
                 task = self.tasks.get(rid)
                 log.debug("abort %s (%s)", rid, "running" if task is not None else "already done")
                 if task is not None:
+                    self.aborted.add(rid)
                     task.cancel()
             elif op == "delivered":
                 ev = self.delivered.get(rid)
@@ -109,6 +114,8 @@ class Runner:
         first = True
         try:
             async for chunk in gen:
+                if rid in self.aborted:
+                    break
                 self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
                 if chunk.finish_reason is not None:
                     break
@@ -118,6 +125,8 @@ class Runner:
                         await asyncio.wait_for(self.delivered[rid].wait(), FIRST_CHUNK_WAIT)
                     except asyncio.TimeoutError:
                         pass
+                    if rid in self.aborted:
+                        break
         except asyncio.CancelledError:
             pass  # aborted by the daemon: closing the generator below frees the backend's slot
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the daemon, typed
@@ -128,6 +137,7 @@ class Runner:
             await gen.aclose()
             self.tasks.pop(rid, None)
             self.delivered.pop(rid, None)
+            self.aborted.discard(rid)
         await self.check_fatal()
 
     async def call(self, rid: int, op: str, msg: dict) -> None:

@@ -110,6 +110,9 @@ class Generation:
         self.prompt_tokens = len(requests[0].prompt_token_ids or [])
         self.usage = Usage(prompt_tokens=self.prompt_tokens)
         self._first: tuple[AsyncIterator[Chunk], Chunk] | None = None
+        # backend streams not yet closed: release() closes them, so a consumer that vanished
+        # without closing its iterator (a cancelled response task) still aborts the work
+        self._open: list = []
         self._released = False
         self._started = False
         self.interrupted: BaseException | None = None  # set when the daemon ends this generation early
@@ -121,6 +124,7 @@ class Generation:
     async def _prime(self) -> None:
         """Start choice 0 and take its first chunk (errors raise here, before any response)."""
         stream = self.lease.backend.generate(self.requests[0])
+        self._open.append(stream)
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -134,9 +138,13 @@ class Generation:
         if not self._released:
             self._released = True
             self.service.active.discard(self)
-            if self._first is not None:
-                await self._first[0].aclose()
-                self._first = None
+            self._first = None
+            for stream in self._open:
+                try:
+                    await stream.aclose()  # the backend aborts whatever it was still generating
+                except RuntimeError:  # being iterated right now: that consumer closes it
+                    pass
+            self._open.clear()
             await self._release()
 
     async def events(self) -> AsyncIterator[Event]:
@@ -154,6 +162,7 @@ class Generation:
                     self._first = None
                 else:
                     stream, pending = self.lease.backend.generate(req), None
+                    self._open.append(stream)
                 parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
@@ -199,6 +208,8 @@ class Generation:
                             break
                 finally:
                     await stream.aclose()
+                    if stream in self._open:
+                        self._open.remove(stream)
         finally:
             await self.release()
 

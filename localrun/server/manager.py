@@ -298,11 +298,13 @@ class ModelManager:
         return True
 
     async def _wait_change(self, timeout: float) -> None:
-        ev = self._changed
+        # asyncio.wait, not wait_for: on Python 3.11 wait_for swallows a cancel (the client went
+        # away) that lands together with the event, and the request would go on waiting
+        waiter = asyncio.ensure_future(self._changed.wait())
         try:
-            await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait({waiter}, timeout=timeout)
+        finally:
+            waiter.cancel()
 
     async def _ensure(self, resolved: Any, num_ctx: int | None) -> tuple[Runner, bool]:
         key = resolved.name

@@ -79,13 +79,30 @@ async def json_body(request: Request) -> dict:
     return body
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Starlette leaves the body iterator suspended when the client goes away while a chunk is
+    being sent (the response task is cancelled outside the iterator); closing it here runs the
+    route's `finally`, so the backend's work is aborted now, not whenever the GC gets to it."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except RuntimeError:  # still being iterated: that frame closes it
+                    pass
+
+
 def sse_response(events: AsyncIterator[bytes], release: Callable[[], Awaitable[None]]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+    return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                              background=BackgroundTask(release))
 
 
 def ndjson_response(events: AsyncIterator[bytes], release: Callable[[], Awaitable[None]] | None = None) -> StreamingResponse:
-    return StreamingResponse(events, media_type="application/x-ndjson",
+    return ClosingStreamingResponse(events, media_type="application/x-ndjson",
                              background=BackgroundTask(release) if release else None)
 
 
