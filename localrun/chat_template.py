@@ -10,8 +10,9 @@ mutation of the objects we pass in), and its work is bounded:
   any value a template reads back (attribute, item) over the size cap is refused (so a
   string doubled with ``~`` in a loop stops at twice the cap); the output is streamed and
   capped as it grows;
-- time: a hard deadline, checked on every line of the template's code (a trace function on
-  the rendering thread), so nested loops end with a clear error, not a frozen daemon;
+- time: a hard deadline, checked on every line of Python run while rendering (a trace
+  function on the rendering thread: the template's code and the filters and globals it
+  calls), so nested loops or ``lipsum(10**9)`` end with a clear error, not a frozen daemon;
 - memory: the process's resident memory is sampled while rendering; growth past a budget
   stops the render.
 
@@ -102,9 +103,9 @@ class _Budget:
         self.tripped: str | None = None
 
     def trace(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename == "<template>":
-            return self.line
-        return None
+        # every frame, not only the template's own: filters and globals written in Python
+        # (lipsum, wordwrap, slice, ...) loop there, and the deadline must reach them too
+        return self.line if event == "call" else None
 
     def line(self, frame, event, arg):
         self.lines += 1

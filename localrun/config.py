@@ -44,29 +44,38 @@ _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+MAX_DURATION = 100 * 365 * 86400.0  # longer than this (a century) means forever; no date holds 1e300 s
+
+
+def _bounded(seconds: float) -> float | None:
+    if seconds != seconds:
+        raise ValueError("invalid duration NaN")
+    return None if seconds < 0 or seconds > MAX_DURATION else seconds
+
+
 def parse_duration(value: str | int | float | None, default: float | None = None) -> float | None:
     """Ollama-style keep_alive: '5m', '1h30m', '300', 300, '-1' (forever -> None), '0'.
 
-    Returns seconds as a float, or None for "forever". Raises ValueError on junk.
+    Returns seconds as a float, or None for "forever" (negative, or over a century).
+    Raises ValueError on junk and NaN.
     """
     if value is None:
         return default
     if isinstance(value, bool):
         raise ValueError(f"invalid duration {value!r}")
+    if isinstance(value, int) and abs(value) > MAX_DURATION:  # float() of a 400-digit int overflows
+        return None
     if isinstance(value, (int, float)):
-        return None if value < 0 else float(value)
+        return _bounded(float(value))
     text = str(value).strip()
     if not text:
         return default
     m = _DURATION_RE.match(text)
     if m:
-        num = float(m.group(1))
-        if num < 0:
-            return None
-        return num * _UNIT_SECONDS[m.group(2) or "s"]
+        return _bounded(float(m.group(1)) * _UNIT_SECONDS[m.group(2) or "s"])
     parts = _DURATION_PART_RE.findall(text)
     if parts and "".join(n + u for n, u in parts) == text.replace(" ", ""):
-        return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        return _bounded(sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
     raise ValueError(f"invalid duration {value!r}: use e.g. '5m', '1h', '300' (seconds), '-1' (forever) or '0'")
 
 

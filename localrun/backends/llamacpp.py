@@ -395,7 +395,13 @@ class LlamaCppBackend:
             raise InvalidRequest("the prompt is empty")
         if len(tokens) >= n_ctx:
             raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {n_ctx} tokens")
-        cached = min(_common_prefix(llm, tokens), len(tokens) - 1)
+        # Reuse the slot's cached prefix, but re-evaluate at least the prompt's last two tokens:
+        # llama.cpp computes a lone token (a batch of one) with other kernels than a longer batch,
+        # so a fully cached prompt re-evaluated from its last token alone got different logits, and
+        # greedy answers that depended on what the slot had run before. Batches of two or more
+        # agree with a fresh evaluation exactly. llama-cpp-python reuses what n_tokens leaves it.
+        cached = max(0, min(_common_prefix(llm, tokens), len(tokens) - 2))
+        llm.n_tokens = min(llm.n_tokens, cached)
         grammar = None
         if o.json_schema is not None or o.json_mode:
             grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)

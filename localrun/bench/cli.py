@@ -6,6 +6,7 @@
     localrun bench prefix --model PATH | --random-weights --shape NAME
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
+    localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -139,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-prompts", type=_positive_int, default=1000)
     m.add_argument("--dataset", type=Path)
     m.add_argument("--output", "-o", type=Path, required=True, help="JSONL file to write (.gz compresses)")
+
+    from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
+
+    add_soak_parser(sub, _add_common)
     return p
 
 
@@ -300,8 +305,14 @@ def _debug() -> bool:
         return False
 
 
+def _cmd_soak(a: argparse.Namespace) -> int:
+    from localrun.bench.soak import command
+
+    return command(a, _finish, _console)
+
+
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
-            "startup": _cmd_startup, "sample": _cmd_sample}
+            "startup": _cmd_startup, "sample": _cmd_sample, "soak": _cmd_soak}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -66,12 +67,28 @@ class State:
 MAX_JSON_DEPTH = 64
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _parse(raw: bytes) -> Any:
+    body = json.loads(raw)
+    # JSON can escape a lone UTF-16 surrogate ("\ud800") that no UTF-8 text holds: every later
+    # encode (a tokenizer, a Modelfile, a log line) would fail. Pairs decode to one code point.
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                                 "without its pair), which is not Unicode text") from None
+    return body
+
+
 async def json_body(request: Request) -> dict:
     raw = await request.body()
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:  # a big body is parsed off the event loop (a 32 MiB JSON takes a noticeable while)
-        body = json.loads(raw) if len(raw) < 256 * 1024 else await asyncio.to_thread(json.loads, raw)
+        body = _parse(raw) if len(raw) < 256 * 1024 else await asyncio.to_thread(_parse, raw)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {str(exc)[:120]}") from None
     if not isinstance(body, dict):
