@@ -23,14 +23,18 @@ Both the daemon and the native engine render through :func:`render_chat`.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import Environment, TemplateError
+from jinja2.nodes import EvalContext
+from jinja2.runtime import Context
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -55,8 +59,93 @@ class TemplateRenderError(InvalidRequest):
     """The template is malformed or tried something the sandbox forbids."""
 
 
+# a printf width or precision (%1000000000s, %.*f) or a str.format one ({:>1000000000}) that would
+# build a string over the size limit in one C call, before any budget check could run
+_PRINTF_WIDE = re.compile(r"%[-#0 +]*(?:\d{8,}|\*)|%[-#0 +]*\d*\.(?:\d{8,}|\*)")
+_FORMAT_WIDE = re.compile(r"\{[^{}]*:[^{}]*\d{8,}[^{}]*\}|\{[^{}]*:[^{}]*\{")
+_PADDING_METHODS = frozenset(["ljust", "rjust", "center", "zfill", "expandtabs"])
+
+
+def _too_big() -> SecurityError:
+    return SecurityError(f"the template builds a value over {MAX_OUTPUT_CHARS} characters")
+
+
+def _check_ints(args: tuple, kwargs: dict) -> None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_OUTPUT_CHARS:
+            raise _too_big()
+
+
+def _check_replace(s: Any, old: Any, new: Any) -> None:
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        hits = len(s) + 1 if not old else s.count(old)
+        if len(s) + hits * (len(new) - len(old)) > MAX_OUTPUT_CHARS:
+            raise _too_big()
+
+
+def _check_format(fmt: Any, printf: bool, args: Any = ()) -> None:
+    """A format whose result could be over the limit: a huge width, or (fields x longest string
+    argument) over it, as in ('{0}' * 1000).format(s) or ('%s' * 1000) % ((s,) * 1000)."""
+    if not isinstance(fmt, str):
+        return
+    if (_PRINTF_WIDE if printf else _FORMAT_WIDE).search(fmt):
+        raise SecurityError("the template formats with a width or precision that is too large")
+    values = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, (list, tuple)) else [args]
+    lens = [len(v) for v in values if isinstance(v, str)]
+    if lens:
+        fields = fmt.count("%") if printf else fmt.count("{")
+        grow = sum(lens) if printf else fields * max(lens)
+        if len(fmt) + min(grow, fields * max(lens)) > MAX_OUTPUT_CHARS:
+            raise _too_big()
+
+
+def _check_join(sep: Any, items: Any) -> None:
+    if isinstance(sep, str) and isinstance(items, (list, tuple)):
+        if len(sep) * len(items) + sum(len(x) for x in items if isinstance(x, str)) > MAX_OUTPUT_CHARS:
+            raise _too_big()
+
+
+def _guard_filter(name: str, f: Any) -> Any:
+    """A built-in filter with its size arguments checked first (center(10**9), indent(10**9),
+    format('%1000000000s'), replace with a long `new`) and its result checked after."""
+
+    @functools.wraps(f)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _check_ints(args, kwargs)
+        plain = [a for a in args if not isinstance(a, (Context, Environment, EvalContext))]
+        if name == "format" and plain:
+            _check_format(plain[0], True, tuple(plain[1:]) or kwargs)
+        elif name == "join" and plain:
+            _check_join(plain[1] if len(plain) > 1 else kwargs.get("d", ""), plain[0])
+        elif name == "replace" and len(plain) >= 3:
+            _check_replace(plain[0], plain[1], plain[2])
+        return _sized(f(*args, **kwargs))
+
+    return guarded
+
+
 class _Env(ImmutableSandboxedEnvironment):
-    intercepted_binops = frozenset(["*", "+", "**"])
+    intercepted_binops = frozenset(["*", "+", "**", "%"])
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's signature
+        inner = getattr(__obj, "__wrapped__", __obj)  # the sandbox hands out str.format wrapped
+        target = getattr(inner, "__self__", None)
+        name = getattr(inner, "__name__", "")
+        if isinstance(target, str):
+            if name in _PADDING_METHODS:
+                _check_ints(args, kwargs)
+                if name == "expandtabs" and args and isinstance(args[0], int):
+                    if target.count("\t") * args[0] + len(target) > MAX_OUTPUT_CHARS:
+                        raise _too_big()
+            elif name == "replace" and len(args) >= 2:
+                _check_replace(target, args[0], args[1])
+            elif name == "format":
+                _check_format(target, False, (*args, *kwargs.values()))
+            elif name == "format_map":
+                _check_format(target, False, args[0] if args else ())
+            elif name == "join" and args:
+                _check_join(target, args[0])
+        return _sized(super().call(__context, __obj, *args, **kwargs))
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if operator == "**":
@@ -71,7 +160,9 @@ class _Env(ImmutableSandboxedEnvironment):
                 raise SecurityError("the template computes a number that is too large")
         elif operator == "+" and _is_seq(left) and _is_seq(right) and len(left) + len(right) > MAX_OUTPUT_CHARS:
             raise SecurityError(f"the template builds a value over {MAX_OUTPUT_CHARS} items")
-        return super().call_binop(context, operator, left, right)
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left, True, right)
+        return _sized(super().call_binop(context, operator, left, right))
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         return _sized(super().getattr(obj, attribute))
@@ -141,6 +232,8 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
+    if isinstance(indent, int) and indent > 64:
+        raise SecurityError("tojson's indent is too large (64 at most)")
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
@@ -152,6 +245,7 @@ def _strftime_now(fmt: str) -> str:
 def _env() -> _Env:
     env = _Env(trim_blocks=True, lstrip_blocks=True, autoescape=False, keep_trailing_newline=True)
     env.filters["tojson"] = _tojson
+    env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

@@ -263,3 +263,41 @@ def _read_response(s: socket.socket) -> tuple[int, dict]:
     while len(rest) < length:
         rest += s.recv(65536)
     return status, json.loads(rest[:length])
+
+
+BIG_IN_ONE_CALL = [  # each would allocate 1 GB or more in a single C call, before any budget check
+    "{{ 'x'.ljust(10**9) }}", "{{ 'x'|center(10**9) }}", "{{ 'a\nb'|indent(10**9) }}", "{{ 'x'.zfill(10**9) }}",
+    "{{ '%1000000000s'|format('x') }}", "{{ '%1000000000s' % 'x' }}", "{{ '%*s' % (10**9, 'x') }}",
+    "{{ '{:>1000000000}'.format('x') }}", "{{ '{:>{w}}'.format('x', w=10**9) }}", "{{ messages|tojson(indent=10**9) }}",
+    "{{ ('\t' * 1000).expandtabs(100000) }}", "{{ ('a' * 4000)|replace('a', 'b' * 1000000) }}",
+    "{{ ('a' * 1000000).replace('a', 'bbbbbbbbbb') }}", "{{ (['x'] * 4000)|join('y' * 4000000) }}",
+    "{{ ('y' * 4000000).join(['x'] * 4000) }}", "{{ ('{0}' * 1000).format('x' * 4000000) }}",
+    "{{ ('%s' * 1000) % (('x' * 4000000,) * 1000) }}"]
+
+
+@pytest.mark.parametrize("template", BIG_IN_ONE_CALL)
+def test_template_size_is_checked_before_the_call(template):
+    """Found by the HTTP property tests: str methods, filters and formats that pad, repeat or join
+    are refused from their arguments (in a blink), not after the allocation."""
+    import tracemalloc
+
+    from localrun.chat_template import TemplateRenderError, render_chat
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(TemplateRenderError, match="too large|over 4000000"):
+            render_chat(template, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_ordinary_formatting_still_renders():
+    from localrun.chat_template import render_chat
+
+    t = ("{{ '%s and %s'|format('a', 'b') }} {{ '%(x)s' % {'x': 'y'} }} {{ ', '.join(['a', 'b']) }} "
+         "{{ ['a', 'b']|join(', ') }} {{ '{0}-{1:>3}'.format('a', 'b') }} {{ '%d%%' % 5 }} {{ 'ab'.center(6) }}"
+         "{{ messages[0].content|indent(2) }}{{ messages|tojson(indent=2)|length > 0 }}")
+    out = render_chat(t, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert out == "a and b y a, b a, b a-  b 5%   ab  hiTrue"
