@@ -297,6 +297,22 @@ def test_overlap_and_padded_decode_give_the_serial_outputs(tiny_model):
         assert s["kv_pages_free"] == s["kv_pages_total"] and s["running"] == s["waiting"] == 0
 
 
+def test_separate_host_and_device_buffers_give_the_same_outputs(tiny_model, monkeypatch):
+    """The CUDA layout (step buffers uploaded by copy, page-table entries flushed by scatter),
+    run on CPU: the same tokens as the shared-memory layout."""
+    import functools
+
+    from localrun.engine import runner as runner_mod
+
+    prompts, params = _workload(TINY.vocab_size, n=8, seed=4)
+    want = _engine(tiny_model, overlap=True, cuda_graphs=True).generate(prompts, params)
+    monkeypatch.setattr(runner_mod, "PageTable", functools.partial(PageTable, separate=True))
+    monkeypatch.setattr(runner_mod, "StepBuffers", functools.partial(StepBuffers, separate=True))
+    eng = _engine(tiny_model, overlap=True, cuda_graphs=True)
+    assert eng.runner.table.separate and eng.runner.buffers.separate
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in want]
+
+
 async def test_online_overlap_streams_and_aborts(tiny_model):
     eng = _engine(tiny_model, overlap=True, cuda_graphs=True)
     prompts, params = _workload(TINY.vocab_size, n=4, seed=2)
