@@ -73,6 +73,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=_positive_int, default=None)
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads for torch (torch.set_num_threads; default: torch's choice)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
+    g.add_argument("--no-overlap", action="store_true", help="serial steps (default on CUDA: overlap scheduling)")
 
 
 def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -81,6 +83,7 @@ def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
         "device": a.device, "dtype": a.dtype, "gpu_memory_fraction": a.gpu_memory_fraction, "kv_memory_bytes": kv,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": a.max_model_len, "page_size": a.page_size,
+        "cuda_graphs": False if a.no_cuda_graphs else None, "overlap": False if a.no_overlap else None,
     }
 
 
