@@ -8,6 +8,8 @@ weighting each by exp(lse_split - lse_max). Splitting the KV range keeps every S
 small batch sizes, where one program per (sequence, head) would leave most of the GPU idle.
 
 Same math as reference.paged_decode_attention_ref; logits are handled in base 2 (exp2).
+The split count is a runtime value (not a compile-time constant), so one compiled kernel
+serves every batch size.
 """
 
 from __future__ import annotations
@@ -24,24 +26,24 @@ from ._common import check_cache, dot_precision, inner_contiguous, interpreting,
 MAX_KV_SPLITS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, MidO, MidLse,
-    scale_log2,
+    scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -72,18 +74,18 @@ def _decode_split_kernel(
     tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    MidO, MidLse, O,
+    MidO, MidLse, O, num_splits,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
@@ -110,7 +112,12 @@ def default_num_kv_splits(batch: int, num_kv_heads: int, device_tensor: torch.Te
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_kv_splits: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D]."""
+    """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D].
+
+    The split count is a runtime argument and the partial-result buffers always have
+    MAX_KV_SPLITS slots, so every batch size and split count runs the same compiled kernels
+    (no JIT after the first call, and a CUDA graph may capture any batch size).
+    """
     check_cache(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_dim = k_cache.shape
@@ -122,29 +129,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = inner_contiguous(q)
     group = num_q_heads // num_kv_heads
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q)
-    mid_o = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    if not 1 <= splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
+    mid_o = torch.empty((batch, num_q_heads, MAX_KV_SPLITS, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_q_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     block_d = max(16, next_pow2(head_dim))
     block_n = 16 if interpreting() else 32  # SGLang's grouped decode tile
 
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), splits,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
-        BLOCK_N=block_n, PAGE_SIZE=page_size, NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=next_pow2(splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(MAX_KV_SPLITS),
         num_warps=4 if block_d >= 128 else 2,
     )
     return out

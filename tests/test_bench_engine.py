@@ -119,7 +119,8 @@ def test_startup_engine_cold_start(capsys):
                     "--runs", "1", "--no-save", "--threads", "1"], capsys)
     (run,) = res["runs"]
     assert 0 < run["import_s"] < run["first_token_s"] <= run["process_exit_s"]
-    assert run["load_s"] > 0
+    assert run["load_s"] > 0 and run["engine_weights_s"] > 0
+    assert run["triton_cache"] == "cold" and res["first_run_cold_s"] == run["first_token_s"]
     assert res["first_token_s_min"] == res["first_token_s_max"] == run["first_token_s"]
 
 

@@ -33,6 +33,18 @@ def test_build_prompt_is_exactly_n_tokens(smollm2_gguf):
             assert len(tok.encode(p, add_special_tokens=False)) == n
 
 
+def test_every_request_gets_a_prompt_of_its_own(smollm2_gguf):
+    from localrun.bench.serve import PromptSource
+
+    tok = load_hf_tokenizer(smollm2_gguf)
+    src = PromptSource(64, tok)
+    prompts = [src.next() for _ in range(300)]  # more than the old cycled pool of 4 x concurrency
+    assert len(set(prompts)) == 300 and src.issued == 300
+    # no two share a whole page (16 tokens) of prefix a cache could reuse
+    heads = {tuple(tok.encode(p, add_special_tokens=False)[:16]) for p in prompts}
+    assert len(heads) == 300
+
+
 def test_bench_serve_ladder(daemon, smollm2_gguf, tmp_path, capsys):
     out = tmp_path / "r.jsonl"
     window = 6.0
@@ -62,6 +74,7 @@ def test_bench_serve_ladder(daemon, smollm2_gguf, tmp_path, capsys):
             assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p95"]
         if lv["itl_samples"]:
             assert 0 <= lv["itl_ms_p50"] <= lv["itl_ms_p95"]
+    assert res["unique_prompts"] == 1 + sum(lv["requests_sent"] for lv in levels)  # the probe, then one each
     saved = json.loads(out.read_text().splitlines()[0])
     assert saved["mode"] == "serve" and saved["env"]["git_commit"]
 

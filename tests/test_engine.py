@@ -116,6 +116,19 @@ def test_tiny_pool_preempts_with_identical_outputs(engine, prompts, batched):
     assert small.stats()["kv_pages_free"] == 10
 
 
+def test_overlap_loop_and_padded_decode_match_the_serial_loop(engine, prompts, batched):
+    """The GPU defaults (overlap scheduling, decode padded to graph sizes) on the real model:
+    the same tokens and text as the serial loop, stop strings cut the same way."""
+    cfg = EngineConfig(device="cpu", dtype="float32", max_model_len=1024, overlap=True, cuda_graphs=True)
+    fast = LLMEngine(engine.model, engine.model_config, cfg, engine.tokenizer)  # shares the weights
+    outs = fast.generate(prompts, GREEDY)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == \
+           [(o.token_ids, o.text, o.finish_reason) for o in batched]
+    stop = SamplingParams(temperature=0, max_tokens=6, stop=["aris"])
+    cut, want = fast.generate([prompts[0]], stop)[0], engine.generate([prompts[0]], stop)[0]
+    assert (cut.text, cut.finish_reason, cut.token_ids) == (" P", "stop", want.token_ids)
+
+
 def test_stop_strings_and_max_tokens(engine, prompts):
     full = engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=6))[0]
     assert full.text.startswith(" Paris")

@@ -10,7 +10,7 @@ import torch
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.radix_cache import RadixCache
-from localrun.engine.sampler import _filter, sample
+from localrun.engine.sampler import SamplingBatch, filtered_probs, sample
 from localrun.engine.shapes import SHAPES
 
 transformers = pytest.importorskip("transformers")
@@ -118,6 +118,19 @@ def test_pool_alloc_refcounts():
         pool.alloc(5)
 
 
+def _draw(logits, params, history=None):
+    """One batched sampler call; histories are prompt tokens (penalties look at them)."""
+    n = logits.shape[0]
+    hist = history or [[]] * n
+    b = SamplingBatch.build(params, hist, [len(h) for h in hist], [0] * n, [False] * n, logits.shape[1], "cpu")
+    return sample(logits, b).to_host(b)
+
+
+def _filter(logits, p):
+    b = SamplingBatch.build([p], [[]], [0], [0], [False], logits.shape[-1], "cpu")
+    return filtered_probs(logits[None], b)[0]
+
+
 def test_sampler_filters_and_penalties():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     probs = _filter(logits, SamplingParams(temperature=1.0, top_k=2))
@@ -128,11 +141,13 @@ def test_sampler_filters_and_penalties():
     assert (probs > 0).tolist() == [True, True, False, False]
     row = torch.tensor([[2.0, -2.0, 1.0, 0.0]])
     rep = SamplingParams(temperature=0, repetition_penalty=4.0)
-    assert sample(row.clone(), [rep], [[0]], [[]], [None])[0] == [2]  # 2.0/4 < 1.0
+    assert _draw(row.clone(), [rep], [[0]])[0] == [2]  # 2.0/4 < 1.0
     pres = SamplingParams(temperature=0, presence_penalty=5.0)
-    assert sample(row.clone(), [pres], [[]], [[0, 2]], [None])[0] == [3]
-    assert sample(row.clone(), [SamplingParams(temperature=0)], [[]], [[]], [None])[0] == [0]
-    tok, lp = sample(row.clone(), [SamplingParams(temperature=0, logprobs=2)], [[]], [[]], [None])
+    assert _draw(row.clone(), [pres], [[7, 0, 2]])[0] == [0]  # the prompt does not count ...
+    b = SamplingBatch.build([pres], [[0, 2]], [0], [2], [False], 4, "cpu")  # ... the output does
+    assert sample(row.clone(), b).to_host(b)[0] == [3]
+    assert _draw(row.clone(), [SamplingParams(temperature=0)])[0] == [0]
+    tok, lp = _draw(row.clone(), [SamplingParams(temperature=0, logprobs=2)])
     assert lp[0][0] == pytest.approx(torch.log_softmax(row[0], -1)[0].item()) and [i for i, _ in lp[0][1]] == [0, 2]
 
 
@@ -152,8 +167,7 @@ def test_bad_params_and_prompts_are_rejected():
 
 
 def test_grouped_decode_matches_padded_reference():
-    from localrun.engine.attention import Ops
-    from localrun.kernels import paged_decode_attention
+    from localrun.kernels import paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(64, 4, 2, 8, generator=g), torch.randn(64, 4, 2, 8, generator=g)
@@ -161,8 +175,8 @@ def test_grouped_decode_matches_padded_reference():
     table = torch.randperm(64, generator=g)[:60].repeat(4)[:200].view(20, 10).to(torch.int32)
     q = torch.randn(20, 4, 8, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = paged_decode_attention(q, kc, vc, table, seq_lens, 0.3)
-    assert torch.allclose(Ops()._decode(q, kc, vc, table, seq_lens, 0.3, lens), ref, atol=1e-5)
+    ref = paged_decode_attention_ref(q, kc, vc, table, seq_lens, 0.3)
+    assert torch.allclose(paged_decode_attention_ref(q, kc, vc, table, seq_lens, 0.3, lens=lens), ref, atol=1e-5)
     # and the padded reference itself equals attention over each sequence's gathered tokens
     for b in (0, 7, 19):
         k = kc[table[b].long()].reshape(-1, 2, 8)[: lens[b]].repeat_interleave(2, 1)

@@ -246,12 +246,13 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
     meta = _compile_for_gpu(
         decode_attention._decode_split_kernel, h100,
         {"Q": bf, "K": bf, "V": bf, "PageTable": "*i32", "SeqLens": "*i32", "MidO": "*fp32", "MidLse": "*fp32",
-         "scale_log2": "fp32"},
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, NUM_SPLITS=8,
-             PRECISION="tf32"), num_warps=4, num_stages=2)
+         "scale_log2": "fp32", "num_splits": "i32"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32"),
+        num_warps=4, num_stages=2)
     assert meta.shared > 0
-    _compile_for_gpu(decode_attention._decode_merge_kernel, h100, {"MidO": "*fp32", "MidLse": "*fp32", "O": bf},
-                     dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=8, BLOCK_S=8), num_warps=4)
+    _compile_for_gpu(decode_attention._decode_merge_kernel, h100,
+                     {"MidO": "*fp32", "MidLse": "*fp32", "O": bf, "num_splits": "i32"},
+                     dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=decode_attention.MAX_KV_SPLITS), num_warps=4)
     for capability, shared_limit in ((h100, 227 * 1024), ((8, 9), 99 * 1024)):
         block_m, block_n, warps, stages = extend_attn._default_config(capability, 128)
         meta = _compile_for_gpu(
@@ -273,6 +274,18 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                           BLOCK_HALF=64, BLOCK_PASS=0), num_warps=4)
     _compile_for_gpu(activation._silu_and_mul_kernel, h100, {"X": bf, "Out": bf}, dict(INTER=14336, BLOCK=1024),
                      num_warps=4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+def test_decode_split_count_is_a_runtime_argument():
+    """No kernel variant per batch size: the split count is neither a constexpr nor specialised
+    (Triton would otherwise compile again for 1 and for multiples of 16), and the partial-result
+    buffers have a fixed split dimension (their strides never change)."""
+    from localrun.kernels import decode_attention
+
+    for kernel in (decode_attention._decode_split_kernel, decode_attention._decode_merge_kernel):
+        assert [p.name for p in kernel.params if p.do_not_specialize] == ["num_splits"]
+        assert "NUM_SPLITS" not in kernel.arg_names
 
 
 needs_triton_here = pytest.mark.skipif(
@@ -394,6 +407,20 @@ def test_gpu_decode_llama8b_shape(batch_size):
     oracle = K.paged_decode_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table,
                                           batch.seq_lens, HD ** -0.5)
     assert_close(out, oracle, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+def test_gpu_decode_compiles_once_for_every_batch_size():
+    from localrun.kernels import decode_attention
+
+    kernel = decode_attention._decode_split_kernel
+    for batch_size in (1, 2, 3, 8, 17, 64, 256):  # split counts 16 .. 1
+        batch = make_paged_batch([5] * batch_size, HKV, HD, 16, BF16, "cuda", write=K.store_kv)
+        q = torch.randn(batch_size, HQ, HD, dtype=BF16, device="cuda")
+        K.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, HD ** -0.5)
+    torch.cuda.synchronize()
+    assert sum(len(c[0]) for c in kernel.device_caches.values()) == 1
 
 
 @pytest.mark.gpu

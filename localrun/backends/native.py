@@ -29,12 +29,12 @@ from localrun.backends.base import (
     Usage,
 )
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-from localrun.engine.config import ModelConfig, parse_dtype
+from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, parse_dtype
 from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
 
 log = logging.getLogger("localrun.native")
 
-MAX_BATCH = 64  # sequences one engine batches (the daemon's slots for this model)
+MAX_BATCH = 64  # sequences one engine batches on CPU (the daemon's slots for this model; CUDA: the engine's default)
 
 
 def _model_config(spec: LoadSpec) -> ModelConfig:
@@ -192,7 +192,7 @@ def load(spec: LoadSpec) -> NativeBackend:
     device, dtype = _device_dtype(spec)
     cfg = EngineConfig(
         dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
-        max_num_seqs=max(spec.num_parallel, MAX_BATCH),
+        max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
         kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec),
     )
     if device == "cuda":
@@ -206,5 +206,6 @@ def load(spec: LoadSpec) -> NativeBackend:
         raise InsufficientMemory(f"{spec.name} does not fit: {exc}") from None
     except (ValueError, KeyError) as exc:
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None
-    log.info("native engine loaded %s in %.1fs on %s (%s)", spec.name, time.perf_counter() - t0, device, dtype)
+    log.info("native engine loaded %s in %.1fs on %s (%s): %s", spec.name, time.perf_counter() - t0, device, dtype,
+             ", ".join(f"{k} {v:.2f}" for k, v in engine.timings.items()))
     return NativeBackend(spec, engine, device)

@@ -3,8 +3,12 @@
 ``auto``: localrun's native engine on NVIDIA GPUs of compute capability 8.0 or newer
 (when ``localrun.backends.native`` imports), else llama.cpp (Metal on Apple silicon,
 partial CUDA offload on consumer GPUs, CPU threads otherwise). Safetensors models need
-the native engine (llama.cpp runs GGUF only). The reason is a sentence users see in
-``localrun ps`` / ``/api/ps`` and in the log.
+the native engine (llama.cpp runs GGUF only). A quantized GGUF (Q4_K_M, Q8_0, ...) is an
+exception on such a GPU: the native engine would dequantize it to bfloat16 (an 8B Q4_K_M
+file of 4.9 GB becomes ~16 GB), so it goes to llama.cpp when that would not fit the GPU's
+free memory, or when llama.cpp's build can offload to the GPU (it then decodes from the
+quantized weights, ~3x fewer bytes per token than bfloat16). The reason is a sentence
+users see in ``localrun ps`` / ``/api/ps`` and in the log.
 """
 
 from __future__ import annotations
@@ -37,6 +41,37 @@ class GPU:
 class Choice:
     backend: str  # "llamacpp" | "native"
     reason: str
+
+
+UNQUANTIZED = {"F32", "F16", "BF16"}  # GGUF file types the native engine loads without growing them
+NATIVE_HEADROOM_BYTES = 2 << 30  # beyond the weights: a KV cache and activations worth having
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _quantized_gguf_choice(gpu: GPU, info, llamacpp_gpu: bool | None) -> Choice | None:
+    """llama.cpp for a quantized GGUF that bfloat16 would not fit, or that llama.cpp's GPU build
+    decodes faster; None: the native engine is fine (unquantized, or unknown)."""
+    file_type = str(getattr(info, "file_type", "") or "").upper()
+    params = int(getattr(info, "parameter_count", 0) or 0)
+    if not file_type or file_type in UNQUANTIZED or file_type == "UNKNOWN" or not params:
+        return None
+    size = int(getattr(info, "tensor_bytes", 0) or 0)
+    bf16 = 2 * params
+    what = f"a {file_type} GGUF ({_gib(size)}) would be {_gib(bf16)} as bfloat16 on the native engine"
+    if bf16 + NATIVE_HEADROOM_BYTES > gpu.free_bytes:
+        return Choice("llamacpp", f"llama.cpp: {what}, more than CUDA GPU {gpu.name} has free "
+                                  f"({_gib(gpu.free_bytes)})")
+    if llamacpp_gpu is None:
+        from localrun.backends.llamacpp import gpu_offload_supported
+
+        llamacpp_gpu = gpu_offload_supported()
+    if llamacpp_gpu:
+        return Choice("llamacpp", f"llama.cpp on CUDA GPU {gpu.name}: {what}; llama.cpp decodes from the "
+                                  f"quantized weights ({bf16 / max(size, 1):.1f}x fewer bytes per token)")
+    return None
 
 
 def cuda_gpu() -> GPU | None:
@@ -91,8 +126,13 @@ def native_import_error() -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None) -> Choice:
-    """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`."""
+def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
+           llamacpp_gpu: bool | None = None) -> Choice:
+    """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
+
+    info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
+    tensor_bytes) of a GGUF model; without them a GGUF on a capable GPU goes to the native
+    engine. llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it)."""
     if setting == "native":
         err = native_import_error()
         if err:
@@ -113,6 +153,9 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None) -> Choice:
                                "install localrun[native] or import a GGUF instead")
         return Choice("native", "native engine: safetensors models run only on the native engine")
     if gpu is not None and gpu.capability >= (8, 0):
+        quantized = _quantized_gguf_choice(gpu, info, llamacpp_gpu) if info is not None else None
+        if quantized is not None:
+            return quantized
         err = native_import_error()
         if err is None:
             return Choice("native", f"native engine: CUDA GPU {gpu.name} has compute capability "

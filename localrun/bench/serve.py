@@ -13,6 +13,10 @@ times:
 - TTFT = first content chunk - request sent (requests whose first token arrived in the window)
 - ITL = gaps between consecutive content chunks of one request (both inside the window)
 
+Every request gets a prompt of its own (seeded by a counter that runs across all levels), so
+no request can reuse another's KV from a prefix cache: a cycled pool of prompts would let
+the cache inflate the high-concurrency levels.
+
 Requests ask for ``max_tokens`` = output length and ``ignore_eos`` (vLLM/SGLang/localrun
 accept it; a server that rejects the field is retried without it and the result says so).
 Prompts are built to be exactly ``input_len`` tokens long where a tokenizer is available
@@ -23,6 +27,7 @@ are reported either way.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
@@ -174,10 +179,23 @@ async def _probe(client: _Client, prompt: str, output_len: int) -> None:
         raise ServeBenchError(f"the server rejected a benchmark request: {tr.error}")
 
 
+class PromptSource:
+    """A distinct prompt for every request (never reused, within a level or across levels)."""
+
+    def __init__(self, input_len: int, tokenizer=None, first_seed: int = 0) -> None:
+        self.input_len, self.tokenizer = input_len, tokenizer
+        self._seeds = itertools.count(first_seed)
+        self.issued = 0
+
+    def next(self) -> str:
+        self.issued += 1
+        return build_prompt(self.input_len, next(self._seeds), self.tokenizer)
+
+
 async def run_level(
     client: _Client,
     concurrency: int,
-    prompts: list[str],
+    prompts: PromptSource,
     output_len: int,
     warmup_s: float,
     window_s: float,
@@ -188,14 +206,13 @@ async def run_level(
     start = time.perf_counter()
     t0 = start + warmup_s
     t1 = t0 + window_s
-    counter = iter(range(10**9))
 
     async def worker() -> None:
         while time.perf_counter() < t1:
             tr = RequestTrace(sent=time.perf_counter())
             live.append(tr)
             try:
-                await client.request(prompts[next(counter) % len(prompts)], output_len, tr)
+                await client.request(prompts.next(), output_len, tr)
             except httpx.HTTPError as exc:
                 tr.error = f"{exc.__class__.__name__}: {exc}"
             if tr.error:  # e.g. 503 queue full: back off instead of hammering
@@ -296,8 +313,8 @@ async def run_serve(
     try:
         if not client.model:
             client.model = await _resolve_model(client)
-        prompts = [build_prompt(input_len, seed, tokenizer) for seed in range(max(concurrencies) * 4)]
-        await _probe(client, prompts[-1], output_len)
+        prompts = PromptSource(input_len, tokenizer)
+        await _probe(client, prompts.next(), output_len)
         levels = []
         prog, update = progress_bar("bench serve", len(concurrencies) * 100, console)
         with prog:
@@ -316,6 +333,7 @@ async def run_serve(
             "output_len": output_len,
             "exact_input_len": tokenizer is not None,
             "ignore_eos_sent": client.ignore_eos,
+            "unique_prompts": prompts.issued,  # one per request, the probe included
             "levels": levels,
         }
     finally:

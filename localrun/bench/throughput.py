@@ -3,8 +3,9 @@
 Method (../shared/reference/benchmarks.md): ShareGPT prompts sampled as vLLM does, a
 warm-up of 20 prompts, then timed passes of ``engine.generate`` over all prompts with
 temperature 1.0, top_p 1.0, ignore_eos and max_tokens = the real completion length, so
-every engine produces the same token counts. Throughput = tokens / wall time of the
-generate call (model load excluded). ``--baseline transformers`` runs HF generate on the
+every engine produces the same token counts (a pass where any request's token count differs
+from what was asked fails the run). Throughput = tokens / wall time of the generate call
+(model load excluded). ``--baseline transformers`` runs HF generate on the
 same prompts in the same process afterwards (batched as vLLM's ``run_hf`` does).
 
 Imports only torch / transformers / rich / psutil (+ the engine): no server dependencies.
@@ -164,6 +165,14 @@ def run_engine(engine, prompts: PromptSet, warmup: int, passes: int, console=Non
                 1 for o, r in zip(outs, reqs)
                 if o.completion_tokens != r.output_len or len(o.token_ids) != r.output_len or o.prompt_tokens != r.prompt_len
             )
+            if mismatched:
+                first = next((r, o) for o, r in zip(outs, reqs) if o.completion_tokens != r.output_len
+                             or len(o.token_ids) != r.output_len or o.prompt_tokens != r.prompt_len)
+                raise ThroughputError(
+                    f"{mismatched} of {len(reqs)} requests did not produce exactly the tokens asked (e.g. "
+                    f"{first[0].prompt_len} prompt / {first[0].output_len} output tokens asked, "
+                    f"{first[1].prompt_tokens} / {first[1].completion_tokens} counted, finish "
+                    f"{first[1].finish_reason!r}): the throughput would not be comparable")
             pass_results.append({
                 "input_tokens": input_tokens, "output_tokens": output_tokens,
                 "cached_tokens": sum(o.cached_tokens for o in outs),

@@ -1,6 +1,6 @@
 """localrun's own inference engine: paged KV cache, radix prefix cache, continuous batching.
 
-Importable with torch alone; gguf/safetensors/transformers are imported by the loaders
+Importable with torch and numpy alone; gguf/safetensors/transformers are imported by the loaders
 that need them.
 """
 

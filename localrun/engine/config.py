@@ -94,32 +94,62 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}") from None
 
 
+# Defaults sized for the device: a GPU step should read the weights once for hundreds of
+# sequences (a decode step of an 8B model costs ~16 GB of weight reads whatever the batch).
+CUDA_MAX_NUM_SEQS, CUDA_MAX_BATCHED_TOKENS = 256, 8192
+CPU_MAX_NUM_SEQS, CPU_MAX_BATCHED_TOKENS = 64, 2048
+
+
 @dataclass
 class EngineConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # default: cuda if available
     page_size: int = 16
-    kv_memory_bytes: int | None = None  # KV pool budget (CPU; on CUDA derived from gpu_memory_fraction)
+    kv_memory_bytes: int | None = None  # KV pool budget (default on CUDA: from free memory after a profiling pass)
     kv_cache_tokens: int | None = None  # or: size the pool for this many tokens (when kv_memory_bytes is None)
-    gpu_memory_fraction: float = 0.8  # CUDA: weights + KV pool <= this fraction of total memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget: prefill chunks + decodes
+    gpu_memory_fraction: float = 0.8  # CUDA: weights + activations + KV pool <= this fraction of total memory
+    max_num_seqs: int | None = None  # sequences in a batch (default: 256 on CUDA, 64 on CPU)
+    max_num_batched_tokens: int | None = None  # per-step token budget: decodes, then prefill chunks (8192 / 2048)
     max_model_len: int = 4096
     enable_prefix_cache: bool = True
     use_triton: bool | None = None  # None: on CUDA when localrun.kernels imports
-    cuda_graphs: bool | None = None  # reserved for the CUDA issue; ignored on CPU
+    cuda_graphs: bool | None = None  # decode from captured CUDA graphs (None: on CUDA with Triton). True on
+    #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
+    overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
 
     def __post_init__(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        cuda = self.device.startswith("cuda")
         if self.dtype is None:
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+            self.dtype = "bfloat16" if cuda else "float32"
         parse_dtype(self.dtype)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = CUDA_MAX_BATCHED_TOKENS if cuda else CPU_MAX_BATCHED_TOKENS
+        if self.overlap is None:
+            self.overlap = cuda
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be positive")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be positive")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)  # type: ignore[arg-type]
+
+    @property
+    def is_cuda(self) -> bool:
+        return str(self.device).startswith("cuda")
+
+    def graph_batch_sizes(self) -> list[int]:
+        """Padded decode batch sizes to capture: 1, 2, 4, 8, 16, 32, then every 32 up to the max."""
+        top = min(self.cuda_graph_max_bs or self.max_num_seqs, self.max_num_seqs, self.max_num_batched_tokens)
+        sizes = [s for s in (1, 2, 4, 8, 16) if s < top] + list(range(32, top, 32))
+        return sorted(set(sizes + [top]))

@@ -1,4 +1,12 @@
-"""LLMEngine: offline generate() and an online loop thread feeding asyncio streams."""
+"""LLMEngine: offline generate() and an online loop thread feeding asyncio streams.
+
+A step schedules a batch, launches it (forward and sampling, queued on the device) and then
+handles the previous step's tokens: with overlap scheduling (the default on CUDA) step N+1
+is prepared and launched while step N still runs, and step N's tokens are detokenized,
+checked for stop strings and streamed while step N+1 runs, so the GPU never waits for
+Python bookkeeping. Without overlap (CPU) a step handles its own tokens at once. Both give
+identical outputs.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +21,19 @@ from typing import Callable
 
 import torch
 
-from localrun.engine.attention import make_ops
+from localrun.engine.attention import Ops, use_triton
 from localrun.engine.config import EngineConfig, ModelConfig
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.model import LlamaModel
 from localrun.engine.radix_cache import RadixCache
-from localrun.engine.runner import ModelRunner
-from localrun.engine.sampler import SamplingParams, sample
+from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
+from localrun.engine.sampler import SamplingParams
 from localrun.engine.scheduler import Scheduler, Sequence
 from localrun.engine.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("localrun.engine")
 
-ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: room for activations, logits and the allocator
+CUDA_RESERVE_BYTES = 1 << 30  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
 
 
 @dataclass
@@ -67,6 +75,7 @@ class _Request:
     pending_ids: list[int] = field(default_factory=list)  # tokens not yet streamed
     pending_lp: list = field(default_factory=list)
     stop_sequence: str | None = None  # the stop string that ended it
+    num_tokens: int = 0  # output tokens handled (the sequence may hold more, still in flight)
 
 
 class RequestStream:
@@ -100,30 +109,52 @@ class RequestStream:
 
 class LLMEngine:
     def __init__(self, model: LlamaModel, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, timings: dict | None = None) -> None:
         self.model, self.model_config, self.config, self.tokenizer = model, model_config, config, tokenizer
         self.device = torch.device(config.device)
+        self.timings = dict(timings or {})  # load phases, seconds
         dtype = config.torch_dtype
+        triton = use_triton(config.device, config.use_triton)
+        if model.ops.reference == triton:
+            model.ops = Ops(reference=not triton)
+        t = time.perf_counter()
+        activations = profile_and_warm(model, config, triton) if self.device.type == "cuda" else 0
+        self.timings["profile_warmup_s"] = time.perf_counter() - t
         per_page = model_config.kv_bytes_per_token(dtype) * config.page_size
-        num_pages = self._kv_budget(model, per_page) // per_page
+        num_pages = self._kv_budget(model, per_page, activations) // per_page
         if num_pages < 2:
             raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
+        t = time.perf_counter()
         self.pool = KVPool(model_config, int(num_pages), config.page_size, dtype, self.device)
         self.cache = RadixCache(self.pool) if config.enable_prefix_cache else None
-        self.scheduler = Scheduler(config, self.pool, self.cache)
-        self.runner = ModelRunner(model, self.pool, self.device)
+        self.runner = ModelRunner(model, self.pool, config, triton)
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
+        self.timings["kv_alloc_s"] = time.perf_counter() - t
+        graphs = config.cuda_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda" and triton
+        if graphs:
+            capture = self.device.type == "cuda"
+            if capture and not triton:
+                raise ValueError("cuda_graphs=True needs the Triton kernels (use_triton); the torch reference "
+                                 "path syncs with the host")
+            self.timings["graphs_s"] = self.runner.setup_graphs(capture)
+        self.overlap = bool(config.overlap)
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._done: dict[str, _Request] = {}
         self._inbox: list[tuple[str, object]] = []
+        self._inflight: StepHandle | None = None  # launched, its tokens not yet handled
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
         self._stop = False
-        log.info("native engine: %d KV pages x %d tokens (%.1f MiB), %s on %s", num_pages, config.page_size,
-                 self.pool.nbytes / 2**20, dtype, self.device)
+        log.info("native engine: %d KV pages x %d tokens (%.1f MiB), %s on %s, %s attention, decode graphs %s, "
+                 "overlap %s", num_pages, config.page_size, self.pool.nbytes / 2**20, dtype, self.device,
+                 "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
+                 else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
 
-    def _kv_budget(self, model: LlamaModel, per_page: int) -> int:
+    def _kv_budget(self, model: LlamaModel, per_page: int, activations: int) -> int:
         cfg = self.config
         useful = (cfg.max_num_seqs * cfg.max_model_len // cfg.page_size + 1) * per_page
         if cfg.kv_memory_bytes is not None:
@@ -131,48 +162,65 @@ class LLMEngine:
         if cfg.kv_cache_tokens is not None:
             return (-(-cfg.kv_cache_tokens // cfg.page_size) + 1) * per_page
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            return min(useful, int(total * cfg.gpu_memory_fraction) - weights - ACTIVATION_RESERVE_BYTES)
+            # what is in use now (weights, other processes) comes out of the fraction of the
+            # total, and so do the profiled step's activations
+            free, total = torch.cuda.mem_get_info(self.device)
+            room = int(total * cfg.gpu_memory_fraction) - (total - free) - activations - CUDA_RESERVE_BYTES
+            room = min(room, free - activations - CUDA_RESERVE_BYTES)
+            log.info("KV budget: %.2f GiB (%.2f GiB free of %.2f GiB, step activations %.2f GiB, fraction %.2f)",
+                     room / 2**30, free / 2**30, total / 2**30, activations / 2**30, cfg.gpu_memory_fraction)
+            return min(useful, room)
         # CPU: room for four full-length sequences (preemption and the prefix cache cover the rest)
         return min(useful, 4 * (cfg.max_model_len // cfg.page_size + 1) * per_page)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def _build(cls, mcfg: ModelConfig, config: EngineConfig | None, fill) -> "tuple[LlamaModel, EngineConfig]":
+    def _build(cls, mcfg: ModelConfig, config: EngineConfig | None, fill) -> "tuple[LlamaModel, EngineConfig, dict]":
         config = config or EngineConfig()
         max_pos = max(config.max_model_len, 1)
-        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, make_ops(config.device, config.use_triton))
+        t = time.perf_counter()
+        ops = Ops(reference=not use_triton(config.device, config.use_triton))
+        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops)
         fill(model)
-        return model, config
+        if config.is_cuda:
+            torch.cuda.synchronize()
+        return model, config, {"weights_s": time.perf_counter() - t}
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         from localrun.engine.loader import read_gguf
 
         mcfg, get, names, meta = read_gguf(path)
-        model, config = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
+        model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
         tok = Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"])
-        return cls(model, mcfg, config, tok)
+        return cls(model, mcfg, config, tok, timings)
 
     @classmethod
     def from_safetensors(cls, directory: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
         from localrun.engine.loader import read_safetensors
 
-        mcfg, get, names, close = read_safetensors(directory)
+        config = config or EngineConfig()
+        mcfg, get, names, close = read_safetensors(directory, device=config.device)
         try:
-            model, config = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
+            model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
         finally:
             close()
-        return cls(model, mcfg, config, Tokenizer.from_dir(directory, mcfg.eos_token_ids))
+        return cls(model, mcfg, config, Tokenizer.from_dir(directory, mcfg.eos_token_ids), timings)
+
+    @classmethod
+    def from_hf_state(cls, mcfg: ModelConfig, get, names: set[str], config: EngineConfig | None = None,
+                      tokenizer: Tokenizer | None = None) -> "LLMEngine":
+        """From weights in memory by Hugging Face name (e.g. a transformers model's state_dict)."""
+        model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
+        return cls(model, mcfg, config, tokenizer, timings)
 
     @classmethod
     def from_random(cls, shape: str | ModelConfig, config: EngineConfig | None = None, seed: int = 0) -> "LLMEngine":
         from localrun.engine.shapes import get_shape
 
         mcfg = get_shape(shape) if isinstance(shape, str) else shape
-        model, config = cls._build(mcfg, config, lambda m: m.init_random(seed))
-        return cls(model, mcfg, config, None)
+        model, config, timings = cls._build(mcfg, config, lambda m: m.init_random(seed))
+        return cls(model, mcfg, config, None, timings)
 
     # -- requests ----------------------------------------------------------------------------
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> _Request:
@@ -185,7 +233,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params, self.device)
+        seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         return _Request(seq, detok)
 
@@ -226,28 +274,44 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
+        """Schedule and launch a step; then handle the tokens of the previous one (overlap) or of
+        this one (serial)."""
         with self._lock:
             self._drain_inbox()
-            batch = self.scheduler.schedule()
-            for seq in [s for s in self.scheduler.running if s.finish_reason]:  # pool too small
-                self._finish(self._requests[seq.id], seq.finish_reason)
-            if batch is None:
-                return
-            logits, rows = self.runner.run(batch)
-            self.scheduler.update(batch)
-            if logits is None:
-                return
-            seqs = [batch.seqs[i] for i in rows]
-            tokens, lps = sample(logits, [s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                 [s.output_ids for s in seqs], [s.generator for s in seqs])
-            now = time.perf_counter()
-            for seq, tok, lp in zip(seqs, tokens, lps):
-                self._on_token(self._requests[seq.id], tok, lp, now)
+            handle = self._launch()
+            if self.overlap:
+                handle, self._inflight = self._inflight, handle
+            if handle is not None:
+                self._handle(handle)
+
+    def has_work(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work()
+
+    def _launch(self) -> StepHandle | None:
+        batch = self.scheduler.schedule()
+        for seq in self.scheduler.take_finished():  # the pool is too small for it
+            self._finish(self._requests[seq.id], seq.finish_reason, release=False)
+        if batch is None:
+            return None
+        handle = self.runner.launch(batch)
+        self.scheduler.update(batch)
+        handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
+        return handle
+
+    def _handle(self, handle: StepHandle) -> None:
+        tokens, lps = handle.result()  # the step's one wait for the device
+        now = time.perf_counter()
+        for seq, pos, tok, lp in zip(handle.seqs, handle.positions, tokens, lps):
+            seq.resolve(pos, tok)
+            req = self._requests.get(seq.id)
+            if req is None or req.seq is not seq or seq.finish_reason:
+                continue  # finished or aborted while this step ran: its token is void
+            self._on_token(req, tok, lp, now)
 
     def _on_token(self, req: _Request, tok: int, lp, now: float) -> None:
         seq, p = req.seq, req.seq.params
-        seq.token_ids.append(tok)
         req.first_token_time = req.first_token_time or now
+        req.num_tokens += 1
         req.pending_ids.append(tok)
         if lp is not None:
             req.logprobs.append((tok, lp[0], lp[1]))
@@ -260,7 +324,8 @@ class LLMEngine:
                 req.text += req.detok.add(tok)
                 if p.stop:
                     finish = self._cut_stop(req)
-        if finish is None and (seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.config.max_model_len):
+        if finish is None and (req.num_tokens >= p.max_tokens
+                               or seq.prompt_len + req.num_tokens >= self.config.max_model_len):
             finish = "length"
         if finish:
             self._finish(req, finish)
@@ -308,7 +373,7 @@ class LLMEngine:
 
     def _usage(self, req: _Request) -> dict:
         first = req.first_token_time or req.finish_time
-        return {"prompt_tokens": req.seq.prompt_len, "completion_tokens": req.seq.num_output,
+        return {"prompt_tokens": req.seq.prompt_len, "completion_tokens": req.num_tokens,
                 "cached_tokens": max(req.seq.cached_tokens, 0),
                 "prompt_eval_seconds": first - req.arrival_time, "eval_seconds": req.finish_time - first}
 
@@ -342,8 +407,9 @@ class LLMEngine:
     def _output(self, req: _Request) -> GenerationOutput:
         s = req.seq
         return GenerationOutput(
-            token_ids=s.output_ids, text=req.text if req.detok else None, finish_reason=s.finish_reason or "abort",
-            prompt_tokens=s.prompt_len, cached_tokens=max(s.cached_tokens, 0), completion_tokens=s.num_output,
+            token_ids=s.token_ids[s.prompt_len:s.prompt_len + req.num_tokens], text=req.text if req.detok else None,
+            finish_reason=s.finish_reason or "abort", prompt_tokens=s.prompt_len, cached_tokens=max(s.cached_tokens, 0),
+            completion_tokens=req.num_tokens,
             logprobs=req.logprobs if s.params.needs_logprobs else None, first_token_time=req.first_token_time,
             finish_time=req.finish_time, arrival_time=req.arrival_time)
 
@@ -359,7 +425,7 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._inbox and not self.scheduler.has_work():
+                while not self._stop and not self._inbox and not self.has_work():
                     self._cv.wait()
                 if self._stop:
                     break
@@ -371,6 +437,7 @@ class LLMEngine:
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
+            self._inflight = None  # its tokens belong to the requests failed below
             self._drain_inbox()
             for req in list(self._requests.values()):
                 self.scheduler.abort(req.seq.id)
@@ -419,5 +486,6 @@ class LLMEngine:
             "cached_pages": self.cache.num_pages if self.cache else 0,
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
             "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,
-            "running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+            "running": sum(q.status == "running" for q in s.running),
+            "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
         }

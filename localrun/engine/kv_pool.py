@@ -1,4 +1,5 @@
-"""One preallocated paged KV pool and its page allocator (with reference counts).
+"""One preallocated paged KV pool, its page allocator (with reference counts) and the
+persistent page table of the running sequences.
 
 Default page size 16 tokens (EngineConfig.page_size): small enough that a sequence wastes
 at most 15 slots (7.5 on average) and that prefix sharing works at a fine grain (the radix
@@ -9,6 +10,7 @@ attention kernels and the page tables stay short. vLLM's default is the same.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from localrun.engine.config import ModelConfig
@@ -63,3 +65,60 @@ class KVPool:
             self.refcount[p] = c
             if c == 0:
                 self._free.append(p)
+
+
+class PageTable:
+    """Page ids of every running sequence, one row per sequence, kept where attention reads them.
+
+    The host copy (numpy) is updated in place as sequences gain or swap pages, and only the
+    entries written since the last step travel to the device (one small scatter per step);
+    nothing is rebuilt per step. On CPU the device table is the host table itself. The
+    last row (``dummy_row``) stays all zeros: padded rows of a CUDA-graph batch point at it.
+    """
+
+    def __init__(self, max_rows: int, max_pages: int, device, separate: bool | None = None) -> None:
+        max_pages = -(-max_pages // 8) * 8  # 32-byte rows: a slice from any row stays aligned for Triton
+        self.max_rows, self.max_pages = max_rows, max_pages
+        self.device = torch.device(device)
+        self.host = np.zeros((max_rows + 1, max_pages), dtype=np.int32)
+        # separate host and device tables (CUDA; on CPU only to test that path)
+        self.separate = self.device.type != "cpu" if separate is None else separate
+        if self.separate:
+            self.table = torch.zeros((max_rows + 1, max_pages), dtype=torch.int32, device=self.device)
+        else:
+            self.table = torch.from_numpy(self.host)  # shared memory: no copies at all
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._dirty: list[tuple[int, int, int]] = []  # (row, first column, end column)
+
+    @property
+    def dummy_row(self) -> int:
+        return self.max_rows
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, pages: list[int]) -> None:
+        """Set columns [start, start + len(pages)) of a row."""
+        if not pages:
+            return
+        end = start + len(pages)
+        if end > self.max_pages:
+            raise OutOfPages(f"a sequence needs {end} pages; the page table holds {self.max_pages} per sequence")
+        self.host[row, start:end] = pages
+        if self.separate:
+            self._dirty.append((row, start, end))
+
+    def flush(self) -> None:
+        """Copy the entries written since the last flush to the device table (in stream order)."""
+        if not self._dirty:
+            return
+        flat = np.concatenate([np.arange(r * self.max_pages + a, r * self.max_pages + b) for r, a, b in self._dirty])
+        self._dirty.clear()
+        values = self.host.reshape(-1)[flat]
+        idx, val = torch.from_numpy(flat.astype(np.int64)), torch.from_numpy(values)
+        if self.device.type == "cuda":  # pinned: the copies do not wait for the device
+            idx, val = idx.pin_memory(), val.pin_memory()
+        self.table.view(-1).index_copy_(0, idx.to(self.device, non_blocking=True), val.to(self.device, non_blocking=True))

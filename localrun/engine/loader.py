@@ -118,8 +118,11 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     return cfg, get, set(tensors), meta
 
 
-def read_safetensors(directory: str | Path) -> tuple[ModelConfig, Getter, set[str], Callable[[], None]]:
-    """(config, getter, names, close) for a Hugging Face model directory."""
+def read_safetensors(directory: str | Path, device: str | None = None
+                     ) -> tuple[ModelConfig, Getter, set[str], Callable[[], None]]:
+    """(config, getter, names, close) for a Hugging Face model directory. With a CUDA device the
+    getter returns tensors already on it (safetensors reads them from the memory map straight
+    to the device, in the checkpoint's dtype)."""
     from safetensors import safe_open
 
     d = Path(directory)
@@ -132,7 +135,7 @@ def read_safetensors(directory: str | Path) -> tuple[ModelConfig, Getter, set[st
         raise ValueError(f"{d} has no *.safetensors files")
     handles, where = [], {}
     for f in files:
-        h = safe_open(str(f), framework="pt")  # memory-mapped
+        h = safe_open(str(f), framework="pt", device=str(device) if device and device.startswith("cuda") else "cpu")
         handles.append(h)
         for k in h.keys():
             where[k] = h

@@ -3,7 +3,10 @@
 Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Mistral and
 SmolLM2 (tied embeddings). Weights use fused layouts (q|k|v in one matrix, gate|up in
 one) so a step does few, large matmuls. The model sees only token ids, positions and
-one AttnMetadata object per step (attention.py); everything paged lives there.
+one AttnMetadata object per step; the attention backend it is given (attention.py) does
+everything paged. It is built on the meta device and its weights are allocated once, on
+the target device, in the target dtype; checkpoints are copied straight into the fused
+slices (no float32 copy, no concatenation on the host).
 """
 
 from __future__ import annotations
@@ -14,20 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localrun.engine.attention import AttnMetadata, Ops
+from localrun.engine.attention import AttentionBackend, AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
 from localrun.kernels import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer_id = layer_id
         self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
         self.scale = d ** -0.5
-        e = torch.empty
+
+        def e(*shape):
+            return torch.empty(*shape, dtype=dtype)
+
         self.input_layernorm = nn.Parameter(e(h), requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(e(h), requires_grad=False)
         self.qkv_proj = nn.Parameter(e((self.nq + 2 * self.nkv) * d, h), requires_grad=False)
@@ -36,13 +42,13 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(e(2 * cfg.intermediate_size, h), requires_grad=False)
         self.down_proj = nn.Parameter(e(h, cfg.intermediate_size), requires_grad=False)
 
-    def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, cos_sin):
+    def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
-        o = ops.attention(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
+        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
         x = F.linear(o.reshape(T, self.nq * self.d), self.o_proj)
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
         x = F.linear(ops.silu_and_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
@@ -53,22 +59,27 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops):
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.to(dtype=dtype, device=device)
+        self.attn: AttentionBackend | None = None  # set by the model runner (it owns the KV pool)
+        with torch.device("meta"):  # shapes only: the weights are allocated once, below
+            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                             requires_grad=False)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+            self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.to_empty(device=device)
         # [max_pos, head_dim]: cos | sin (NeoX half-split), with the config's rope scaling
         cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                attn: AttentionBackend | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch of tokens."""
+        attn = attn or self.attn
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta, self.ops, self.cos_sin)
+            x, residual = layer(x, residual, positions, meta, self.ops, attn, self.cos_sin)
         return self.ops.fused_add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
     @torch.inference_mode()
@@ -78,33 +89,43 @@ class LlamaModel(nn.Module):
 
     # -- weights -----------------------------------------------------------------------------
     def load_hf_state(self, get, names: set[str]) -> None:
-        """Copy weights given by HF name. `get(name)` returns a tensor; `names` lists what exists."""
-        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        """Copy weights given by HF name. `get(name)` returns a tensor (any device and dtype);
+        `names` lists what exists. Each tensor goes straight into its slice of a fused weight."""
+        def put(dst: torch.Tensor, name: str, start: int = 0, n: int | None = None) -> None:
+            src = get(name)
+            if n is not None:
+                dst = dst[start:start + n]
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"weight {name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
             dst.copy_(src)
 
+        def put_fused(dst: torch.Tensor, parts: list[tuple[str, int]]) -> None:
+            start = 0
+            for name, n in parts:
+                put(dst, name, start, n)
+                start += n
+
         with torch.no_grad():
-            put(self.embed_tokens, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
-            put(self.norm, get("model.norm.weight"), "model.norm.weight")
+            put(self.embed_tokens, "model.embed_tokens.weight")
+            put(self.norm, "model.norm.weight")
             if self.lm_head is not None:
-                src = "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
-                put(self.lm_head, get(src), src)
+                put(self.lm_head, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                put(layer.input_layernorm, get(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-                put(layer.post_attention_layernorm, get(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
-                qkv = [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-                put(layer.qkv_proj, torch.cat(qkv, 0), p + "self_attn.qkv_proj")
+                put(layer.input_layernorm, p + "input_layernorm.weight")
+                put(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+                widths = [layer.nq * layer.d, layer.nkv * layer.d, layer.nkv * layer.d]
+                put_fused(layer.qkv_proj, [(p + f"self_attn.{n}_proj.weight", w) for n, w in zip("qkv", widths)])
                 if layer.qkv_bias is not None:
-                    put(layer.qkv_bias, torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0), p + "qkv bias")
-                put(layer.o_proj, get(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-                gu = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-                put(layer.gate_up_proj, torch.cat(gu, 0), p + "mlp.gate_up_proj")
-                put(layer.down_proj, get(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+                    put_fused(layer.qkv_bias, [(p + f"self_attn.{n}_proj.bias", w) for n, w in zip("qkv", widths)])
+                put(layer.o_proj, p + "self_attn.o_proj.weight")
+                inter = layer.down_proj.shape[1]
+                put_fused(layer.gate_up_proj, [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
+                put(layer.down_proj, p + "mlp.down_proj.weight")
 
     def init_random(self, seed: int = 0) -> None:
-        """Random weights with sane scales (for throughput benchmarks of exact shapes)."""
+        """Random weights with sane scales (for throughput benchmarks of exact shapes), drawn on
+        the model's device."""
         dev = self.embed_tokens.device
         g = torch.Generator(device=dev).manual_seed(seed)
         with torch.no_grad():

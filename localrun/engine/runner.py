@@ -1,83 +1,267 @@
-"""ModelRunner: turns a scheduled batch into flat tensors + one AttnMetadata, runs the model,
-returns logits for the sequences that sample this step."""
+"""ModelRunner: turns a scheduled batch into a step (host arrays -> persistent buffers ->
+AttnMetadata), runs the model (eagerly, or a decode batch by replaying the CUDA graph of its
+padded size), and samples on the device. `launch` returns at once with the step's sampled
+tokens still on the device; `StepHandle.result()` is the step's one host sync.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
-from localrun.engine.attention import AttnMetadata
-from localrun.engine.kv_pool import KVPool
+from localrun.engine.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
+from localrun.engine.config import EngineConfig
+from localrun.engine.kv_pool import KVPool, PageTable
 from localrun.engine.model import LlamaModel
-from localrun.engine.scheduler import ScheduledBatch
+from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample
+from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
+
+log = logging.getLogger("localrun.engine")
+
+
+@dataclass
+class StepHandle:
+    """A launched step: the sequences that sample, and their tokens on the way to the host."""
+
+    seqs: list[Sequence]
+    out: SampleOutput | None
+    sampling: SamplingBatch | None
+    positions: list[int] = field(default_factory=list)  # where each sampled token goes in its token_ids
+
+    def result(self) -> tuple[list[int], list]:
+        if self.out is None:
+            return [], []
+        return self.out.to_host(self.sampling)
+
+
+class DecodeGraphs:
+    """Decode steps at padded batch sizes over the persistent step buffers: captured as CUDA
+    graphs at load and replayed (capture=True), or run eagerly over the same buffers and
+    padding (capture=False: CPU, where this path is tested)."""
+
+    def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool) -> None:
+        self.runner, self.sizes, self.capture = runner, sorted(sizes), capture
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.meta: dict[int, AttnMetadata] = {}
+        cfg = runner.model.cfg
+        self.logits = torch.zeros((max(sizes), cfg.vocab_size), dtype=torch.float32, device=runner.device)
+
+    def size_for(self, batch: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _forward(self, bs: int) -> None:
+        r = self.runner
+        hidden = r.model(r.buffers.view("input_ids", bs), r.buffers.view("positions", bs), self.meta[bs], r.attn)
+        self.logits[:bs] = r.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        r = self.runner
+        pool = None
+        for bs in reversed(self.sizes):  # largest first: the smaller graphs fit in its memory pool
+            r.buffers.write(padding_step(bs, r.table.dummy_row))
+            self.meta[bs] = r.attn.prepare(padding_step(bs, r.table.dummy_row), for_graph=True)
+            self._forward(bs)  # warm-up: every kernel compiled before capture
+            if self.capture:
+                torch.cuda.synchronize(r.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._forward(bs)
+                pool = g.pool() if pool is None else pool
+                self.graphs[bs] = g
+        if self.capture:
+            torch.cuda.synchronize(r.device)
+
+    def run(self, bs: int) -> torch.Tensor:
+        """Logits [bs, vocab] of the padded decode step now in the buffers."""
+        g = self.graphs.get(bs)
+        if g is not None:
+            g.replay()
+        else:
+            self._forward(bs)
+        return self.logits[:bs]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, device) -> None:
-        self.model, self.pool, self.device = model, pool, torch.device(device)
+    def __init__(self, model: LlamaModel, pool: KVPool, config: EngineConfig, triton: bool) -> None:
+        self.model, self.pool, self.config = model, pool, config
+        self.device = torch.device(config.device)
+        self.P = pool.page_size
+        self.table = PageTable(config.max_num_seqs, -(-config.max_model_len // self.P), self.device)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.device)
+        self.attn = make_backend(triton, pool, self.table, self.buffers)
+        model.attn = self.attn
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        self.graphs: DecodeGraphs | None = None
 
-    def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+    # -- CUDA graphs -------------------------------------------------------------------------
+    def setup_graphs(self, capture: bool) -> float:
+        """Capture (or, without CUDA, prepare the eager padded path for) the decode batch sizes."""
+        t = time.perf_counter()
+        self.graphs = DecodeGraphs(self, self.config.graph_batch_sizes(), capture)
+        self.graphs.capture_all()
+        return time.perf_counter() - t
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttnMetadata, list[int]]:
-        P = self.pool.page_size
-        ids, pos, slots, seq_lens, prefix, q_lens, cu, sample_rows = [], [], [], [], [], [], [0], []
-        max_pages = max(-(-(s.num_computed + n) // P) for s, n in zip(batch.seqs, batch.num_tokens))
-        table = []
-        for s, n in zip(batch.seqs, batch.num_tokens):
-            start, end = s.num_computed, s.num_computed + n
-            ids += s.token_ids[start:end]
-            pos += range(start, end)
-            pages = s.pages
-            slots += [pages[p // P] * P + p % P for p in range(start, end)]
-            table.append(pages[:max_pages] + [0] * (max_pages - min(len(pages), max_pages)))
-            seq_lens.append(end)
-            prefix.append(start)
-            q_lens.append(n)
-            cu.append(cu[-1] + n)
-            if end == len(s.token_ids):
-                sample_rows.append(cu[-1] - 1)
-        meta = AttnMetadata(
-            positions=self._tensor(pos, torch.long),
-            slot_mapping=self._tensor(slots, torch.long),
-            page_table=self._tensor(table, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            prefix_lens=self._tensor(prefix, torch.int32),
-            num_decodes=batch.num_decodes,
-            is_decode_only=batch.num_decodes == len(batch.seqs),
-            seq_lens_list=seq_lens,
-            q_lens_list=q_lens,
-            k_caches=self.pool.k_caches,
-            v_caches=self.pool.v_caches,
-        )
-        return self._tensor(ids, torch.long), meta.positions, meta, sample_rows
+    # -- a step ------------------------------------------------------------------------------
+    def host_step(self, batch: ScheduledBatch) -> tuple[HostStep, list[Sequence], int | None]:
+        """The step's host arrays (vectorised: O(batch + tokens)), the sequences that sample, and
+        the padded size when the step replays a decode graph."""
+        seqs, P, B = batch.seqs, self.P, len(batch.seqs)
+        n = np.asarray(batch.num_tokens, dtype=np.int32)
+        starts = np.fromiter((s.num_computed for s in seqs), np.int32, B)
+        rows = np.fromiter((s.row for s in seqs), np.int32, B)
+        cu = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(n, out=cu[1:])
+        T = int(cu[-1])
+        owner = np.repeat(np.arange(B, dtype=np.int32), n)
+        pos = starts[owner] + np.arange(T, dtype=np.int32) - cu[:-1][owner]
+        slots = self.table.host[rows[owner], pos // P] * P + pos % P
+        prev = np.full(T, -1, dtype=np.int32)
+        ids: list[int] = []
+        nd = batch.num_decodes
+        for i in range(nd):  # a decode's input is its last token, maybe still on the device
+            tok = seqs[i].token_ids[starts[i]]
+            if tok == PENDING:
+                prev[i], tok = seqs[i].pending_row, 0
+            ids.append(tok)
+        for i in range(nd, B):
+            ids += seqs[i].token_ids[starts[i]:starts[i] + n[i]]
+        sampling = [i for i in range(B) if starts[i] + n[i] == len(seqs[i].token_ids)]
+        step = HostStep(input_ids=np.asarray(ids, dtype=np.int32), prev_idx=prev, positions=pos, slots=slots,
+                        seq_lens=starts + n, cu_seqlens_q=cu, rows=rows, sample_idx=cu[1:][sampling] - 1,
+                        num_decodes=nd, num_real_seqs=B)
+        bs = self.graphs.size_for(B) if self.graphs is not None and nd == B else None
+        if bs is not None and bs > B:
+            step = _pad_decode(step, bs, self.table.dummy_row)
+        return step, [seqs[i] for i in sampling], bs
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Logits [n_sampling, vocab] (float32) and, per row, the index into batch.seqs."""
-        ids, pos, meta, rows = self.prepare(batch)
-        hidden = self.model(ids, pos, meta)
-        if not rows:
-            return None, []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        ends = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == len(s.token_ids)]
-        return logits, ends
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Run the model on the step and sample, without waiting for the device."""
+        step, sample_seqs, bs = self.host_step(batch)
+        T, S = step.num_tokens, len(sample_seqs)
+        self.buffers.write(step)
+        meta = self.attn.prepare(step, for_graph=bs is not None)
+        ids = self.buffers.view("input_ids", T)
+        if step.has_pending:  # last step's tokens, straight from the device
+            prev = self.buffers.view("prev_idx", T)
+            ids.copy_(torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0).long()], ids))
+        if bs is not None:
+            logits = self.graphs.run(bs)[:S]
+        else:
+            hidden = self.model(ids, self.buffers.view("positions", T), meta, self.attn)
+            if not S:
+                return StepHandle([], None, None)
+            logits = self.model.compute_logits(hidden.index_select(0, self.buffers.view("sample_idx", S)))
+        sb = self.sampling_batch(sample_seqs, step)
+        inputs = ids.index_select(0, self.buffers.view("sample_idx", S)) if sb.penalties is not None else None
+        out = sample(logits, sb, inputs)
+        self.last_tokens[:S].copy_(out.tokens)
+        out.start_copy()
+        return StepHandle(sample_seqs, out, sb)
 
+    def sampling_batch(self, seqs: list[Sequence], step: HostStep) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        pen = any(p.has_penalties for p in params)
+        hist = [s.token_ids[: len(s.token_ids) - s.num_pending] if s.params.has_penalties else [] for s in seqs]
+        prev = step.prev_idx
+        pending = [pen and bool(prev[int(i)] >= 0) for i in step.sample_idx[: len(seqs)]]
+        return SamplingBatch.build(params, hist, [s.prompt_len for s in seqs], [s.num_output for s in seqs],
+                                   pending, self.model.cfg.vocab_size, self.device)
+
+    # -- no KV cache (embeddings) ------------------------------------------------------------
     @torch.inference_mode()
     def hidden_states(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states of each sequence, with no KV cache (embeddings)."""
-        cu = [0]
-        for t in token_lists:
-            cu.append(cu[-1] + len(t))
+        lens = [len(t) for t in token_lists]
+        cu = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        dev = self.device
         meta = AttnMetadata(
-            positions=self._tensor([p for t in token_lists for p in range(len(t))], torch.long),
-            slot_mapping=None, page_table=None,
-            seq_lens=self._tensor([len(t) for t in token_lists], torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            prefix_lens=self._tensor([0] * len(token_lists), torch.int32),
-            num_decodes=0, is_decode_only=False,
-        )
-        ids = self._tensor([x for t in token_lists for x in t], torch.long)
-        h = self.model(ids, meta.positions, meta)
+            positions=torch.tensor([p for n in lens for p in range(n)], dtype=torch.int32, device=dev),
+            slot_mapping=None, page_table=None, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev), num_decodes=0, max_q_len=max(lens))
+        ids = torch.tensor([x for t in token_lists for x in t], dtype=torch.int32, device=dev)
+        h = self.model(ids, meta.positions, meta, self.attn)
         return [h[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _pad_decode(step: HostStep, bs: int, dummy_row: int) -> HostStep:
+    """A decode step padded to bs rows: padding rows have no KV (seq_len 0), write nothing (slot
+    -1) and read the all-zero page-table row."""
+    pad = padding_step(bs - step.num_real_seqs, dummy_row)
+    B = step.num_real_seqs
+    return HostStep(
+        input_ids=np.concatenate([step.input_ids, pad.input_ids]),
+        prev_idx=np.concatenate([step.prev_idx, pad.prev_idx]),
+        positions=np.concatenate([step.positions, pad.positions]),
+        slots=np.concatenate([step.slots, pad.slots]),
+        seq_lens=np.concatenate([step.seq_lens, pad.seq_lens]),
+        cu_seqlens_q=np.arange(bs + 1, dtype=np.int32), rows=np.concatenate([step.rows, pad.rows]),
+        sample_idx=np.arange(B, dtype=np.int32), num_decodes=bs, num_real_seqs=B)
+
+
+# -- load-time profiling and warm-up ---------------------------------------------------------
+def _profile_batch(pool: KVPool, table: PageTable, config: EngineConfig, vocab: int) -> ScheduledBatch:
+    """A step as large as the budget allows: one decode plus prefills of up to max_model_len
+    tokens, sampling with top-k and top-p (the widest sampler path)."""
+    P, budget = pool.page_size, config.max_num_batched_tokens
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, seed=0, want_logprobs=True,
+                            logprobs=5, repetition_penalty=1.1)
+    seqs, sizes = [], []
+    dec = Sequence("warm-decode", [1, 2], params)
+    dec.num_computed = 1
+    seqs.append(dec)
+    sizes.append(1)
+    left = budget - 1
+    while left > 0 and len(seqs) < config.max_num_seqs:
+        n = min(left, config.max_model_len - 1)
+        seqs.append(Sequence(f"warm-{len(seqs)}", [(7 * i) % vocab for i in range(n)], params))
+        sizes.append(n)
+        left -= n
+    for s, n in zip(seqs, sizes):
+        s.row = table.alloc_row()
+        s.pages = pool.alloc(-(-(s.num_computed + n) // P))
+        table.write(s.row, 0, s.pages)
+    return ScheduledBatch(seqs, sizes, 1)
+
+
+def profile_and_warm(model: LlamaModel, config: EngineConfig, triton: bool) -> int:
+    """Run one widest step (a decode and prefills filling the token budget, then sampling
+    max_num_seqs rows) on a throw-away KV pool: compiles every Triton kernel the engine will
+    launch, and returns the step's peak activation bytes (CUDA; 0 elsewhere)."""
+    cuda = torch.device(config.device).type == "cuda"
+    cfg = model.cfg
+    pages = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs + 2
+    pool = KVPool(cfg, pages, config.page_size, config.torch_dtype, config.device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    runner = ModelRunner(model, pool, config, triton)
+    handle = runner.launch(_profile_batch(pool, runner.table, config, cfg.vocab_size))
+    handle.result()
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    # the sampler at its widest: max_num_seqs rows through top-k / top-p
+    n = config.max_num_seqs
+    logits = torch.randn((n, cfg.vocab_size), dtype=torch.float32, device=config.device)
+    seqs = handle.seqs[:1] * n
+    sb = SamplingBatch.build([s.params for s in seqs], [[1]] * n, [1] * n, list(range(n)), [False] * n,
+                             cfg.vocab_size, config.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        mid = torch.cuda.memory_allocated()
+    sample(logits, sb).to_host(sb)
+    if cuda:
+        peak += torch.cuda.max_memory_allocated() - mid
+    model.attn = None
+    del runner, pool, handle, logits
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return int(peak)

@@ -1,9 +1,17 @@
-"""Sampling parameters and the batched sampler.
+"""Sampling parameters and the batched sampler: one pass over the [batch, vocab] logits.
 
 Order per row: penalties (repetition on prompt+output, presence/frequency on output),
-then temperature, top-k, top-p, min-p, then a draw with the request's own generator
-(seeded requests are reproducible whatever they are batched with). Logprobs are those of
-the model's raw distribution (before penalties and temperature), as vLLM reports them.
+then temperature, top-k, top-p, min-p, then a draw. Every step is a tensor operation over
+the whole batch on the logits' device; the host builds the per-row parameters once per step
+(`SamplingBatch.build`) and reads the results back once (`SampleOutput.to_host`).
+
+The draw is an exponential race: token = argmax(p_i / E_i) with E_i ~ Exp(1), which picks i
+with probability p_i / sum(p) (no normalisation, no cumulative sums). E comes from the
+device's generator, except for seeded requests: their E is a counter-based hash of (seed,
+output position, token id), so a seeded request draws the same tokens whatever it is
+batched with, preempted or not. Greedy rows (temperature 0 or top_k 1) take the argmax.
+Logprobs are those of the model's raw distribution (before penalties and temperature), as
+vLLM reports them.
 """
 
 from __future__ import annotations
@@ -59,64 +67,250 @@ class SamplingParams:
         return self.want_logprobs or self.logprobs > 0
 
 
-def _apply_penalties(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> None:
-    w = p.penalty_window
-    out = output[-w:] if w > 0 else output
-    if p.repetition_penalty != 1.0:
-        hist = (prompt + output)[-w:] if w > 0 else prompt + output
-        ids = torch.tensor(sorted(set(hist)), dtype=torch.long, device=row.device)
-        if len(ids):
-            v = row[ids]
-            row[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if out and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(out, dtype=torch.long, device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+# -- the seeded noise: a counter-based hash (integer ops that never overflow int64) -------------
+_M32 = 0xFFFFFFFF
 
 
-def _filter(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled probabilities after top-k / top-p / min-p."""
-    row = row / p.temperature
-    if 0 < p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sp, si = probs.sort(descending=True)
-        drop = (sp.cumsum(-1) - sp) > p.top_p  # keep the smallest set whose mass reaches top_p
-        probs = probs.scatter(0, si, sp.masked_fill(drop, 0.0))
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (c split in 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+def seed_key(seed: int, position: int) -> int:
+    """The 64-bit key of a seeded request's draw at an output position."""
+    return _splitmix64(_splitmix64(seed & 0xFFFFFFFFFFFFFFFF) ^ position)
+
+
+def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [len(keys), vocab] (float32), a pure function of (key, token id)."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
+    k1, k2 = (keys & _M32)[:, None], ((keys >> 32) & _M32)[:, None]
+    x = _mix32((_mul32(idx, 0x9E3779B1) + k1) & _M32)
+    x = _mix32(x ^ k2)
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
+    return -torch.log(u)
+
+
+# -- per-step inputs -----------------------------------------------------------------------
+def _to(data, dtype, device) -> torch.Tensor:
+    t = torch.tensor(data, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class Penalties:
+    """Histories of the rows with penalties, as (row, token id) pairs; a pending last token (still
+    on the device, the row's input this step) is added on the device."""
+
+    rows: torch.Tensor  # int64 [P]: which sampling rows have penalties
+    rep: torch.Tensor  # float [P]
+    presence: torch.Tensor  # float [P]
+    frequency: torch.Tensor  # float [P]
+    seen_pairs: torch.Tensor  # int64 [2, N]: (penalty row, token) over the prompt+output window
+    out_pairs: torch.Tensor  # int64 [2, M]: over the output window
+    pending_rows: torch.Tensor | None  # int64: penalty rows whose last token is pending
+
+
+@dataclass
+class SamplingBatch:
+    n: int
+    all_greedy: bool
+    greedy: torch.Tensor | None  # bool [n] (None: no greedy row)
+    temperature: torch.Tensor | None  # float [n] (1.0 on greedy rows)
+    top_k: torch.Tensor | None  # int64 [n], 0: off
+    top_k_max: int
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    seeded_rows: torch.Tensor | None  # int64 [s]
+    seed_keys: torch.Tensor | None  # int64 [s]
+    penalties: Penalties | None
+    logprob_rows: torch.Tensor | None  # int64 [l]
+    logprob_rows_list: list[int]
+    top_n: list[int]  # per logprob row: alternatives wanted
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], histories: list[list[int]], prompt_lens: list[int],
+              positions: list[int], pending: list[bool], vocab: int, device) -> "SamplingBatch":
+        """One row per sampling sequence. histories: prompt + output token ids known on the host;
+        positions: the output index of the token being drawn; pending: the row's last token is
+        still on the device (it is the row's input this step, and counts for penalties)."""
+        device = torch.device(device)
+        n = len(params)
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+        temp = top_k = top_p = min_p = seeded_rows = seed_keys = None
+        kmax = 0
+        if not all_greedy:
+            temp = _to([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device)
+            ks = [p.top_k if 0 < p.top_k < vocab and not g else 0 for p, g in zip(params, greedy)]
+            kmax = max(ks)
+            if kmax:
+                top_k = _to(ks, torch.int64, device)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = _to([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, device)
+            if any(p.min_p > 0 for p in params):
+                min_p = _to([p.min_p for p in params], torch.float32, device)
+            seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+            if seeded:
+                seeded_rows = _to(seeded, torch.int64, device)
+                keys = [seed_key(params[i].seed, positions[i]) for i in seeded]
+                seed_keys = _to([k - (1 << 64) if k >= 1 << 63 else k for k in keys], torch.int64, device)
+        lp_rows = [i for i, p in enumerate(params) if p.needs_logprobs]
+        return cls(
+            n=n, all_greedy=all_greedy, greedy=_to(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
+            temperature=temp, top_k=top_k, top_k_max=kmax, top_p=top_p, min_p=min_p,
+            seeded_rows=seeded_rows, seed_keys=seed_keys,
+            penalties=_penalties(params, histories, prompt_lens, pending, device),
+            logprob_rows=_to(lp_rows, torch.int64, device) if lp_rows else None, logprob_rows_list=lp_rows,
+            top_n=[params[i].logprobs for i in lp_rows],
+        )
+
+
+def _penalties(params, histories, prompt_lens, pending, device) -> Penalties | None:
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return None
+    seen_r, seen_t, out_r, out_t, pend = [], [], [], [], []
+    for j, i in enumerate(rows):
+        p, hist = params[i], histories[i]
+        w = p.penalty_window if p.penalty_window > 0 else None  # None: the whole history
+        if pending[i]:  # the pending token takes one place of the window
+            pend.append(j)
+            w = None if w is None else w - 1
+
+        def window(seq: list[int]) -> list[int]:
+            return seq if w is None else seq[len(seq) - w:] if w else []
+
+        if p.repetition_penalty != 1.0:
+            seen = set(window(hist))
+            seen_r += [j] * len(seen)
+            seen_t += seen
+        if p.presence_penalty or p.frequency_penalty:
+            o = window(hist[prompt_lens[i]:])
+            out_r += [j] * len(o)
+            out_t += o
+    return Penalties(
+        rows=_to(rows, torch.int64, device),
+        rep=_to([params[i].repetition_penalty for i in rows], torch.float32, device),
+        presence=_to([params[i].presence_penalty for i in rows], torch.float32, device),
+        frequency=_to([params[i].frequency_penalty for i in rows], torch.float32, device),
+        seen_pairs=_to([seen_r, seen_t], torch.int64, device), out_pairs=_to([out_r, out_t], torch.int64, device),
+        pending_rows=_to(pend, torch.int64, device) if pend else None,
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, pen: Penalties, last_tokens: torch.Tensor | None) -> torch.Tensor:
+    x = logits[pen.rows]  # [P, V] copy
+    P, V = x.shape
+    seen = torch.zeros((P, V), dtype=torch.bool, device=x.device)
+    counts = torch.zeros((P, V), dtype=x.dtype, device=x.device)
+    seen[pen.seen_pairs[0], pen.seen_pairs[1]] = True
+    counts.index_put_((pen.out_pairs[0], pen.out_pairs[1]), torch.ones_like(pen.out_pairs[0], dtype=x.dtype),
+                      accumulate=True)
+    if pen.pending_rows is not None and last_tokens is not None:
+        toks = last_tokens[pen.rows[pen.pending_rows]].long()
+        seen[pen.pending_rows, toks] = True
+        counts.index_put_((pen.pending_rows, toks), torch.ones_like(toks, dtype=x.dtype), accumulate=True)
+    rp = pen.rep[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    x = x - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
+    out = logits.clone()
+    out[pen.rows] = x
+    return out
+
+
+# -- the sampler -----------------------------------------------------------------------------
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # int64 [n] (device)
+    lp_chosen: torch.Tensor | None = None  # float [l]
+    lp_top_values: torch.Tensor | None = None  # float [l, k]
+    lp_top_ids: torch.Tensor | None = None  # int64 [l, k]
+    _host: tuple | None = None
+    _event: object = None
+
+    def start_copy(self) -> None:
+        """Start the device-to-host copy of everything the host needs (non-blocking on CUDA)."""
+        parts = (self.tokens, self.lp_chosen, self.lp_top_values, self.lp_top_ids)
+        if self.tokens.device.type == "cpu":
+            self._host = parts
+            return
+        self._host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in parts)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def to_host(self, batch: SamplingBatch) -> tuple[list[int], list]:
+        """(tokens, per row (logprob, [(id, logprob)...]) or None): the step's one host sync."""
+        if self._host is None:
+            self.start_copy()
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, chosen, top_v, top_i = self._host
+        tokens = tokens.tolist()
+        logprobs: list = [None] * batch.n
+        if chosen is not None:
+            chosen, top_v, top_i = chosen.tolist(), top_v.tolist(), top_i.tolist()
+            for j, (i, k) in enumerate(zip(batch.logprob_rows_list, batch.top_n)):
+                logprobs[i] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        return tokens, logprobs
+
+
+def filtered_probs(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature-scaled probabilities [n, V] after top-k / top-p / min-p (not renormalised)."""
+    x = x / b.temperature[:, None]
+    if b.top_k is not None:
+        kth = torch.topk(x, b.top_k_max, dim=-1).values.gather(1, (b.top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(b.top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if b.top_p is not None:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) > b.top_p[:, None]  # keep the smallest set whose mass reaches top_p
+        probs = probs.scatter(1, si, sp.masked_fill(drop, 0.0))
+    if b.min_p is not None:
+        probs = probs.masked_fill(probs < b.min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-           outputs: list[list[int]], generators: list[torch.Generator | None]):
-    """logits [n, V] float32 -> (token ids, per-row (logprob, [(id, logprob)...]) or None)."""
-    n = logits.shape[0]
-    logprobs: list = [None] * n
-    if any(p.needs_logprobs for p in params):
-        lp = torch.log_softmax(logits, dim=-1)
-        for i, p in enumerate(params):
-            if p.needs_logprobs:
-                logprobs[i] = lp[i]
-    if all(p.greedy and not p.has_penalties for p in params):
-        tokens = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, b: SamplingBatch, last_tokens: torch.Tensor | None = None) -> SampleOutput:
+    """logits [n, V] float32 -> SampleOutput (device tensors; no host sync here).
+
+    last_tokens [n]: each row's input token this step (needed only when a penalty row's last
+    token is still pending on the device)."""
+    out = SampleOutput(tokens=torch.empty(0))
+    if b.logprob_rows is not None:
+        lp = torch.log_softmax(logits[b.logprob_rows], dim=-1)
+    x = logits if b.penalties is None else _apply_penalties(logits, b.penalties, last_tokens)
+    if b.all_greedy:
+        tokens = x.argmax(dim=-1)
     else:
-        tokens = []
-        for i, p in enumerate(params):
-            row = logits[i].clone() if p.has_penalties else logits[i]
-            if p.has_penalties:
-                _apply_penalties(row, p, prompts[i], outputs[i])
-            if p.greedy:
-                tokens.append(int(row.argmax()))
-                continue
-            probs = _filter(row, p)
-            tokens.append(int(torch.multinomial(probs, 1, generator=generators[i])))
-    for i, lp_row in enumerate(logprobs):
-        if lp_row is not None:
-            top = []
-            if params[i].logprobs > 0:
-                v, ix = lp_row.topk(params[i].logprobs)
-                top = list(zip(ix.tolist(), v.tolist()))
-            logprobs[i] = (float(lp_row[tokens[i]]), top)
-    return tokens, logprobs
+        probs = filtered_probs(x, b)
+        noise = torch.empty_like(probs).exponential_()
+        if b.seeded_rows is not None:
+            noise[b.seeded_rows] = seeded_exponential(b.seed_keys, probs.shape[1])
+        tokens = (probs / noise).argmax(dim=-1)
+        if b.greedy is not None:
+            tokens = torch.where(b.greedy, x.argmax(dim=-1), tokens)
+    out.tokens = tokens
+    if b.logprob_rows is not None:
+        out.lp_chosen = lp.gather(1, tokens[b.logprob_rows][:, None])[:, 0]
+        k = max(max(b.top_n), 1)
+        out.lp_top_values, out.lp_top_ids = lp.topk(k, dim=-1)
+    return out

@@ -1,47 +1,62 @@
-"""Continuous batching: chunked prefill under a per-step token budget, mixed with decodes;
-admission by free KV; preemption by recompute; abort frees at once.
+"""Continuous batching: decodes first in a per-step token budget, then prefill chunks; admission
+by free KV; preemption by recompute; abort frees at once.
 
-Each step: every running sequence gets its next chunk (1 token for a decode) while the
-budget lasts, oldest first; a sequence that cannot get a page preempts the newest running
-ones (their KV is released, their computed prefix stays in the radix cache, and they
-return to the waiting queue to be recomputed). Then waiting sequences are admitted,
-ordered by longest cached prefix (FCFS tie-break; plain FCFS when the queue is long),
-while KV pages, sequence slots and budget last.
+Each step: every running sequence in its decode phase gets its next token (oldest first),
+then running sequences still prefilling get their next chunk while the budget lasts; a
+sequence that cannot get a page preempts the newest running one not yet scheduled this
+step (its KV is released, its computed prefix stays in the radix cache, and it returns to
+the waiting queue to be recomputed). Then waiting sequences are admitted, ordered by
+longest cached prefix (FCFS tie-break; plain FCFS when the queue is long), while KV pages,
+sequence slots and budget last.
+
+With overlap scheduling a step is scheduled before the previous step's sampled tokens
+reach the host: such a token is a PENDING placeholder in `token_ids` (its value is still
+on the device, where the next step reads it as input). A sequence whose pending token
+is its last (max_tokens or the context window reached) is not scheduled again.
+
+Work per step is O(running + admitted): the queues are lists in arrival order, a
+sequence's state says where it is, and finished or moved sequences are compacted once.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
-import torch
-
 from localrun.engine.config import EngineConfig
-from localrun.engine.kv_pool import KVPool
+from localrun.engine.kv_pool import KVPool, PageTable
 from localrun.engine.radix_cache import RadixCache
 from localrun.engine.sampler import SamplingParams
 
 _arrivals = itertools.count()
 LONG_QUEUE = 128  # beyond this many waiting, skip prefix matching and go FCFS
+PENDING = -1  # a sampled token not yet copied to the host
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 class Sequence:
-    def __init__(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, device="cpu") -> None:
+    def __init__(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.id = seq_id
         self.params = params
         self.prompt_len = len(prompt_ids)
         self.token_ids = list(prompt_ids)
         self.arrival = next(_arrivals)
+        self.status = WAITING
         self.pages: list[int] = []
-        self.num_computed = 0  # tokens whose KV is in the pool
+        self.row: int | None = None  # page-table row while running
+        self.num_computed = 0  # tokens whose KV is in the pool (or being computed by a launched step)
         self.cached_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.node = None  # radix node locked by this sequence
         self.num_tree_pages = 0  # leading pages already inserted into the radix tree
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+        self.num_pending = 0  # PENDING placeholders at the end of token_ids
+        self.pending_row: int | None = None  # the last placeholder's row in its step's sampled tokens
+        self.last_step = -1  # the step that last scheduled this sequence
+
+    def __lt__(self, other: "Sequence") -> bool:  # arrival order (bisect)
+        return self.arrival < other.arrival
 
     @property
     def output_ids(self) -> list[int]:
@@ -54,6 +69,19 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    def add_pending(self, row: int) -> int:
+        """Append a placeholder for the token sampled at `row` of the launched step; its position."""
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+        self.pending_row = row
+        return len(self.token_ids) - 1
+
+    def resolve(self, position: int, token: int) -> None:
+        self.token_ids[position] = token
+        self.num_pending -= 1
+        if self.num_pending == 0:
+            self.pending_row = None
 
 
 @dataclass
@@ -68,14 +96,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: KVPool, cache: RadixCache | None) -> None:
-        self.cfg, self.pool, self.cache = cfg, pool, cache
+    def __init__(self, cfg: EngineConfig, pool: KVPool, cache: RadixCache | None, table: PageTable) -> None:
+        self.cfg, self.pool, self.cache, self.table = cfg, pool, cache, table
         self.P = pool.page_size
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # arrival order
+        self.running: list[Sequence] = []  # arrival order
+        self.finished_by_scheduler: list[Sequence] = []  # pool too small for a lone sequence
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
         self.num_preemptions = 0
+        self._step = 0
 
     # -- pages -------------------------------------------------------------------------------
     def _grab(self, n: int) -> list[int] | None:
@@ -89,14 +119,16 @@ class Scheduler:
         got = self._grab(-(-num_tokens // self.P) - len(seq.pages))
         if got is None:
             return False
-        seq.pages += got
+        if got:
+            self.table.write(seq.row, len(seq.pages), got)
+            seq.pages += got
         return True
 
     def cache_prefix(self, seq: Sequence) -> None:
         """Insert the sequence's fully computed pages into the radix tree and lock them."""
         if self.cache is None:
             return
-        full = min(seq.num_computed, len(seq.token_ids)) // self.P
+        full = min(seq.num_computed, len(seq.token_ids) - seq.num_pending) // self.P
         if full <= seq.num_tree_pages:
             return
         tree_pages, node = self.cache.insert(seq.token_ids[: full * self.P], seq.pages[:full])
@@ -105,6 +137,7 @@ class Scheduler:
                 self.pool.incref([theirs])
                 self.pool.decref([mine])
                 seq.pages[i] = theirs
+                self.table.write(seq.row, i, [theirs])
         self.cache.lock(node)
         if seq.node is not None:
             self.cache.unlock(seq.node)
@@ -112,95 +145,134 @@ class Scheduler:
 
     def release(self, seq: Sequence, keep_prefix: bool = True) -> None:
         """Give back every page of the sequence (its computed prefix stays cached)."""
-        if keep_prefix:
+        if keep_prefix and seq.row is not None:
             self.cache_prefix(seq)
         if self.cache is not None and seq.node is not None:
             self.cache.unlock(seq.node)
         self.pool.decref(seq.pages)
-        seq.pages, seq.node, seq.num_tree_pages, seq.num_computed = [], None, 0, 0
+        if seq.row is not None:
+            self.table.free_row(seq.row)
+        seq.pages, seq.node, seq.num_tree_pages, seq.num_computed, seq.row = [], None, 0, 0, None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.status = WAITING
+        bisect.insort(self.waiting, seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
         for q in (self.running, self.waiting):
             for s in q:
-                if s.id == seq_id:
-                    q.remove(s)
-                    self.release(s)
+                if s.id == seq_id and s.status != FINISHED:
+                    self.finish(s)
                     s.finish_reason = s.finish_reason or "abort"
                     return s
         return None
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
+        """Done (or aborted): free its pages; it leaves its queue at the next compaction."""
+        if seq.status == FINISHED:
+            return
+        seq.status = FINISHED
         self.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
         self.release(seq)
+        seq.status = WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return any(s.status == WAITING for s in self.waiting) or any(s.status == RUNNING for s in self.running)
+
+    def _compact(self) -> None:
+        self.running = [s for s in self.running if s.status == RUNNING]
+        self.waiting = [s for s in self.waiting if s.status == WAITING]
 
     def _order_waiting(self) -> list[Sequence]:
         if self.cache is None or len(self.waiting) > LONG_QUEUE:
-            return sorted(self.waiting, key=lambda s: s.arrival)
+            return self.waiting
         hits = {s.id: len(self.cache.match_prefix(s.token_ids[: self._cacheable(s)])[0]) for s in self.waiting}
         return sorted(self.waiting, key=lambda s: (-hits[s.id], s.arrival))
 
     def _cacheable(self, seq: Sequence) -> int:
         return (len(seq.token_ids) - 1) // self.P * self.P  # the last token is always computed
 
+    def _done_by_length(self, seq: Sequence) -> bool:
+        """Its last token is already decided (a pending token reached max_tokens or the window)."""
+        return seq.num_pending > 0 and (seq.num_output >= seq.params.max_tokens
+                                        or len(seq.token_ids) >= self.cfg.max_model_len)
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        self._compact()
+        self._step += 1
         budget = self.cfg.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if budget <= 0:
-                break
-            if seq not in self.running:  # preempted earlier in this loop
-                continue
-            need = len(seq.token_ids) - seq.num_computed
-            n = min(need, budget)
-            while not self._ensure_pages(seq, seq.num_computed + n):
-                victim = max(self.running, key=lambda s: s.arrival)
-                if victim is seq and len(self.running) == 1:
-                    seq.finish_reason = "length"  # alone and still out of pages: the pool is too small
+        for want_decode in (True, False):
+            for seq in self.running:
+                if budget <= 0:
                     break
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq not in self.running or seq.finish_reason:
-                continue
-            (decodes if need == 1 else prefills).append((seq, n))
-            budget -= n
+                if seq.status != RUNNING or seq.last_step == self._step or self._done_by_length(seq):
+                    continue
+                need = len(seq.token_ids) - seq.num_computed
+                if (need == 1) != want_decode:
+                    continue
+                n = min(need, budget)
+                ok, victim = self._make_room(seq, seq.num_computed + n)
+                preempted |= victim
+                if not ok:
+                    continue
+                seq.last_step = self._step
+                (decodes if want_decode else prefills).append((seq, n))
+                budget -= n
         if not preempted:
             budget = self._admit(budget, prefills)
+        self._compact()
         batch = decodes + prefills
         if not batch:
             return None
         return ScheduledBatch([s for s, _ in batch], [n for _, n in batch], len(decodes))
 
+    def _make_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
+        """Pages for num_tokens of seq, preempting the newest running sequences not scheduled this
+        step if need be. Returns (seq may run, something was preempted)."""
+        preempted = False
+        while not self._ensure_pages(seq, num_tokens):
+            victim = next((s for s in reversed(self.running)
+                           if s.status == RUNNING and s.last_step != self._step), None)
+            if victim is None:
+                return False, preempted
+            if victim is seq and sum(s.status == RUNNING for s in self.running) == 1:
+                seq.finish_reason = "length"  # alone and still out of pages: the pool is too small
+                self.finish(seq)
+                self.finished_by_scheduler.append(seq)
+                return False, preempted
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return False, preempted
+        return True, preempted
+
     def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> int:
         reserve = max(1, self.pool.num_pages // 100)
-        admitted: list[Sequence] = []
+        admitted_pages: set[tuple[int, tuple]] = set()  # (page index, its tokens) of this step's admissions
+        num_running = sum(s.status == RUNNING for s in self.running)
+        if budget <= 0 or num_running >= self.cfg.max_num_seqs or not self.waiting:
+            return budget
         for seq in self._order_waiting():
-            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+            if budget <= 0 or num_running >= self.cfg.max_num_seqs:
                 break
+            if seq.num_pending:  # preempted while a token was in flight: wait for it
+                continue
             pages, node = [], None
             if self.cache is not None:
                 pages, node = self.cache.match_prefix(seq.token_ids[: self._cacheable(seq)])
-                if any(self._shares_uncached(seq, a, len(pages)) for a in admitted):
-                    continue  # let the one admitted this step compute the shared pages first
+                i, P = len(pages) * self.P, self.P
+                if i + P <= self._cacheable(seq) and (len(pages), tuple(seq.token_ids[i:i + P])) in admitted_pages:
+                    continue  # it shares an uncached page with one admitted this step: let that one compute it
             cached = len(pages) * self.P
             total_pages = -(-len(seq.token_ids) // self.P)
             if node is not None:
@@ -212,6 +284,8 @@ class Scheduler:
                 break  # FCFS: do not let later requests overtake this one
             n = min(len(seq.token_ids) - cached, budget)
             self.pool.incref(pages)
+            seq.row = self.table.alloc_row()
+            self.table.write(seq.row, 0, pages)
             seq.pages, seq.node, seq.num_tree_pages, seq.num_computed = list(pages), node, len(pages), cached
             if not self._ensure_pages(seq, cached + n):
                 self.release(seq, keep_prefix=False)
@@ -220,22 +294,25 @@ class Scheduler:
                 seq.cached_tokens = cached
                 self.prefix_hit_tokens += cached
                 self.prefix_query_tokens += seq.prompt_len
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            admitted.append(seq)
+            seq.status = RUNNING
+            seq.last_step = self._step
+            bisect.insort(self.running, seq)
+            num_running += 1
+            if self.cache is not None:
+                P = self.P
+                admitted_pages.update((k, tuple(seq.token_ids[k * P:(k + 1) * P]))
+                                      for k in range(len(seq.token_ids) // P))
             prefills.append((seq, n))
             budget -= n
         return budget
 
-    def _shares_uncached(self, seq: Sequence, other: Sequence, cached_pages: int) -> bool:
-        """True when seq shares at least one more full page with `other` than the cache holds."""
-        P, i = self.P, cached_pages * self.P
-        j = i + P
-        return j <= min(self._cacheable(seq), len(other.token_ids)) and seq.token_ids[i:j] == other.token_ids[i:j]
-
     def update(self, batch: ScheduledBatch) -> None:
-        """Advance the computed counts after the model ran; cache prefixes of finished prefills."""
+        """Advance the computed counts once the step is launched; cache prefixes of prefill chunks."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             if n > 1:
                 self.cache_prefix(seq)
+
+    def take_finished(self) -> list[Sequence]:
+        out, self.finished_by_scheduler = self.finished_by_scheduler, []
+        return out

@@ -10,6 +10,8 @@ _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_fac
 
 def _shapes() -> dict[str, ModelConfig]:
     return {
+        # a toy Llama for smoke tests (`bench gpu-check --tiny`); its vocabulary covers the bundled prompts
+        "tiny": ModelConfig(64, 2, 4, 2, 128, 49152, rope_theta=10000.0, max_position_embeddings=4096),
         "smollm2-135m": ModelConfig(576, 30, 9, 3, 1536, 49152, rope_theta=100000.0, max_position_embeddings=8192,
                                     tie_word_embeddings=True),
         "smollm2-360m": ModelConfig(960, 32, 15, 5, 2560, 49152, rope_theta=100000.0, max_position_embeddings=8192,

