@@ -6,7 +6,6 @@ connection. (Each of these failed on the main before the hardening work.)"""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import statistics

@@ -35,7 +35,7 @@ from localrun.errors import Busy, InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.app import anthropic_error
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
-from localrun.server.state import State, json_body, sse_response
+from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("localrun.server")
@@ -360,40 +360,35 @@ async def messages(request: Request):
                         _usage(gen.usage))
 
     gen: Generation = await _service(st.generation.start(job))
+    blocks = _Blocks()
 
-    async def events() -> AsyncIterator[bytes]:
-        blocks = _Blocks()
-        try:
-            start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None),
-                             {"input_tokens": gen.prompt_tokens, "output_tokens": 0})
-            yield sse_event({"type": "message_start", "message": start})
-            done: Done | None = None
-            async for ev in gen.events():
-                out: list[bytes] = []
-                if isinstance(ev, Delta):
-                    if ev.reasoning:
-                        out += blocks.piece("thinking", ev.reasoning)
-                    if ev.content:
-                        out += blocks.piece("text", ev.content)
-                elif isinstance(ev, ToolCalls):
-                    for call in ev.calls:
-                        out += blocks.tool_use(call)
-                elif isinstance(ev, Done):
-                    done = ev
-                for data in out:
-                    yield data
-            for data in blocks.close():
+    async def produce() -> AsyncIterator[bytes]:
+        start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None),
+                         {"input_tokens": gen.prompt_tokens, "output_tokens": 0})
+        yield sse_event({"type": "message_start", "message": start})
+        done: Done | None = None
+        async for ev in gen.events():
+            out: list[bytes] = []
+            if isinstance(ev, Delta):
+                if ev.reasoning:
+                    out += blocks.piece("thinking", ev.reasoning)
+                if ev.content:
+                    out += blocks.piece("text", ev.content)
+            elif isinstance(ev, ToolCalls):
+                for call in ev.calls:
+                    out += blocks.tool_use(call)
+            elif isinstance(ev, Done):
+                done = ev
+            for data in out:
                 yield data
-            reason, seq = _stop_reason(done or Done(0, "stop", gen.usage), stops, max_tokens)
-            yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                             "usage": _usage(gen.usage)})
-            yield sse_event({"type": "message_stop"})
-        except Exception as exc:  # noqa: BLE001 - an error event ends the stream (Anthropic's shape)
-            yield sse_event(_stream_error(exc))
-        finally:
-            await gen.release()
+        for data in blocks.close():
+            yield data
+        reason, seq = _stop_reason(done or Done(0, "stop", gen.usage), stops, max_tokens)
+        yield sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                         "usage": _usage(gen.usage)})
+        yield sse_event({"type": "message_stop"})
 
-    return sse_response(events(), gen.release)
+    return generation_response(gen, produce, lambda exc: [sse_event(_stream_error(exc))])
 
 
 @router.post("/messages/count_tokens")

@@ -20,7 +20,7 @@ from localrun.backends.base import SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
-from localrun.server.state import State, json_body, ndjson, ndjson_response
+from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
 log = logging.getLogger("localrun.server")
@@ -317,26 +317,24 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
 
     gen = await st.generation.start(job)
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for ev in gen.events():
-                if isinstance(ev, Delta) and (ev.content or ev.reasoning):
-                    yield ndjson(piece(ev.content, ev.reasoning))
-                elif isinstance(ev, ToolCalls):
-                    yield ndjson(piece(calls=ev.calls))
-                elif isinstance(ev, Done):
-                    yield ndjson(final(gen, ev.finish_reason))
-        except Exception as exc:  # noqa: BLE001 - a last line with done and the error (Ollama's clients raise)
-            if not isinstance(exc, LocalrunError):
-                log.error("stream failed: %s: %s", type(exc).__name__, exc)
-                exc = LocalrunError(f"internal error: {type(exc).__name__}")
-            out = piece()
-            out.update(done=True, done_reason="abort", error=exc.public_message, status=exc.status)
-            yield ndjson(out)
-        finally:
-            await gen.release()
+    async def produce() -> AsyncIterator[bytes]:
+        async for ev in gen.events():
+            if isinstance(ev, Delta) and (ev.content or ev.reasoning):
+                yield ndjson(piece(ev.content, ev.reasoning))
+            elif isinstance(ev, ToolCalls):
+                yield ndjson(piece(calls=ev.calls))
+            elif isinstance(ev, Done):
+                yield ndjson(final(gen, ev.finish_reason))
 
-    return ndjson_response(events(), gen.release)
+    def failed(exc: Exception) -> list[bytes]:  # a last line with done and the error (Ollama's clients raise)
+        if not isinstance(exc, LocalrunError):
+            log.error("stream failed: %s: %s", type(exc).__name__, exc)
+            exc = LocalrunError(f"internal error: {type(exc).__name__}")
+        out = piece()
+        out.update(done=True, done_reason="abort", error=exc.public_message, status=exc.status)
+        return [ndjson(out)]
+
+    return generation_response(gen, produce, failed, lines=True)
 
 
 def _loads(s: str):

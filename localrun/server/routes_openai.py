@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
-from localrun.server.state import State, json_body, sse_response
+from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
 log = logging.getLogger("localrun.server")
@@ -172,24 +172,20 @@ def _sse_response(obj_type: str, cid: str, created: int, gen: Generation, includ
             obj["usage"] = usage
         return sse(obj)
 
-    async def events() -> AsyncIterator[bytes]:
-        index = 0
-        try:
-            async for ev in gen.events():
-                index = ev.index
-                for data in render(ev, chunk):
-                    yield data
-            if include_usage:
-                u = gen.usage
-                yield chunk([], usage_body(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
-            yield b"data: [DONE]\n\n"
-        except Exception as exc:  # noqa: BLE001
-            yield chunk([cut(index)], **stream_error(exc))
-            yield b"data: [DONE]\n\n"
-        finally:
-            await gen.release()
+    index = 0
 
-    return sse_response(events(), gen.release)
+    async def produce() -> AsyncIterator[bytes]:
+        nonlocal index
+        async for ev in gen.events():
+            index = ev.index
+            for data in render(ev, chunk):
+                yield data
+        if include_usage:
+            u = gen.usage
+            yield chunk([], usage_body(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+        yield b"data: [DONE]\n\n"
+
+    return generation_response(gen, produce, lambda exc: [chunk([cut(index)], **stream_error(exc)), b"data: [DONE]\n\n"])
 
 
 @router.post("/chat/completions")

@@ -27,7 +27,7 @@ from localrun.server import params as p
 from localrun.server.generation import Delta, Done, Event, Job, ToolCalls, until_disconnected
 from localrun.server.response_store import ResponseStore, check_id, new_response_id
 from localrun.server.routes_openai import stream_error
-from localrun.server.state import State, json_body, sse_response
+from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
 
@@ -445,25 +445,22 @@ async def create_response(request: Request):
 
     gen = await st.generation.start(job)
 
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            yield _sse(builder.snapshot("response.created"))
-            yield _sse(builder.snapshot("response.in_progress"))
-            async for ev in gen.events():
-                for out in builder.feed(ev):
-                    yield _sse(out)
-            done = await finish(gen.usage)
-            yield _sse(builder.snapshot("response.incomplete" if done["status"] == "incomplete"
-                                        else "response.completed"))
-        except Exception as exc:  # noqa: BLE001 - the status was sent: an error event, then response.failed
-            err = stream_error(exc)["error"]
-            yield _sse(builder.event("error", code=err["code"], message=err["message"], param=None))
-            response.update(status="failed", error={"code": "server_error", "message": err["message"]})
-            yield _sse(builder.snapshot("response.failed"))
-        finally:
-            await gen.release()
+    async def produce() -> AsyncIterator[bytes]:
+        yield _sse(builder.snapshot("response.created"))
+        yield _sse(builder.snapshot("response.in_progress"))
+        async for ev in gen.events():
+            for out in builder.feed(ev):
+                yield _sse(out)
+        done = await finish(gen.usage)
+        yield _sse(builder.snapshot("response.incomplete" if done["status"] == "incomplete" else "response.completed"))
 
-    return sse_response(events(), gen.release)
+    def failed(exc: Exception) -> list[bytes]:  # the status was sent: an error event, then response.failed
+        err = stream_error(exc)["error"]
+        response.update(status="failed", error={"code": "server_error", "message": err["message"]})
+        return [_sse(builder.event("error", code=err["code"], message=err["message"], param=None)),
+                _sse(builder.snapshot("response.failed"))]
+
+    return generation_response(gen, produce, failed)
 
 
 @router.get("/responses/{response_id}")

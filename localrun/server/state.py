@@ -123,5 +123,24 @@ def ndjson_response(events: AsyncIterator[bytes], release: Callable[[], Awaitabl
                              background=BackgroundTask(release) if release else None)
 
 
+def generation_response(gen: Any, produce: Callable[[], AsyncIterator[bytes]],
+                        on_error: Callable[[Exception], list[bytes]], *, lines: bool = False) -> StreamingResponse:
+    """A streamed generation for any API: `produce()`'s pieces; an error mid-stream (a runner that
+    died, the daemon stopping) ends it with `on_error(exc)`'s pieces in the API's own shape (the
+    status line is sent by then); the lease goes back however the stream ends."""
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for data in produce():
+                yield data
+        except Exception as exc:  # noqa: BLE001 - the answer has begun: the error goes into the stream
+            for data in on_error(exc):
+                yield data
+        finally:
+            await gen.release()
+
+    return (ndjson_response if lines else sse_response)(events(), gen.release)
+
+
 def ndjson(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
