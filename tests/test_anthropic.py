@@ -423,13 +423,15 @@ def test_real_stream(real):
 
 
 def test_real_stop_sequence(real):
+    """Stops that any English answer holds within a few tokens (a word taken from one greedy answer
+    need not come again: llama.cpp's numbers depend on which slot, with which cached prefix, runs it)."""
     d, client = real
-    first = client.messages.create(model=MODEL, max_tokens=8, messages=CAPITAL, extra_body={"temperature": 0})
-    words = first.content[0].text.split()
-    word = words[len(words) // 2]  # greedy: the same text comes again, and stops at this word
-    r = client.messages.create(model=MODEL, max_tokens=8, messages=CAPITAL, stop_sequences=[word],
+    stops = ["a", "e", "i", "o"]
+    r = client.messages.create(model=MODEL, max_tokens=8, messages=CAPITAL, stop_sequences=stops,
                                extra_body={"temperature": 0})
-    assert r.stop_reason == "stop_sequence" and r.stop_sequence == word and word not in r.content[0].text
+    text = "".join(b.text for b in r.content if b.type == "text")
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence in stops, r
+    assert not any(s in text for s in stops)
 
 
 def test_real_forced_tool_call(real):
