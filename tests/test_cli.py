@@ -69,6 +69,12 @@ def assert_clean_error(r: subprocess.CompletedProcess, *, code: int | None = Non
     return r.stderr
 
 
+def _sigint_default() -> None:
+    # a test run started in the background by a non-interactive shell inherits SIGINT ignored,
+    # and so would the CLI; a user's terminal delivers it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """`localrun serve` in the foreground, with the model pulled once."""
@@ -76,7 +82,7 @@ def daemon(tmp_path_factory):
     port = free_port()
     env = make_env(home, port)
     proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
     try:
         wait_up(f"http://127.0.0.1:{port}", proc)
         yield {"env": env, "url": f"http://127.0.0.1:{port}", "home": home}
@@ -471,7 +477,7 @@ def test_run_on_a_terminal_opens_the_chat_tui(pulled):
 def test_ctrl_c_stops_a_stream(pulled):
     proc = subprocess.Popen([sys.executable, "-m", "localrun", "run", MODEL, "Write a very long story about a dragon.",
                              "-o", "num_predict=2000", "-o", "num_ctx=2048"], env=pulled["env"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, preexec_fn=_sigint_default)
     try:
         os.set_blocking(proc.stdout.fileno(), False)
         deadline = time.monotonic() + 60
