@@ -9,6 +9,18 @@ goes out at once, so a stop list does not delay the first token (holding back a 
 from __future__ import annotations
 
 
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that starts some stop string (0 if none): what a
+    stream must hold back, since it may still become a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
 class StopScanner:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
@@ -31,14 +43,7 @@ class StopScanner:
         return out, False
 
     def _partial(self, text: str) -> int:
-        """Length of the longest suffix of `text` that starts some stop string (0 if none)."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if s.startswith(text[-n:]):
-                    best = n
-                    break
-        return best
+        return held_back(text, self.stops)
 
     def flush(self) -> str:
         """What is still held back, at the end of generation."""
@@ -46,4 +51,4 @@ class StopScanner:
         return out
 
 
-__all__ = ["StopScanner"]
+__all__ = ["StopScanner", "held_back"]

@@ -173,3 +173,21 @@ async def test_online_stream_and_abort_free_pages(engine, prompts):
         engine.shutdown()
     engine.clear_prefix_cache()
     assert engine.stats()["kv_pages_free"] == total
+
+
+async def test_a_stop_list_does_not_delay_streamed_text(engine, prompts):
+    """Only text that could still start a stop string is held back: with a stop string that
+    never comes, every delta carries the same text as without one (a fixed hold of
+    len(stop) - 1 characters kept the first tokens back)."""
+    engine.start()
+    try:
+        async def deltas(stop):
+            out = []
+            async for d in engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=8, stop=stop)):
+                out.append((d.token_ids, d.text))
+            return out
+
+        plain, stopped = await deltas([]), await deltas(["ZZZZZZZZZZZZZZZZ"])
+        assert stopped == plain and plain[0][1]
+    finally:
+        engine.shutdown()

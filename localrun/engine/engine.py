@@ -30,6 +30,7 @@ from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
 from localrun.engine.scheduler import Scheduler, Sequence
 from localrun.engine.tokenizer import Detokenizer, Tokenizer
+from localrun.stop_strings import held_back
 
 log = logging.getLogger("localrun.engine")
 
@@ -330,7 +331,7 @@ class LLMEngine:
         if finish:
             self._finish(req, finish)
         elif req.stream is not None:
-            hold = max((len(s) for s in p.stop), default=1) - 1
+            hold = held_back(req.text[req.sent:], p.stop) if p.stop else 0  # only a possible stop's start
             self._emit(req, max(req.sent, len(req.text) - hold))
 
     @staticmethod
