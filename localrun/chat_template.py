@@ -94,8 +94,10 @@ def _check_format(fmt: Any, printf: bool, args: Any = ()) -> None:
     lens = [len(v) for v in values if isinstance(v, str)]
     if lens:
         fields = fmt.count("%") if printf else fmt.count("{")
-        grow = sum(lens) if printf else fields * max(lens)
-        if len(fmt) + min(grow, fields * max(lens)) > MAX_OUTPUT_CHARS:
+        grow = fields * max(lens)  # each field at most the longest argument
+        if printf:  # and %-formatting uses each argument once
+            grow = min(grow, sum(lens))
+        if len(fmt) + grow > MAX_OUTPUT_CHARS:
             raise _too_big()
 
 
