@@ -9,6 +9,8 @@ without Triton. Matmuls are not here: they stay on cuBLAS through torch.
 
 KV cache layout: per layer K and V of shape [num_pages, page_size, num_kv_heads, head_dim];
 slot = page_id * page_size + offset; page_table int32 [B, max_pages]; seq_lens int32 [B].
+Quantized KV (int8 / float8_e4m3fn caches) adds float32 scales [num_pages, page_size, num_kv_heads]
+per cache (keyword arguments k_scale / v_scale of store_kv and the attention ops; reference.py).
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ import torch
 
 from ._common import interpreting
 from .reference import (
+    KV_QMAX,
+    KV_SCALE_DTYPE,
     apply_rope_ref,
+    dequantize_kv_ref,
     extend_attention_ref,
     fused_add_rmsnorm_ref,
     paged_decode_attention_ref,
+    quantize_kv_ref,
     rope_cos_sin_cache,
     rope_inv_freq,
     silu_and_mul_ref,
@@ -36,7 +42,7 @@ __all__ = [
     "store_kv", "paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "apply_rope", "silu_and_mul",
     "store_kv_ref", "paged_decode_attention_ref", "extend_attention_ref", "fused_add_rmsnorm_ref",
     "apply_rope_ref", "silu_and_mul_ref", "rope_cos_sin_cache", "rope_inv_freq",
-    "triton_available", "uses_triton",
+    "triton_available", "uses_triton", "KV_QMAX", "KV_SCALE_DTYPE", "quantize_kv_ref", "dequantize_kv_ref",
 ]
 
 _triton_ok: bool | None = None

@@ -54,3 +54,24 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride on its last dim (a copy only when needed)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def kv_quant(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+             v_scale: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(QUANT, k_scale, v_scale) for a kernel launch: QUANT is 0 for an unquantized cache (the
+    caches stand in for the unused scale pointers), 1 for int8, 2 for float8_e4m3fn; the
+    scales of a quantized cache are checked: float32 [num_pages, page_size, num_kv_heads], contiguous."""
+    from .reference import KV_QMAX, KV_SCALE_DTYPE
+
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) differ in dtype")
+    if k_cache.dtype not in KV_QMAX:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"scales were given for an unquantized {k_cache.dtype} KV cache")
+        return 0, k_cache, v_cache
+    want = tuple(k_cache.shape[:3])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or tuple(s.shape) != want or s.dtype != KV_SCALE_DTYPE or not s.is_contiguous():
+            got = "none" if s is None else f"{s.dtype} {tuple(s.shape)}"
+            raise ValueError(f"a {k_cache.dtype} KV cache needs {name}: contiguous {KV_SCALE_DTYPE} {want}, got {got}")
+    return (1 if k_cache.dtype == torch.int8 else 2), k_scale, v_scale

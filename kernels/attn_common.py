@@ -25,15 +25,19 @@ def mma(a, b, PRECISION: tl.constexpr):
 def attend_kv_block(
     acc, m_i, l_i, q, q_pos, n0, kv_end,
     K, V, page_row, kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2,
-    offs_d, mask_d,
+    offs_d, mask_d, KScale, VScale, stride_ks_slot, stride_vs_slot,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    BOUNDED: tl.constexpr, CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One online-softmax step over cache positions [n0, n0 + BLOCK_N), read through the page table.
 
     acc [M, BLOCK_D] / m_i, l_i [M] (fp32, logits in base 2) are updated and returned.
     page_row: pointer to the sequence's page-table row. BOUNDED: mask positions >= kv_end.
     CAUSAL: mask positions > q_pos [M]. A block with neither mask is read without masks.
+    QUANT (int8 / fp8 cache, per-token-per-head scales KScale / VScale): the stored values are
+    cast (exactly) to q's dtype for the dots, and the scales applied outside them: a key's scale
+    multiplies its score column, a value's scale its probability column (l_i sums the unscaled
+    probabilities), so no dequantized K/V tile is ever built.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BOUNDED:
@@ -46,7 +50,15 @@ def attend_kv_block(
     slot = page * PAGE_SIZE + offs_n % PAGE_SIZE
     k = tl.load(K + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                 mask=kv_mask, other=0.0)
+    # the dot's operand type (the interpreter: fp32, as mma widens anyway; its int8 -> bf16 cast is broken)
+    k = k.to(tl.float32) if PRECISION == "interp_upcast" else k.to(q.dtype)
     qk = mma(q, tl.trans(k), PRECISION) * scale_log2
+    if QUANT:
+        if BOUNDED:
+            k_scale = tl.load(KScale + slot * stride_ks_slot + kv_head, mask=mask_n, other=0.0)
+        else:
+            k_scale = tl.load(KScale + slot * stride_ks_slot + kv_head)
+        qk = qk * k_scale[None, :]
     if BOUNDED:
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
     if CAUSAL:
@@ -57,6 +69,13 @@ def attend_kv_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                 mask=kv_mask, other=0.0)
+    v = v.to(tl.float32) if PRECISION == "interp_upcast" else v.to(q.dtype)
+    if QUANT:
+        if BOUNDED:
+            v_scale = tl.load(VScale + slot * stride_vs_slot + kv_head, mask=mask_n, other=0.0)
+        else:
+            v_scale = tl.load(VScale + slot * stride_vs_slot + kv_head)
+        p = p * v_scale[None, :]
     if PRECISION == "interp_upcast":  # the interpreter narrows by truncation (biased): keep p in fp32
         acc = acc * alpha[:, None] + mma(p, v, PRECISION)
     else:

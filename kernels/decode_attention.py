@@ -21,22 +21,22 @@ import triton
 import triton.language as tl
 
 from .attn_common import attend_kv_block
-from ._common import check_cache, dot_precision, inner_contiguous, interpreting, next_pow2, num_sms
+from ._common import check_cache, kv_quant, dot_precision, inner_contiguous, interpreting, next_pow2, num_sms
 
 MAX_KV_SPLITS = 16
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    Q, K, V, PageTable, SeqLens, MidO, MidLse,
+    Q, K, V, KScale, VScale, PageTable, SeqLens, MidO, MidLse,
     scale_log2, num_splits,
     stride_qb, stride_qh,
-    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_ks_slot, stride_vs_slot,
     stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,7 +64,8 @@ def _decode_split_kernel(
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, offs_h, n0, end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
-            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=True, CAUSAL=False)
+            KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
+            BOUNDED=True, CAUSAL=False, QUANT=QUANT)
 
     has_keys = l_i > 0.0  # False for an empty split (short sequence, many splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -111,14 +112,18 @@ def default_num_kv_splits(batch: int, num_kv_heads: int, device_tensor: torch.Te
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_kv_splits: int | None = None) -> torch.Tensor:
+                           num_kv_splits: int | None = None, *, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D].
+
+    k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
 
     The split count is a runtime argument and the partial-result buffers always have
     MAX_KV_SPLITS slots, so every batch size and split count runs the same compiled kernels
     (no JIT after the first call, and a CUDA graph may capture any batch size).
     """
     check_cache(k_cache, v_cache)
+    quant, k_scale, v_scale = kv_quant(k_cache, v_cache, k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
@@ -137,15 +142,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = 16 if interpreting() else 32  # SGLang's grouped decode tile
 
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, k_scale, v_scale, page_table, seq_lens, mid_o, mid_lse,
         scale * math.log2(math.e), splits,
         q.stride(0), q.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), k_scale.stride(1),
+        v_scale.stride(1),
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
-        BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype), QUANT=quant,
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

@@ -20,19 +20,20 @@ import triton
 import triton.language as tl
 
 from .attn_common import attend_kv_block
-from ._common import check_cache, dot_precision, inner_contiguous, interpreting, next_pow2
+from ._common import check_cache, kv_quant, dot_precision, inner_contiguous, interpreting, next_pow2
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, PageTable, CuSeqlensQ, SeqLens,
+    Q, K, V, KScale, VScale, O, PageTable, CuSeqlensQ, SeqLens,
     scale_log2,
     stride_qt, stride_qh,
-    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_ks_slot, stride_vs_slot,
     stride_ot, stride_oh,
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -65,7 +66,8 @@ def _extend_kernel(
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, q_pos, n0, full_end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
-            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=False, CAUSAL=False)
+            KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
+            BOUNDED=False, CAUSAL=False, QUANT=QUANT)
     # The diagonal, causally masked. Its first key (full_end) is <= every row's position, so
     # no row's softmax is ever empty; keys past the block's last query are never read.
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
@@ -73,7 +75,8 @@ def _extend_kernel(
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, q_pos, n0, kv_end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
-            BLOCK_N, PAGE_SIZE, PRECISION, BOUNDED=True, CAUSAL=True)
+            KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
+            BOUNDED=True, CAUSAL=True, QUANT=QUANT)
 
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -101,14 +104,17 @@ def _default_config(capability: tuple[int, int] | None, head_dim: int) -> tuple[
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     max_q_len: int | None = None) -> torch.Tensor:
+                     max_q_len: int | None = None, *, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (new tokens of all sequences, concatenated) -> o [T, Hq, D].
 
     max_q_len (the longest q_len in the batch) sizes the grid; pass it when the caller knows
     it. Without it the grid assumes the bound T (no device-to-host sync): query blocks past a
     sequence's q_len exit at once, which costs little next to the attention work.
+    k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
     """
     check_cache(k_cache, v_cache)
+    quant, k_scale, v_scale = kv_quant(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or num_q_heads % num_kv_heads:
@@ -130,15 +136,16 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     while True:
         try:
             _extend_kernel[(batch, num_q_heads, triton.cdiv(max_q_len, block_m))](
-                q, k_cache, v_cache, out, page_table, cu_seqlens_q, seq_lens,
+                q, k_cache, v_cache, k_scale, v_scale, out, page_table, cu_seqlens_q, seq_lens,
                 scale * math.log2(math.e),
                 q.stride(0), q.stride(1),
                 k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+                k_scale.stride(1), v_scale.stride(1),
                 out.stride(0), out.stride(1),
                 page_table.stride(0),
                 GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
                 BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
-                num_warps=warps, num_stages=stages,
+                QUANT=quant, num_warps=warps, num_stages=stages,
             )
             break
         except triton.OutOfResources:  # shared memory of a smaller GPU: halve the tiles and retry

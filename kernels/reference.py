@@ -12,6 +12,11 @@ Shared conventions (see docs: engine API, "KV cache layout"):
   * page_table: int32 [batch, max_pages_per_seq] (unused entries may hold any value);
     seq_lens: int32 [batch], the full KV length of each sequence.
   * Query head h reads KV head h // (num_q_heads // num_kv_heads) (GQA).
+  * Quantized KV (int8 or float8_e4m3fn caches): every cache has a float32 scale tensor
+    k_scale / v_scale of shape [num_pages, page_size, num_kv_heads], one scale per token
+    per KV head: value = stored * scale, scale = max|x| over head_dim / QMAX (127 for int8,
+    448 for fp8 e4m3). Written once with the token (store_kv), never updated, so a page
+    shared by the prefix cache never changes. Unquantized caches pass no scales.
 """
 
 from __future__ import annotations
@@ -21,64 +26,114 @@ import math
 import torch
 
 
+KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # quantized KV dtypes and their largest value
+KV_SCALE_DTYPE = torch.float32
+KV_MIN_AMAX = 1e-8  # an all-zero head vector gets this amax (its scale stays finite and nonzero)
+
+
+def quantize_kv_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (values [..., D] in dtype, float32 scales [...]): one scale per vector.
+
+    int8 rounds half away from zero (what the Triton store does: y +- 0.5, truncated);
+    fp8 rounds to nearest even (torch's and the GPU's cast).
+    """
+    qmax = KV_QMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(KV_MIN_AMAX) / qmax
+    y = (xf / scale[..., None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc()
+    return y.to(dtype), scale
+
+
+def dequantize_kv_ref(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """values [..., D] (int8 / fp8) and scales [...] -> float32 [..., D]."""
+    return values.float() * scale[..., None]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A byte view for copies (index_copy_ has no float8 kernel on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write k/v [T, Hkv, D] into the caches at slot_mapping [T] (in place; slots < 0 skipped)."""
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """Write k/v [T, Hkv, D] into the caches at slot_mapping [T] (in place; slots < 0 skipped).
+
+    Quantized caches (int8 / fp8) need k_scale / v_scale [num_pages, page_size, Hkv]: each
+    token's head vectors are quantized with their own scale, written alongside.
+    """
     slots = slot_mapping.long()
     if slots.numel() and bool((slots < 0).any()):  # padding tokens write nothing
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, sc in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if cache.dtype in KV_QMAX:
+            if sc is None:
+                raise ValueError(f"a {cache.dtype} KV cache needs its scale tensor")
+            x, s = quantize_kv_ref(x, cache.dtype)
+            sc.view(-1, num_kv_heads).index_copy_(0, slots, s)
+        _bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, _bytes(x.to(cache.dtype)))
 
 
-def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int) -> torch.Tensor:
+def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor, length: int,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """Positions [0, length) through page_table [..., P]: a new tensor [..., length, Hkv, D].
 
     Unused table entries may hold anything: they are clamped to a real page (what they read
     is masked by the caller). torch.index_select is ~10x faster than cache[pages] on CPU.
+    With scale (a quantized cache's [num_pages, page_size, Hkv]) the result is dequantized (fp32).
     """
     page_size = cache.shape[1]
     pages = page_table[..., : (length + page_size - 1) // page_size].long().clamp(0, cache.shape[0] - 1)
-    g = torch.index_select(cache, 0, pages.reshape(-1))
-    return g.view(*pages.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
+    idx = pages.reshape(-1)
+    g = torch.index_select(cache, 0, idx).view(*pages.shape[:-1], -1, *cache.shape[2:])[..., :length, :, :]
+    if scale is None:
+        return g
+    s = torch.index_select(scale, 0, idx).view(*pages.shape[:-1], -1, cache.shape[2])[..., :length, :]
+    return dequantize_kv_ref(g, s)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                num_kv_splits: int | None = None, *, lens: list[int] | None = None,
-                               group: int = 8) -> torch.Tensor:
+                               group: int = 8, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence attending to all seq_lens[b] cached tokens: q [B, Hq, D] -> [B, Hq, D].
 
     lens (seq_lens as a host list; spares a device sync) runs the batch in groups of `group`
     sequences of similar length, each gathered padded only to its own longest: less padding,
     less memory traffic. Without it the whole batch is padded to the longest sequence.
     num_kv_splits (a Triton tuning knob) is accepted for signature parity and unused.
+    k_scale / v_scale: a quantized cache's scales (see the module docstring).
     """
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    sc = (k_scale, v_scale)
     if lens is None or len(lens) <= group:
         return _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale,
-                              seq_lens.tolist() if lens is None else lens)
+                              seq_lens.tolist() if lens is None else lens, sc)
     order = sorted(range(len(lens)), key=lens.__getitem__)
     out = torch.empty_like(q)
     for g in range(0, len(order), group):
         idx = order[g:g + group]
         ix = torch.tensor(idx, device=q.device)
-        out[ix] = _decode_padded(q[ix], k_cache, v_cache, page_table[ix], seq_lens[ix], scale, [lens[i] for i in idx])
+        out[ix] = _decode_padded(q[ix], k_cache, v_cache, page_table[ix], seq_lens[ix], scale, [lens[i] for i in idx],
+                                 sc)
     return out
 
 
-def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int]) -> torch.Tensor:
+def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], scales) -> torch.Tensor:
     """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = max(lens)
     if max_len == 0:
         return torch.zeros_like(q)
-    k = _gather_pages(k_cache, page_table, max_len).float().transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, page_table, max_len).float().transpose(1, 2)
+    k = _gather_pages(k_cache, page_table, max_len, scales[0]).float().transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_pages(v_cache, page_table, max_len, scales[1]).float().transpose(1, 2)
     if batch > 1:  # the matmuls would copy these strided views anyway, and more slowly
         k, v = k.contiguous(), v.contiguous()
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
@@ -109,13 +164,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         max_q_len: int | None = None, *, lens: list[int] | None = None) -> torch.Tensor:
+                         max_q_len: int | None = None, *, lens: list[int] | None = None,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix + themselves: q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V are already in the cache. Query i of sequence b (rows
     cu_seqlens_q[b]..cu_seqlens_q[b+1]) sits at position seq_lens[b] - q_len_b + i and sees
     cache positions <= its own. lens (seq_lens as a host list) spares a device sync.
-    max_q_len is accepted for signature parity and unused.
+    max_q_len is accepted for signature parity and unused. k_scale / v_scale: a quantized
+    cache's scales (see the module docstring).
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -124,8 +181,8 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         s, e = starts[b], starts[b + 1]
         if e == s:
             continue
-        k = _gather_pages(k_cache, page_table[b], kv_len)  # [L, Hkv, D]
-        v = _gather_pages(v_cache, page_table[b], kv_len)
+        k = _gather_pages(k_cache, page_table[b], kv_len, k_scale)  # [L, Hkv, D]
+        v = _gather_pages(v_cache, page_table[b], kv_len, v_scale)
         mask = None  # a whole sequence (no cached prefix): SDPA's own causal mask
         if e - s != kv_len:
             q_pos = torch.arange(kv_len - (e - s), kv_len, device=q.device)

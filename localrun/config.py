@@ -33,6 +33,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
+    "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -140,6 +141,7 @@ class Settings:
     context_length: int
     gpu_memory_fraction: float
     log_level: str
+    kv_cache_type: str = "auto"
     llamacpp_extra_buffers: str = "auto"
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
@@ -183,12 +185,28 @@ class Settings:
             "LOCALRUN_BACKEND": self.backend,
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
+            "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
         }
         return [(k, values[k]) for k in ENV_VARS]
+
+
+KV_CACHE_TYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")  # localrun.engine.config parses the same names
+_KV_CACHE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "f16": "fp16", "half": "fp16", "float32": "fp32",
+                     "f32": "fp32", "q8_0": "int8", "fp8_e4m3": "fp8"}
+
+
+def parse_kv_cache_type(text: str | None) -> str:
+    """LOCALRUN_KV_CACHE_TYPE's canonical name (Ollama's f16 / q8_0 are accepted)."""
+    key = (text or "auto").strip().lower()
+    key = _KV_CACHE_ALIASES.get(key, key)
+    if key not in KV_CACHE_TYPES:
+        raise ValueError(f"LOCALRUN_KV_CACHE_TYPE must be one of {', '.join(KV_CACHE_TYPES)} (fp8 and int8 quantize the "
+                         f"native engine's KV cache; q4_0 is not supported), got {text!r}")
+    return key
 
 
 def settings(env: dict[str, str] | None = None) -> Settings:
@@ -246,6 +264,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         context_length=_int("LOCALRUN_CONTEXT_LENGTH", e.get("LOCALRUN_CONTEXT_LENGTH"), 4096, 16),
         gpu_memory_fraction=frac,
         log_level=log_level,
+        kv_cache_type=parse_kv_cache_type(e.get("LOCALRUN_KV_CACHE_TYPE")),
         llamacpp_extra_buffers=extra_buffers,
         load_timeout=load_timeout,
         shutdown_grace=grace,

@@ -245,9 +245,9 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
     h100 = (9, 0)
     meta = _compile_for_gpu(
         decode_attention._decode_split_kernel, h100,
-        {"Q": bf, "K": bf, "V": bf, "PageTable": "*i32", "SeqLens": "*i32", "MidO": "*fp32", "MidLse": "*fp32",
-         "scale_log2": "fp32", "num_splits": "i32"},
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32"),
+        {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "PageTable": "*i32", "SeqLens": "*i32",
+         "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32", QUANT=0),
         num_warps=4, num_stages=2)
     assert meta.shared > 0
     _compile_for_gpu(decode_attention._decode_merge_kernel, h100,
@@ -257,14 +257,14 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
         block_m, block_n, warps, stages = extend_attn._default_config(capability, 128)
         meta = _compile_for_gpu(
             extend_attn._extend_kernel, capability,
-            {"Q": bf, "K": bf, "V": bf, "O": bf, "PageTable": "*i32", "CuSeqlensQ": "*i32", "SeqLens": "*i32",
-             "scale_log2": "fp32"},
+            {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
+             "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32"},
             dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16,
-                 PRECISION="tf32"), num_warps=warps, num_stages=stages)
+                 PRECISION="tf32", QUANT=0), num_warps=warps, num_stages=stages)
         assert 0 < meta.shared <= shared_limit, (capability, meta.shared)
     _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": bf, "VCache": bf,
-                                                       "SlotMapping": "*i64"},
-                     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK=1024), num_warps=4)
+                                                       "KScale": "*fp32", "VScale": "*fp32", "SlotMapping": "*i64"},
+                     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANT=0, INTERP_FP8=False), num_warps=4)
     _compile_for_gpu(rmsnorm._add_rmsnorm_kernel, h100, {"X": bf, "Residual": bf, "Weight": bf, "Out": bf,
                                                          "NewResidual": bf, "eps": "fp32"},
                      dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), num_warps=16)

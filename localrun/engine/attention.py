@@ -2,6 +2,8 @@
 
 KV layout, shared with localrun.kernels: per layer one K and one V tensor of shape
 [num_pages, page_size, num_kv_heads, head_dim]; token slot = page_id * page_size + offset.
+A quantized pool (int8 / fp8) adds a float32 scale tensor [num_pages, page_size, num_kv_heads]
+for each; the backends pass a layer's (k, v, k_scale, v_scale) to the kernels as they are.
 
 A step's inputs (token ids, positions, KV slots, sequence lengths, query offsets, page-table
 rows) are written into one preallocated int32 host array and uploaded in one copy into one
@@ -173,26 +175,26 @@ class AttentionBackend:
         """Store this step's K/V into the pages, then attend through the page table."""
         if meta.slot_mapping is None:  # no cache (embeddings): plain causal attention per sequence
             return self._no_cache_attention(q, k, v, meta, scale)
-        kc, vc = self.pool.k_caches[layer], self.pool.v_caches[layer]
-        self.store_kv(k, v, kc, vc, meta.slot_mapping)
+        kv = self.pool.layers[layer]  # (k_cache, v_cache, k_scale, v_scale); scales None unless quantized
+        self.store_kv(k, v, kv, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.is_decode_only:
-            return self.decode(q, kc, vc, meta, 0, nd, scale)
+            return self.decode(q, kv, meta, 0, nd, scale)
         if nd == 0:
-            return self.extend(q, kc, vc, meta, 0, meta.num_seqs, scale)
+            return self.extend(q, kv, meta, 0, meta.num_seqs, scale)
         out = torch.empty_like(q)
-        out[:nd] = self.decode(q[:nd], kc, vc, meta, 0, nd, scale)
-        out[nd:] = self.extend(q[nd:], kc, vc, meta, nd, meta.num_seqs, scale)
+        out[:nd] = self.decode(q[:nd], kv, meta, 0, nd, scale)
+        out[nd:] = self.extend(q[nd:], kv, meta, nd, meta.num_seqs, scale)
         return out
 
-    # the three primitives a backend implements (sequences [a, b) of the batch)
-    def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
+    # the three primitives a backend implements (kv: one layer's KVPool.layers entry; sequences [a, b))
+    def store_kv(self, k, v, kv, slots) -> None:
         raise NotImplementedError
 
-    def decode(self, q, k_cache, v_cache, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
+    def decode(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def extend(self, q, k_cache, v_cache, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
+    def extend(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod
@@ -208,19 +210,19 @@ class TorchAttention(AttentionBackend):
     """The torch references (localrun.kernels.reference): exact, and cheap on CPU where host-side
     lengths let decode attend in groups of similar length."""
 
-    def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
-        kernels.store_kv_ref(k, v, k_cache, v_cache, slots)
+    def store_kv(self, k, v, kv, slots) -> None:
+        kernels.store_kv_ref(k, v, kv[0], kv[1], slots, kv[2], kv[3])
 
-    def decode(self, q, k_cache, v_cache, meta, a, b, scale):
+    def decode(self, q, kv, meta, a, b, scale):
         lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
-        return kernels.paged_decode_attention_ref(q, k_cache, v_cache, meta.page_table[a:b], meta.seq_lens[a:b],
-                                                  scale, lens=lens)
+        return kernels.paged_decode_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
+                                                  lens=lens, k_scale=kv[2], v_scale=kv[3])
 
-    def extend(self, q, k_cache, v_cache, meta, a, b, scale):
+    def extend(self, q, kv, meta, a, b, scale):
         lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
         cu = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a] if a else meta.cu_seqlens_q
-        return kernels.extend_attention_ref(q, k_cache, v_cache, meta.page_table[a:b], cu, meta.seq_lens[a:b],
-                                            scale, lens=lens)
+        return kernels.extend_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], cu, meta.seq_lens[a:b],
+                                            scale, lens=lens, k_scale=kv[2], v_scale=kv[3])
 
 
 class TritonAttention(AttentionBackend):
@@ -229,18 +231,19 @@ class TritonAttention(AttentionBackend):
 
     graphable = True
 
-    def store_kv(self, k, v, k_cache, v_cache, slots) -> None:
-        kernels.store_kv(k, v, k_cache, v_cache, slots)
+    def store_kv(self, k, v, kv, slots) -> None:
+        kernels.store_kv(k, v, kv[0], kv[1], slots, kv[2], kv[3])
 
-    def decode(self, q, k_cache, v_cache, meta, a, b, scale):
-        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.page_table[a:b], meta.seq_lens[a:b], scale)
+    def decode(self, q, kv, meta, a, b, scale):
+        return kernels.paged_decode_attention(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
+                                              k_scale=kv[2], v_scale=kv[3])
 
-    def extend(self, q, k_cache, v_cache, meta, a, b, scale):
+    def extend(self, q, kv, meta, a, b, scale):
         cu, seq_lens = meta.cu_seqlens_q, meta.seq_lens
         if a:  # fresh (aligned) tensors: an offset view would make Triton compile another variant
             cu, seq_lens = cu[a:b + 1] - cu[a], seq_lens[a:b].clone()
-        return kernels.extend_attention(q, k_cache, v_cache, meta.page_table[a:b], cu, seq_lens, scale,
-                                        max_q_len=meta.max_q_len)
+        return kernels.extend_attention(q, kv[0], kv[1], meta.page_table[a:b], cu, seq_lens, scale,
+                                        max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3])
 
 
 class Ops:
@@ -251,6 +254,16 @@ class Ops:
         self.reference = reference
         for name in _POINTWISE:
             setattr(self, name, getattr(kernels, f"{name}_ref" if reference else name))
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, device, triton: bool) -> None:
+    """fp8 pages on the Triton path need a GPU that converts fp8 (compute capability 8.9+)."""
+    dev = torch.device(device)
+    if triton and kv_dtype == torch.float8_e4m3fn and dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < (8, 9):
+            raise ValueError(f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this "
+                             f"one is {cap[0]}.{cap[1]}: use kv_cache_dtype int8 (LOCALRUN_KV_CACHE_TYPE=int8)")
 
 
 def use_triton(device: str, use: bool | None) -> bool:

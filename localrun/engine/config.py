@@ -44,8 +44,11 @@ class ModelConfig:
         return self.num_layers * per_layer + emb + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over all layers, in a KV cache of this dtype (with its scales
+        when quantized: one float32 per token per KV head for K and for V)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        scales = KV_SCALE_DTYPE.itemsize if dtype in QUANTIZED_KV_DTYPES else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * elem + scales)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -94,6 +97,37 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {name!r}") from None
 
 
+# KV cache dtypes: the model's (auto), another float type, or quantized with per-token-per-head
+# scales (see localrun.kernels.reference). Ollama's names (f16, q8_0) are accepted too.
+QUANTIZED_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
+KV_SCALE_DTYPE = torch.float32
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")
+_KV_DTYPES = {**_DTYPES, "f16": torch.float16, "f32": torch.float32, "fp8": torch.float8_e4m3fn,
+              "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8,
+              "q8_0": torch.int8}
+
+
+def parse_kv_cache_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for an EngineConfig.kv_cache_dtype setting."""
+    if isinstance(name, torch.dtype):
+        if name in _KV_DTYPES.values():
+            return name
+        name = str(name)
+    key = str(name).strip().lower()
+    if key == "auto":
+        return model_dtype
+    if key in _KV_DTYPES:
+        return _KV_DTYPES[key]
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8 "
+                     f"and int8 store the KV cache quantized, with per-token scales), got {name!r}")
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a KV cache dtype: bf16, fp16, fp32, fp8 or int8."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8",
+            torch.int8: "int8"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 # Defaults sized for the device: a GPU step should read the weights once for hundreds of
 # sequences (a decode step of an 8B model costs ~16 GB of weight reads whatever the batch).
 CUDA_MAX_NUM_SEQS, CUDA_MAX_BATCHED_TOKENS = 256, 8192
@@ -117,6 +151,8 @@ class EngineConfig:
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
+    kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8
+    #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -124,7 +160,7 @@ class EngineConfig:
         cuda = self.device.startswith("cuda")
         if self.dtype is None:
             self.dtype = "bfloat16" if cuda else "float32"
-        parse_dtype(self.dtype)
+        parse_kv_cache_dtype(self.kv_cache_dtype, parse_dtype(self.dtype))
         if self.max_num_seqs is None:
             self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
         if self.max_num_batched_tokens is None:
@@ -143,6 +179,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)  # type: ignore[arg-type]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return parse_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def is_cuda(self) -> bool:

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from localrun.engine.attention import Ops, use_triton
-from localrun.engine.config import EngineConfig, ModelConfig
+from localrun.engine.attention import Ops, check_kv_dtype, use_triton
+from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.model import LlamaModel
 from localrun.engine.radix_cache import RadixCache
@@ -114,19 +114,20 @@ class LLMEngine:
         self.model, self.model_config, self.config, self.tokenizer = model, model_config, config, tokenizer
         self.device = torch.device(config.device)
         self.timings = dict(timings or {})  # load phases, seconds
-        dtype = config.torch_dtype
+        dtype, kv_dtype = config.torch_dtype, config.kv_torch_dtype
         triton = use_triton(config.device, config.use_triton)
+        check_kv_dtype(kv_dtype, self.device, triton)
         if model.ops.reference == triton:
             model.ops = Ops(reference=not triton)
         t = time.perf_counter()
         activations = profile_and_warm(model, config, triton) if self.device.type == "cuda" else 0
         self.timings["profile_warmup_s"] = time.perf_counter() - t
-        per_page = model_config.kv_bytes_per_token(dtype) * config.page_size
+        per_page = model_config.kv_bytes_per_token(kv_dtype) * config.page_size
         num_pages = self._kv_budget(model, per_page, activations) // per_page
         if num_pages < 2:
             raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
         t = time.perf_counter()
-        self.pool = KVPool(model_config, int(num_pages), config.page_size, dtype, self.device)
+        self.pool = KVPool(model_config, int(num_pages), config.page_size, kv_dtype, self.device)
         self.cache = RadixCache(self.pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
@@ -150,8 +151,9 @@ class LLMEngine:
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
         self._stop = False
-        log.info("native engine: %d KV pages x %d tokens (%.1f MiB), %s on %s, %s attention, decode graphs %s, "
-                 "overlap %s", num_pages, config.page_size, self.pool.nbytes / 2**20, dtype, self.device,
+        log.info("native engine: %d KV pages x %d tokens (%.1f MiB, %s), %s on %s, %s attention, decode graphs %s, "
+                 "overlap %s", num_pages, config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype,
+                 self.device,
                  "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
                  else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
 
@@ -483,7 +485,7 @@ class LLMEngine:
         s = self.scheduler
         return {
             "kv_pages_total": self.pool.num_pages, "kv_pages_free": self.pool.num_free,
-            "page_size": self.pool.page_size, "kv_bytes": self.pool.nbytes,
+            "page_size": self.pool.page_size, "kv_bytes": self.pool.nbytes, "kv_dtype": kv_dtype_name(self.pool.dtype),
             "cached_pages": self.cache.num_pages if self.cache else 0,
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
             "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,

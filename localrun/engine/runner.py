@@ -238,7 +238,7 @@ def profile_and_warm(model: LlamaModel, config: EngineConfig, triton: bool) -> i
     cuda = torch.device(config.device).type == "cuda"
     cfg = model.cfg
     pages = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs + 2
-    pool = KVPool(cfg, pages, config.page_size, config.torch_dtype, config.device)
+    pool = KVPool(cfg, pages, config.page_size, config.kv_torch_dtype, config.device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
