@@ -6,6 +6,7 @@ model, and the settings' validation."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import math
 import os
@@ -316,3 +317,42 @@ def test_quant_kernels_compile_for_h100(quant, cache_type):
          "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32"},
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16, PRECISION="tf32",
              QUANT=quant), num_warps=warps, num_stages=stages)
+
+
+# --------------------------------------------------------------------------- the native backend, real SmolLM2
+
+def test_native_backend_loads_the_configured_kv_type(smollm2_gguf, monkeypatch):
+    """LOCALRUN_KV_CACHE_TYPE reaches the memory estimate, the memory plan and the engine at load;
+    a bad value is a clear InvalidRequest before anything loads."""
+    native = pytest.importorskip("localrun.backends.native")
+    from localrun.backends.base import LoadSpec
+    from localrun.errors import InvalidRequest
+    from localrun.server.memory import plan_load
+
+    spec = LoadSpec(name="smollm2:135m", weights=smollm2_gguf, format="gguf", num_ctx=256, num_parallel=1)
+    monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "int8")
+    est = native.estimate_memory(spec)
+    tokens = 256 * 4
+    assert est.kv_type == "int8" and est.kv_bytes == tokens * 30 * 2 * 3 * (64 + 4)  # SmolLM2: 30 layers, 3 KV heads
+    plan = plan_load(est, 30, ram_free=64 * 2**30)
+    assert "int8 KV cache" in plan.detail
+    monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "auto")
+    assert native.estimate_memory(spec).kv_bytes == tokens * 30 * 2 * 3 * 64 * 4  # fp32 on CPU
+    monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "int4")
+    with pytest.raises(InvalidRequest, match="LOCALRUN_KV_CACHE_TYPE"):
+        native.estimate_memory(spec)
+    monkeypatch.delenv("LOCALRUN_KV_CACHE_TYPE")
+    spec.extra["kv_cache_type"] = "fp8"
+    b = native.load(spec)
+    try:
+        assert b.engine.pool.dtype == torch.float8_e4m3fn and b.engine.stats()["kv_dtype"] == "fp8"
+        assert "KV cache fp8" in b.info.reason
+        from localrun.backends.base import GenerationRequest, SamplingOptions
+
+        async def answer() -> str:
+            req = GenerationRequest("The capital of France is", SamplingOptions(temperature=0, max_tokens=4))
+            return "".join([c.text async for c in b.generate(req)])
+
+        assert "Paris" in asyncio.run(answer())
+    finally:
+        b._close()

@@ -125,6 +125,7 @@ class MemoryEstimate:
     weights_bytes: int
     kv_bytes: int  # for num_ctx x slots
     overhead_bytes: int
+    kv_type: str = ""  # the KV cache's element type when the backend knows it (native: bf16, fp8, int8, ...)
 
     @property
     def total_bytes(self) -> int:

@@ -29,7 +29,7 @@ from localrun.backends.base import (
     Usage,
 )
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, parse_dtype
+from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, kv_dtype_name, parse_dtype, parse_kv_cache_dtype
 from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
 
 log = logging.getLogger("localrun.native")
@@ -59,6 +59,17 @@ def _device_dtype(spec: LoadSpec) -> tuple[str, torch.dtype]:
     return device, parse_dtype(dtype)
 
 
+def _kv_dtype(spec: LoadSpec, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache dtype: spec.extra["kv_cache_type"], else LOCALRUN_KV_CACHE_TYPE (auto: the model's dtype)."""
+    from localrun.config import settings
+
+    try:
+        name = spec.extra.get("kv_cache_type") or settings().kv_cache_type
+        return parse_kv_cache_dtype(name, dtype)
+    except ValueError as exc:  # the message names the setting and its choices
+        raise InvalidRequest(str(exc)) from None
+
+
 def _kv_tokens(spec: LoadSpec) -> int:
     """CPU: num_ctx for each of max(num_parallel, 4) sequences (preemption handles the rest)."""
     return spec.num_ctx * max(spec.num_parallel, 4)
@@ -70,11 +81,12 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     except (ValueError, KeyError, OSError) as exc:
         raise InvalidRequest(f"the native engine cannot run {spec.name}: {exc}") from None
     device, dtype = _device_dtype(spec)
+    kv_dtype = _kv_dtype(spec, dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     weights = cfg.num_params * elem
-    kv = cfg.kv_bytes_per_token(dtype) * _kv_tokens(spec)
+    kv = cfg.kv_bytes_per_token(kv_dtype) * _kv_tokens(spec)
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
-    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead, kv_type=kv_dtype_name(kv_dtype))
 
 
 def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams:
@@ -116,10 +128,13 @@ class NativeBackend:
         weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         size = weights + engine.pool.nbytes
         cuda = device == "cuda"
+        pool = engine.pool
+        kv = (f"KV cache {kv_dtype_name(pool.dtype)}: {pool.num_pages * pool.page_size} tokens in "
+              f"{pool.nbytes / 2**20:.0f} MiB")
         self.info = BackendInfo(
             name="native", device="CUDA" if cuda else "CPU",
             processor=spec.extra.get("processor") or ("100% GPU" if cuda else "100% CPU"),
-            reason=spec.extra.get("reason") or f"native engine on {'CUDA' if cuda else 'CPU'}",
+            reason=f"{spec.extra.get('reason') or 'native engine on ' + ('CUDA' if cuda else 'CPU')}; {kv}",
             context_length=engine.config.max_model_len, slots=engine.config.max_num_seqs,
             size_bytes=size, size_vram_bytes=size if cuda else 0,
             supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
@@ -192,6 +207,7 @@ def load(spec: LoadSpec) -> NativeBackend:
     device, dtype = _device_dtype(spec)
     cfg = EngineConfig(
         dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
+        kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
         max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
         kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec),
     )

@@ -44,6 +44,14 @@ class Plan:
 def plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int | None = None,
               gpu_kind: str | None = None) -> Plan:
     """Decide where a model goes. `gpu_free` None means no usable GPU."""
+    plan = _plan_load(est, layers, ram_free=ram_free, gpu_free=gpu_free, gpu_kind=gpu_kind)
+    if est.kv_type:
+        plan.detail += f" ({est.kv_type} KV cache: {gib(est.kv_bytes)})"
+    return plan
+
+
+def _plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int | None,
+               gpu_kind: str | None) -> Plan:
     need = est.total_bytes
     layers = max(layers, 1)
     if gpu_kind == "Metal":  # unified memory: the GPU uses RAM
