@@ -117,6 +117,7 @@ class EngineConfig:
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
+    weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (quant.py)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -125,6 +126,10 @@ class EngineConfig:
         if self.dtype is None:
             self.dtype = "bfloat16" if cuda else "float32"
         parse_dtype(self.dtype)
+        from localrun.engine.quant import check_supported, parse_weight_dtype
+
+        self.weight_dtype = parse_weight_dtype(self.weight_dtype)
+        check_supported(self.weight_dtype, self.device)
         if self.max_num_seqs is None:
             self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
         if self.max_num_batched_tokens is None:
