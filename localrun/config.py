@@ -33,6 +33,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
+    "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -143,6 +144,7 @@ class Settings:
     llamacpp_extra_buffers: str = "auto"
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
+    weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
 
     @property
     def models_dir(self) -> Path:
@@ -183,6 +185,7 @@ class Settings:
             "LOCALRUN_BACKEND": self.backend,
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
+            "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -220,6 +223,10 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     extra_buffers = (e.get("LOCALRUN_LLAMACPP_EXTRA_BUFFERS") or "auto").strip().lower()
     if extra_buffers not in ("auto", "on", "off"):
         raise ValueError(f"LOCALRUN_LLAMACPP_EXTRA_BUFFERS must be auto, on or off, got {extra_buffers!r}")
+    weight_dtype = (e.get("LOCALRUN_WEIGHT_DTYPE") or "auto").strip().lower()
+    if weight_dtype not in ("auto", "int8", "fp8"):
+        raise ValueError(f"LOCALRUN_WEIGHT_DTYPE must be auto, int8 or fp8, got {e.get('LOCALRUN_WEIGHT_DTYPE')!r} "
+                         "(auto keeps the model dtype; int8 halves the native engine's bf16 weights)")
     try:
         load_timeout = parse_duration(e.get("LOCALRUN_LOAD_TIMEOUT"), default=300.0)
     except ValueError as exc:
@@ -249,6 +256,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         llamacpp_extra_buffers=extra_buffers,
         load_timeout=load_timeout,
         shutdown_grace=grace,
+        weight_dtype=weight_dtype,
     )
 
 

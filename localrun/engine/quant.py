@@ -76,11 +76,11 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 of a [rows, cols] matrix with one float32 scale per row (amax -> 448)."""
+    """float8 e4m3 of a [rows, cols] matrix with one float32 scale per row ([rows, 1]; amax -> 448)."""
     w = w.float()
-    s = w.abs().amax(-1) / FP8_MAX
+    s = w.abs().amax(-1, keepdim=True) / FP8_MAX
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return (w / s.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+    return (w / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -268,7 +268,10 @@ def weight_bytes(module: nn.Module) -> int:
             + sum(m.nbytes for m in module.modules() if isinstance(m, QuantizedWeight)))
 
 
-def bytes_per_param(kind: str, elem: int) -> float:
-    """Upper bound of stored bytes per weight for a memory plan: int8 with group-32 scales (the
-    Q8_0 layout) costs 1 + 4/32; per-channel and fp8 less."""
-    return {"auto": float(elem), "int8": 1.0 + 4.0 / Q8_0_GROUP, "fp8": 1.0 + 4.0 / Q8_0_GROUP}[kind]
+def estimate_weight_bytes(cfg, kind: str, elem: int) -> int:
+    """Upper bound of a model's stored weight bytes for a memory plan (cfg: a ModelConfig; elem:
+    bytes of the model dtype). Quantized matrices cost at most 1 + 4/32 bytes a weight (int8
+    with Q8_0's group-32 scales; per-channel and fp8 less); the norms stay in the model dtype."""
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    per_weight = float(elem) if kind == "auto" else 1.0 + 4.0 / Q8_0_GROUP
+    return int((cfg.num_params - norms) * per_weight) + norms * elem
