@@ -34,6 +34,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
+    "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -145,6 +146,7 @@ class Settings:
     llamacpp_extra_buffers: str = "auto"
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
+    weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
 
     @property
     def models_dir(self) -> Path:
@@ -186,6 +188,7 @@ class Settings:
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
+            "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -238,6 +241,10 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     extra_buffers = (e.get("LOCALRUN_LLAMACPP_EXTRA_BUFFERS") or "auto").strip().lower()
     if extra_buffers not in ("auto", "on", "off"):
         raise ValueError(f"LOCALRUN_LLAMACPP_EXTRA_BUFFERS must be auto, on or off, got {extra_buffers!r}")
+    weight_dtype = (e.get("LOCALRUN_WEIGHT_DTYPE") or "auto").strip().lower()
+    if weight_dtype not in ("auto", "int8", "fp8"):
+        raise ValueError(f"LOCALRUN_WEIGHT_DTYPE must be auto, int8 or fp8, got {e.get('LOCALRUN_WEIGHT_DTYPE')!r} "
+                         "(auto keeps the model dtype; int8 halves the native engine's bf16 weights)")
     try:
         load_timeout = parse_duration(e.get("LOCALRUN_LOAD_TIMEOUT"), default=300.0)
     except ValueError as exc:
@@ -268,6 +275,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         llamacpp_extra_buffers=extra_buffers,
         load_timeout=load_timeout,
         shutdown_grace=grace,
+        weight_dtype=weight_dtype,
     )
 
 

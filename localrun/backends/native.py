@@ -30,6 +30,7 @@ from localrun.backends.base import (
 )
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, kv_dtype_name, parse_dtype, parse_kv_cache_dtype
+from localrun.engine.quant import estimate_weight_bytes
 from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
 
 log = logging.getLogger("localrun.native")
@@ -70,6 +71,21 @@ def _kv_dtype(spec: LoadSpec, dtype: torch.dtype) -> torch.dtype:
         raise InvalidRequest(str(exc)) from None
 
 
+def _weight_dtype(spec: LoadSpec) -> str:
+    """auto | int8 | fp8: a `weight_dtype` in the load's extra parameters, else LOCALRUN_WEIGHT_DTYPE."""
+    from localrun.engine.quant import parse_weight_dtype
+
+    raw = spec.extra.get("weight_dtype")
+    if raw is None:
+        from localrun.config import settings
+
+        raw = settings().weight_dtype
+    try:
+        return parse_weight_dtype(str(raw))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 def _kv_tokens(spec: LoadSpec) -> int:
     """CPU: num_ctx for each of max(num_parallel, 4) sequences (preemption handles the rest)."""
     return spec.num_ctx * max(spec.num_parallel, 4)
@@ -83,7 +99,7 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     device, dtype = _device_dtype(spec)
     kv_dtype = _kv_dtype(spec, dtype)
     elem = torch.empty((), dtype=dtype).element_size()
-    weights = cfg.num_params * elem
+    weights = estimate_weight_bytes(cfg, _weight_dtype(spec), elem)  # int8/fp8: <= 1.125 bytes a weight
     kv = cfg.kv_bytes_per_token(kv_dtype) * _kv_tokens(spec)
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead, kv_type=kv_dtype_name(kv_dtype))
@@ -125,7 +141,7 @@ class NativeBackend:
         if engine.tokenizer is None:
             raise BackendError(f"{spec.name} has no tokenizer files (tokenizer.json); the daemon needs one")
         self.tokenizer = engine.tokenizer
-        weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        weights = engine.weight_bytes  # as stored (int8/fp8 data and scales when quantized)
         size = weights + engine.pool.nbytes
         cuda = device == "cuda"
         pool = engine.pool
@@ -205,12 +221,15 @@ class NativeBackend:
 
 def load(spec: LoadSpec) -> NativeBackend:
     device, dtype = _device_dtype(spec)
-    cfg = EngineConfig(
-        dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
-        kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
-        max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
-        kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec),
-    )
+    try:
+        cfg = EngineConfig(
+            dtype=str(dtype).removeprefix("torch."), device=device, max_model_len=spec.num_ctx,
+            kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
+            max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
+            kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec), weight_dtype=_weight_dtype(spec),
+        )
+    except ValueError as exc:  # e.g. fp8 weights on a GPU without fp8 tensor cores
+        raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None
     if device == "cuda":
         from localrun.config import settings
 

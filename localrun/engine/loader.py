@@ -99,6 +99,26 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     )
     permuted = arch in ("llama", "mistral")
 
+    def unpermute(name: str, w: torch.Tensor) -> torch.Tensor:
+        if permuted and ".q_proj." in name:
+            return unpermute_qk(w, cfg.num_heads)
+        if permuted and ".k_proj." in name:
+            return unpermute_qk(w, cfg.num_kv_heads)
+        return w
+
+    def q8_0(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q8_0 tensor as it is stored: (int8 [rows, cols], float32 scales [rows, cols // 32]),
+        rows in the HF order; None for any other tensor type (the quantized loader then quantizes
+        the dequantized floats itself)."""
+        t = tensors.get(name)
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+            return None
+        rows = int(np.prod(t.shape.tolist()[1:]))
+        blocks = np.asarray(t.data).reshape(-1, 34)  # a block: float16 scale, 32 int8 values
+        scales = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+        q = blocks[:, 2:].copy().view(np.int8).reshape(rows, -1)
+        return unpermute(name, torch.from_numpy(q)), unpermute(name, torch.from_numpy(scales))
+
     def get(name: str) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
@@ -106,12 +126,9 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             arr = arr.copy()
-        w = torch.from_numpy(arr).reshape(tuple(reversed(t.shape.tolist())))
-        if permuted and ".q_proj." in name:
-            w = unpermute_qk(w, cfg.num_heads)
-        elif permuted and ".k_proj." in name:
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        return w
+        return unpermute(name, torch.from_numpy(arr).reshape(tuple(reversed(t.shape.tolist()))))
+
+    get.q8_0 = q8_0  # type: ignore[attr-defined] - quant.QuantizedWeight.load looks for it
 
     meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
             "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}

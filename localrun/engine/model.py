@@ -6,7 +6,8 @@ one) so a step does few, large matmuls. The model sees only token ids, positions
 one AttnMetadata object per step; the attention backend it is given (attention.py) does
 everything paged. It is built on the meta device and its weights are allocated once, on
 the target device, in the target dtype; checkpoints are copied straight into the fused
-slices (no float32 copy, no concatenation on the host).
+slices (no float32 copy, no concatenation on the host). With an int8/fp8 weight_dtype the
+2-D weights are quant.QuantizedWeight, quantized at load (see quant.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localrun.engine import quant
 from localrun.engine.attention import AttentionBackend, AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
 from localrun.kernels import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32, weight_dtype: str = "auto",
+                 device="meta"):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer_id = layer_id
@@ -36,37 +39,38 @@ class DecoderLayer(nn.Module):
 
         self.input_layernorm = nn.Parameter(e(h), requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(e(h), requires_grad=False)
-        self.qkv_proj = nn.Parameter(e((self.nq + 2 * self.nkv) * d, h), requires_grad=False)
+        w = lambda n, k: quant.make_weight(n, k, dtype, weight_dtype, device)  # noqa: E731 - float or int8/fp8
+        self.qkv_proj = w((self.nq + 2 * self.nkv) * d, h)
         self.qkv_bias = nn.Parameter(e((self.nq + 2 * self.nkv) * d), requires_grad=False) if cfg.attention_bias else None
-        self.o_proj = nn.Parameter(e(h, self.nq * d), requires_grad=False)
-        self.gate_up_proj = nn.Parameter(e(2 * cfg.intermediate_size, h), requires_grad=False)
-        self.down_proj = nn.Parameter(e(h, cfg.intermediate_size), requires_grad=False)
+        self.o_proj = w(h, self.nq * d)
+        self.gate_up_proj = w(2 * cfg.intermediate_size, h)
+        self.down_proj = w(h, cfg.intermediate_size)
 
     def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
-        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = quant.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
         o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
-        x = F.linear(o.reshape(T, self.nq * self.d), self.o_proj)
+        x = quant.linear(o.reshape(T, self.nq * self.d), self.o_proj)
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
-        x = F.linear(ops.silu_and_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        x = quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj)
         return x, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops):
+    def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
+                 weight_dtype: str = "auto"):
         super().__init__()
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.dtype = cfg, ops, dtype
+        w = lambda n, k: quant.make_weight(n, k, dtype, weight_dtype, device)  # noqa: E731 - float or int8/fp8
         self.attn: AttentionBackend | None = None  # set by the model runner (it owns the KV pool)
         with torch.device("meta"):  # shapes only: the weights are allocated once, below
-            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                             requires_grad=False)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+            self.embed_tokens = w(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device) for i in range(cfg.num_layers))
             self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-            self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            self.lm_head = None if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size)
         self.to_empty(device=device)
         # [max_pos, head_dim]: cos | sin (NeoX half-split), with the config's rope scaling
         cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype)
@@ -77,7 +81,7 @@ class LlamaModel(nn.Module):
                 attn: AttentionBackend | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch of tokens."""
         attn = attn or self.attn
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = quant.embedding(input_ids, self.embed_tokens, self.dtype), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta, self.ops, attn, self.cos_sin)
         return self.ops.fused_add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
@@ -85,13 +89,15 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return quant.linear(hidden, w).float()
 
     # -- weights -----------------------------------------------------------------------------
     def load_hf_state(self, get, names: set[str]) -> None:
         """Copy weights given by HF name. `get(name)` returns a tensor (any device and dtype);
         `names` lists what exists. Each tensor goes straight into its slice of a fused weight."""
         def put(dst: torch.Tensor, name: str, start: int = 0, n: int | None = None) -> None:
+            if isinstance(dst, quant.QuantizedWeight):  # quantized at load, straight from the source
+                return dst.load(get, [(name, dst.shape[0])])
             src = get(name)
             if n is not None:
                 dst = dst[start:start + n]
@@ -100,6 +106,8 @@ class LlamaModel(nn.Module):
             dst.copy_(src)
 
         def put_fused(dst: torch.Tensor, parts: list[tuple[str, int]]) -> None:
+            if isinstance(dst, quant.QuantizedWeight):
+                return dst.load(get, parts)
             start = 0
             for name, n in parts:
                 put(dst, name, start, n)
@@ -126,14 +134,17 @@ class LlamaModel(nn.Module):
     def init_random(self, seed: int = 0) -> None:
         """Random weights with sane scales (for throughput benchmarks of exact shapes), drawn on
         the model's device."""
-        dev = self.embed_tokens.device
+        dev = self.cos_sin.device
         g = torch.Generator(device=dev).manual_seed(seed)
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if p.dim() == 1:
+            for name, p in quant.named_weights(self):  # parameters and quantized weights, one order
+                if isinstance(p, quant.QuantizedWeight):
+                    p.allocate()
+                elif p.dim() == 1:
                     p.fill_(1.0) if "layernorm" in name or name == "norm" else p.zero_()
                     continue
                 std = 1.0 / math.sqrt(p.shape[1])
                 for start in range(0, p.shape[0], 4096):  # in slices: never a second full fp32 copy
                     rows = min(4096, p.shape[0] - start)
-                    p[start:start + rows].copy_(torch.randn(rows, p.shape[1], generator=g, device=dev) * std)
+                    w = torch.randn(rows, p.shape[1], generator=g, device=dev) * std
+                    p.set_rows(start, w) if isinstance(p, quant.QuantizedWeight) else p[start:start + rows].copy_(w)
