@@ -43,6 +43,10 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
 
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by page id in dim 0 (what copying a page must copy)."""
+        return self.k_caches + self.v_caches
+
     def alloc(self, n: int) -> list[int]:
         """n fresh pages, each with refcount 1."""
         if n > len(self._free):
