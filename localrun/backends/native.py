@@ -188,6 +188,16 @@ class NativeBackend:
             torch.cuda.empty_cache()
 
 
+def _host_cache_bytes(setting: int | float | None) -> int | None:
+    """LOCALRUN_HOST_CACHE for EngineConfig.host_cache_bytes: bytes as given, a fraction of the RAM
+    available now, or None (the engine's default)."""
+    if isinstance(setting, float):
+        from localrun.engine.host_cache import available_ram
+
+        return int(setting * available_ram())
+    return setting
+
+
 def load(spec: LoadSpec) -> NativeBackend:
     device, dtype = _device_dtype(spec)
     cfg = EngineConfig(
@@ -195,10 +205,12 @@ def load(spec: LoadSpec) -> NativeBackend:
         max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
         kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec),
     )
-    if device == "cuda":
-        from localrun.config import settings
+    from localrun.config import settings
 
-        cfg.gpu_memory_fraction = settings().gpu_memory_fraction
+    s = settings()
+    if device == "cuda":
+        cfg.gpu_memory_fraction = s.gpu_memory_fraction
+    cfg.host_cache_bytes = _host_cache_bytes(s.host_cache)
     t0 = time.perf_counter()
     try:
         engine = (LLMEngine.from_gguf if spec.format == "gguf" else LLMEngine.from_safetensors)(spec.weights, cfg)
