@@ -183,6 +183,19 @@ def test_locked_nodes_are_never_spilled_or_dropped():
     check(cache)
 
 
+def test_host_pool_sizing_stays_within_its_budget():
+    pool, _, _ = _setup()
+    per_page = sum(t[0].numel() * t.element_size() for t in pool.page_tensors())
+    for budget in (per_page - 1, per_page, 10 * per_page + 5, 12345):
+        n = HostKVPool.pages_for_budget(pool, budget)
+        assert n == budget // per_page or n == budget // per_page - 1  # 64-byte alignment of each tensor
+        if n:
+            host = HostKVPool(pool, n)
+            assert host.nbytes <= budget and host.num_pages == n
+            assert [t.shape[1:] for t in host.tensors] == [t.shape[1:] for t in pool.page_tensors()]
+    assert HostKVPool.pages_for_budget(pool, 0) == 0
+
+
 def test_node_larger_than_the_host_pool_is_dropped():
     pool, host, cache = _setup(device_pages=8, host_pages=2)
     _cache(cache, list(range(12)), 1.0)

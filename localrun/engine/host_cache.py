@@ -50,6 +50,18 @@ def default_host_cache_bytes() -> int:
     return int(min(AUTO_CAP_BYTES, AUTO_FRACTION * available_ram()))
 
 
+def _page_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _buffer_bytes(tensors: list[torch.Tensor], num_pages: int) -> int:
+    return sum(_aligned(num_pages * _page_bytes(t)) for t in tensors)
+
+
 class HostKVPool:
     def __init__(self, device_pool: KVPool, num_pages: int) -> None:
         if num_pages < 1:
@@ -58,8 +70,14 @@ class HostKVPool:
         dev = device_pool.page_tensors()
         self.device = dev[0].device
         self.cuda = self.device.type == "cuda"
-        # torch.empty: the OS commits host pages only as they are written (pinned memory is committed at once)
-        self.tensors = [torch.empty((num_pages, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda) for t in dev]
+        # one buffer, carved into a tensor per device page tensor. torch.empty: the OS commits host
+        # pages only as they are written (pinned memory is committed at once)
+        buf = torch.empty(_buffer_bytes(dev, num_pages), dtype=torch.uint8, pin_memory=self.cuda)
+        self.tensors, offset = [], 0
+        for t in dev:
+            n = num_pages * _page_bytes(t)
+            self.tensors.append(buf[offset:offset + n].view(t.dtype).view(num_pages, *t.shape[1:]))
+            offset += _aligned(n)
         self._device_tensors = dev
         self._free = list(range(num_pages - 1, -1, -1))
         self._runs: list[tuple[str, list[int], list[int]]] = []  # ("store"|"load", sources, destinations)
@@ -70,8 +88,18 @@ class HostKVPool:
 
     @staticmethod
     def pages_for_budget(device_pool: KVPool, budget_bytes: int) -> int:
-        per_page = sum(t[0].numel() * t.element_size() for t in device_pool.page_tensors())
-        return int(budget_bytes // per_page)
+        """Host pages that fit in budget_bytes. On CUDA the buffer is pinned, and PyTorch's pinned
+        allocator rounds a request up to a power of two: the buffer is sized to the largest power
+        of two within the budget, so what is committed stays within it."""
+        dev = device_pool.page_tensors()
+        if budget_bytes <= 0:
+            return 0
+        if dev[0].is_cuda:
+            budget_bytes = 1 << (int(budget_bytes).bit_length() - 1)
+        pages = int(budget_bytes // sum(_page_bytes(t) for t in dev))
+        while pages > 0 and _buffer_bytes(dev, pages) > budget_bytes:
+            pages -= 1
+        return pages
 
     @property
     def num_free(self) -> int:
