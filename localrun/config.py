@@ -35,6 +35,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
     "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
+    "LOCALRUN_HOST_CACHE": ("auto", "native engine: host RAM for prefix-cache pages evicted from the KV pool (size like '4GiB', a fraction of available RAM like '0.1' or '10%', 0 = off; auto = 10% of available RAM, at most 16 GiB and 4x the KV pool)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -79,6 +80,54 @@ def parse_duration(value: str | int | float | None, default: float | None = None
     if parts and "".join(n + u for n, u in parts) == text.replace(" ", ""):
         return _bounded(sum(float(n) * _UNIT_SECONDS[u] for n, u in parts))
     raise ValueError(f"invalid duration {value!r}: use e.g. '5m', '1h', '300' (seconds), '-1' (forever) or '0'")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+MAX_HOST_CACHE_FRACTION = 0.9
+
+
+def parse_host_cache(value: str | None) -> int | float | None:
+    """LOCALRUN_HOST_CACHE: None for 'auto' (or unset), an int of bytes ('4GiB', '512M', '2GB',
+    '1073741824'; 0 or 'off' = no host tier), or a float fraction of available RAM ('0.1', '10%').
+    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000."""
+    text = (value or "").strip().lower()
+    if text in ("", "auto"):
+        return None
+    if text in ("0", "off", "none", "no", "false"):
+        return 0
+    hint = "use a size like '4GiB' or '512MiB', a fraction of available RAM like '0.1' or '10%', 0/off, or auto"
+    try:
+        if text.endswith("%"):
+            frac = float(text[:-1]) / 100.0
+        elif "." in text and _SIZE_RE.match(text) and not _SIZE_RE.match(text).group(2) \
+                and not _SIZE_RE.match(text).group(4):
+            frac = float(text)
+        else:
+            frac = None
+    except ValueError:
+        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}") from None
+    if frac is not None:
+        if not 0.0 < frac <= MAX_HOST_CACHE_FRACTION:
+            raise ValueError(f"LOCALRUN_HOST_CACHE: a fraction of available RAM must be in (0, "
+                             f"{MAX_HOST_CACHE_FRACTION:g}], got {value!r}; {hint}")
+        return frac
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}")
+    num, unit, binary, b = m.groups()
+    base = 1000 if (unit and b and not binary) else 1024
+    if binary and not unit:
+        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}")
+    return int(float(num) * base ** _SIZE_POWER[unit])
+
+
+def describe_host_cache(v: int | float | None) -> str:
+    if v is None:
+        return "auto"
+    if isinstance(v, float):
+        return f"{v:.0%} of available RAM"
+    return "off" if v == 0 else (f"{v / 2**30:.2f} GiB" if v >= 2**30 else f"{v / 2**20:.1f} MiB")
 
 
 def _default_home() -> Path:
@@ -144,6 +193,7 @@ class Settings:
     log_level: str
     kv_cache_type: str = "auto"
     llamacpp_extra_buffers: str = "auto"
+    host_cache: int | float | None = None  # bytes, a fraction of available RAM, or None (auto)
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
     weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
@@ -189,6 +239,7 @@ class Settings:
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
             "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
+            "LOCALRUN_HOST_CACHE": describe_host_cache(self.host_cache),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -273,10 +324,11 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         log_level=log_level,
         kv_cache_type=parse_kv_cache_type(e.get("LOCALRUN_KV_CACHE_TYPE")),
         llamacpp_extra_buffers=extra_buffers,
+        host_cache=parse_host_cache(e.get("LOCALRUN_HOST_CACHE")),
         load_timeout=load_timeout,
         shutdown_grace=grace,
         weight_dtype=weight_dtype,
     )
 
 
-__all__ = ["Settings", "settings", "parse_duration", "parse_hostport", "ENV_VARS", "DEFAULT_PORT", "DEFAULT_HOST"]
+__all__ = ["Settings", "settings", "parse_duration", "parse_hostport", "parse_host_cache", "ENV_VARS", "DEFAULT_PORT", "DEFAULT_HOST"]

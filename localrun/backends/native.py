@@ -219,6 +219,16 @@ class NativeBackend:
             torch.cuda.empty_cache()
 
 
+def _host_cache_bytes(setting: int | float | None) -> int | None:
+    """LOCALRUN_HOST_CACHE for EngineConfig.host_cache_bytes: bytes as given, a fraction of the RAM
+    available now, or None (the engine's default)."""
+    if isinstance(setting, float):
+        from localrun.engine.host_cache import available_ram
+
+        return int(setting * available_ram())
+    return setting
+
+
 def load(spec: LoadSpec) -> NativeBackend:
     device, dtype = _device_dtype(spec)
     try:
@@ -230,10 +240,12 @@ def load(spec: LoadSpec) -> NativeBackend:
         )
     except ValueError as exc:  # e.g. fp8 weights on a GPU without fp8 tensor cores
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None
-    if device == "cuda":
-        from localrun.config import settings
+    from localrun.config import settings
 
-        cfg.gpu_memory_fraction = settings().gpu_memory_fraction
+    s = settings()
+    if device == "cuda":
+        cfg.gpu_memory_fraction = s.gpu_memory_fraction
+    cfg.host_cache_bytes = _host_cache_bytes(s.host_cache)
     t0 = time.perf_counter()
     try:
         engine = (LLMEngine.from_gguf if spec.format == "gguf" else LLMEngine.from_safetensors)(spec.weights, cfg)

@@ -69,6 +69,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     g.add_argument("--gpu-memory-fraction", type=float, default=None, help="CUDA: weights + KV pool share (default 0.8)")
     g.add_argument("--kv-memory-gb", type=float, default=None, help="CPU: KV pool budget in GiB")
+    g.add_argument("--kv-cache-tokens", type=_positive_int, default=None,
+                   help="size the KV pool for this many tokens (when --kv-memory-gb is not given)")
+    g.add_argument("--host-cache", default=None,
+                   help="prefix cache host tier: a size ('4GiB'), a fraction of available RAM ('0.1'), 0 = off "
+                        "(default: the engine's)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=None)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
     g.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -79,12 +84,29 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-overlap", action="store_true", help="serial steps (default on CUDA: overlap scheduling)")
 
 
+def _host_cache_bytes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from localrun.config import parse_host_cache
+
+    try:
+        v = parse_host_cache(text)
+    except ValueError as exc:
+        raise SystemExit(f"--host-cache: {exc}") from None
+    if isinstance(v, float):
+        from localrun.engine.host_cache import available_ram
+
+        return int(v * available_ram())
+    return v
+
+
 def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
     kv = None if a.kv_memory_gb is None else int(a.kv_memory_gb * (1 << 30))
     return {
         "device": a.device, "dtype": a.dtype, "gpu_memory_fraction": a.gpu_memory_fraction, "kv_memory_bytes": kv,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-        "max_model_len": a.max_model_len, "page_size": a.page_size,
+        "max_model_len": a.max_model_len, "page_size": a.page_size, "kv_cache_tokens": a.kv_cache_tokens,
+        "host_cache_bytes": _host_cache_bytes(a.host_cache),
         "cuda_graphs": False if a.no_cuda_graphs else None, "overlap": False if a.no_overlap else None,
     }
 
@@ -128,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--turns", type=_positive_int, default=4)
     x.add_argument("--user-len", type=_positive_int, default=64)
     x.add_argument("--max-tokens", type=_positive_int, default=32)
+    x.add_argument("--host-tier", action="store_true",
+                   help="instead: round-robin chats (--turns, --user-len, --max-tokens) whose histories are "
+                        "--working-set x the device KV pool, the prefix cache's host tier off vs on")
+    x.add_argument("--working-set", type=float, default=3.0, help="--host-tier: chats' total history / device pool")
     _add_engine(x)
     _add_common(x)
 
@@ -268,6 +294,9 @@ def _cmd_prefix(a: argparse.Namespace) -> int:
     from localrun.bench.prefix import run_prefix
     from localrun.bench.results import print_table
 
+    if a.host_tier:
+        return _cmd_host_tier(a)
+
     res = run_prefix(_source(a), a.system_len, a.num_questions, a.question_len, a.chats, a.turns, a.user_len,
                      a.max_tokens, engine_args=_engine_args(a), console=_console())
 
@@ -283,6 +312,33 @@ def _cmd_prefix(a: argparse.Namespace) -> int:
         for w, sp in res["speedup"].items():
             con.print(f"{w}: cache on = {sp['throughput_x']:.2f}x throughput"
                       + (f", {sp['ttft_p50_x']:.2f}x faster TTFT p50" if sp["ttft_p50_x"] else ""))
+
+    return _finish(res, a, rows)
+
+
+def _cmd_host_tier(a: argparse.Namespace) -> int:
+    from localrun.bench.prefix import run_host_tier
+    from localrun.bench.results import print_table
+
+    args = _engine_args(a)
+    res = run_host_tier(_source(a), a.turns, a.user_len, a.max_tokens, a.working_set,
+                        args.pop("host_cache_bytes"), engine_args=args, console=_console())
+
+    def rows(con) -> None:
+        table = []
+        for c in ("host_off", "host_on"):
+            r, st = res[c], res[c]["engine_stats"]
+            table.append([c.replace("_", " "), f"{r['hit_rate']:.1%}", st["prefix_device_hit_tokens"],
+                          st["prefix_host_hit_tokens"], r["prefill_tokens"], r["ttft_ms_p50"], r["ttft_ms_mean"],
+                          r["elapsed_s"]])
+        w = res["workload"]
+        print_table(f"prefix host tier: {res['model']}, {w['chats']} chats x {w['turns']} turns round-robin, "
+                    f"device pool {res['host_off']['device_pool_tokens']} tokens",
+                    ["", "hit rate", "device hits", "host hits", "prefill tokens", "TTFT p50 ms", "TTFT mean ms",
+                     "total s"], table, con)
+        sp = res["speedup"]
+        con.print(f"host tier on: {sp['elapsed_x']:.2f}x faster in total"
+                  + (f", {sp['ttft_p50_x']:.2f}x faster TTFT p50" if sp["ttft_p50_x"] else ""))
 
     return _finish(res, a, rows)
 

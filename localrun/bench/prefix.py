@@ -8,7 +8,13 @@ Two workloads, both of token ids (so they run on any model, random weights inclu
   submitted together and its prompt is the whole history (earlier user turns and the
   model's own answers) plus a new user turn.
 
-For each, with EngineConfig.enable_prefix_cache on and then off (one engine at a time, so
+A third, `run_host_tier` (`localrun bench prefix --host-tier`), measures the prefix cache's
+host-memory tier: many chats whose histories together are several times the device KV pool
+(default 3x), visited round-robin one request at a time (chat 0 turn 1, chat 1 turn 1, ...,
+chat 0 turn 2, ...), so the device pool alone has always evicted a chat's history by the
+time it comes back; run with the host tier off and then on (prefix cache on in both).
+
+For the first two, with EngineConfig.enable_prefix_cache on and then off (one engine at a time, so
 an 8B model fits twice on one GPU): wall time, total tok/s, TTFT p50/p95 (first token
 time - submission of the batch) and the hit rate = cached prompt tokens / prompt tokens
 (from each output's cached_tokens). Outputs use ignore_eos with fixed max_tokens so both
@@ -156,4 +162,86 @@ def run_prefix(
                      "ignore_eos": True},
         **runs,
         "speedup": speedup,
+    }
+
+
+def run_roundrobin(engine, vocab: int, chats: int, turns: int, user_len: int, max_tokens: int, seed: int = 2,
+                   console=None) -> dict[str, Any]:
+    """Turn after turn, each chat's next request alone (its prompt the whole history so far)."""
+    rng = random.Random(seed)
+    history: list[list[int]] = [[] for _ in range(chats)]
+    outs, submits, elapsed = [], [], 0.0
+    prog, update = progress_bar("round-robin chats", chats * turns, console)
+    with prog:
+        for r in range(turns):
+            for c in range(chats):
+                prompt = history[c] + _ids(rng, user_len, vocab)
+                (out,), t, dt = _measure(engine, [prompt], max_tokens)
+                elapsed += dt
+                outs.append(out)
+                submits.append(t)
+                history[c] = prompt + list(out.token_ids)
+                update(r * chats + c + 1)
+    res = _summary(outs, submits, elapsed)
+    res["prefill_tokens"] = res["prompt_tokens"] - res["cached_tokens"]
+    return res
+
+
+def run_host_tier(
+    src: ModelSource,
+    turns: int = 4,
+    user_len: int = 64,
+    max_tokens: int = 32,
+    working_set: float = 3.0,
+    host_cache_bytes: int | None = None,
+    warmup: int = 2,
+    engine_args: dict[str, Any] | None = None,
+    console=None,
+) -> dict[str, Any]:
+    """Round-robin chats whose final histories add up to `working_set` x the device KV pool, host
+    tier off then on (host_cache_bytes: its budget; None: the engine's default)."""
+    if min(turns, user_len, max_tokens) < 1 or working_set <= 0:
+        raise ValueError("host-tier benchmark sizes must all be positive")
+    runs: dict[str, Any] = {}
+    chats = None
+    for label, host in (("host_off", 0), ("host_on", host_cache_bytes)):
+        config = engine_config({**(engine_args or {}), "enable_prefix_cache": True, "host_cache_bytes": host})
+        engine = load_engine(src, config)
+        try:
+            vocab = engine.model_config.vocab_size
+            pool_tokens = engine.pool.num_pages * engine.pool.page_size
+            per_chat = turns * (user_len + max_tokens)
+            if per_chat >= pool_tokens:
+                raise ValueError(f"one chat ({per_chat} tokens) does not fit the device KV pool ({pool_tokens} "
+                                 "tokens): lower --turns/--user-len/--max-tokens or give the pool more room")
+            if chats is None:  # sized once (from the first engine's pool), the same for both runs
+                chats = max(2, -(-int(working_set * pool_tokens) // per_chat))
+            if warmup:
+                _measure(engine, [_ids(random.Random(99 + i), 64, vocab) for i in range(warmup)], 4)
+                engine.clear_prefix_cache()
+            with PeakMemory() as mem:
+                runs[label] = run_roundrobin(engine, vocab, chats, turns, user_len, max_tokens, console=console)
+            runs[label].update(mem.as_dict())
+            s = engine.stats()
+            runs[label]["engine_stats"] = {k: s.get(k) for k in (
+                "kv_pages_total", "page_size", "host_pages_total", "host_bytes", "prefix_hit_tokens",
+                "prefix_device_hit_tokens", "prefix_host_hit_tokens", "spilled_pages", "loaded_pages")}
+            runs[label]["device_pool_tokens"] = pool_tokens
+        finally:
+            shutdown_engine(engine)
+            engine = None
+            release_memory()
+    on, off = runs["host_on"], runs["host_off"]
+    return {
+        "mode": "prefix-host-tier",
+        "model": src.name,
+        "workload": {"chats": chats, "turns": turns, "user_len": user_len, "max_tokens": max_tokens,
+                     "working_set_x_device_pool": working_set, "order": "round-robin, one request at a time",
+                     "ignore_eos": True},
+        **runs,
+        "speedup": {
+            "elapsed_x": off["elapsed_s"] / on["elapsed_s"],
+            "ttft_p50_x": (off["ttft_ms_p50"] / on["ttft_ms_p50"]) if on["ttft_ms_p50"] else None,
+            "ttft_mean_x": (off["ttft_ms_mean"] / on["ttft_ms_mean"]) if on["ttft_ms_mean"] else None,
+        },
     }

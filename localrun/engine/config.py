@@ -146,6 +146,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # per-step token budget: decodes, then prefill chunks (8192 / 2048)
     max_model_len: int = 4096
     enable_prefix_cache: bool = True
+    host_cache_bytes: int | None = None  # host-memory tier of the prefix cache (evicted pages spill there):
+    #                                      None: 10% of available RAM, at most 16 GiB and 4x the KV pool; 0: off
     use_triton: bool | None = None  # None: on CUDA when localrun.kernels imports
     cuda_graphs: bool | None = None  # decode from captured CUDA graphs (None: on CUDA with Triton). True on
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
@@ -178,6 +180,11 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be positive")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.host_cache_bytes is not None and (isinstance(self.host_cache_bytes, bool)
+                                                  or not isinstance(self.host_cache_bytes, int)
+                                                  or self.host_cache_bytes < 0):
+            raise ValueError(f"host_cache_bytes must be a whole number of bytes >= 0 (0: no host tier), "
+                             f"got {self.host_cache_bytes!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be positive")
 

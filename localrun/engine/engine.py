@@ -23,6 +23,7 @@ import torch
 
 from localrun.engine.attention import Ops, check_kv_dtype, use_triton
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
+from localrun.engine.host_cache import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.model import LlamaModel
 from localrun.engine.quant import weight_bytes
@@ -35,7 +36,8 @@ from localrun.stop_strings import held_back
 
 log = logging.getLogger("localrun.engine")
 
-CUDA_RESERVE_BYTES = 1 << 30  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
+CUDA_RESERVE_BYTES = 1 << 30
+HOST_AUTO_POOL_MULTIPLE = 4  # the default host tier holds at most this many times the device KV pool  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
 
 
 @dataclass
@@ -130,7 +132,8 @@ class LLMEngine:
             raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
         t = time.perf_counter()
         self.pool = KVPool(model_config, int(num_pages), config.page_size, kv_dtype, self.device)
-        self.cache = RadixCache(self.pool) if config.enable_prefix_cache else None
+        self.host_pool = self._host_pool() if config.enable_prefix_cache else None
+        self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
@@ -158,6 +161,19 @@ class LLMEngine:
                  config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype, self.device,
                  "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
                  else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
+
+    def _host_pool(self) -> HostKVPool | None:
+        """The prefix cache's host tier (None when its budget is 0 or under one page)."""
+        budget = self.config.host_cache_bytes
+        if budget is None:
+            budget = min(default_host_cache_bytes(), HOST_AUTO_POOL_MULTIPLE * self.pool.nbytes)
+        pages = HostKVPool.pages_for_budget(self.pool, budget)
+        if pages < 1:
+            return None
+        host = HostKVPool(self.pool, pages)
+        log.info("prefix cache host tier: %d pages (%.1f MiB, %s)", pages, host.nbytes / 2**20,
+                 "pinned" if host.cuda else "host RAM")
+        return host
 
     def _kv_budget(self, model: LlamaModel, per_page: int, activations: int) -> int:
         cfg = self.config
@@ -294,6 +310,8 @@ class LLMEngine:
 
     def _launch(self) -> StepHandle | None:
         batch = self.scheduler.schedule()
+        if self.host_pool is not None:
+            self.host_pool.flush()  # pages spilled to / loaded from host memory while scheduling
         for seq in self.scheduler.take_finished():  # the pool is too small for it
             self._finish(self._requests[seq.id], seq.finish_reason, release=False)
         if batch is None:
@@ -492,6 +510,13 @@ class LLMEngine:
             "cached_pages": self.cache.num_pages if self.cache else 0,
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
             "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,
+            "prefix_device_hit_tokens": s.prefix_hit_tokens - s.prefix_host_hit_tokens,
+            "prefix_host_hit_tokens": s.prefix_host_hit_tokens,
+            "host_pages_total": self.host_pool.num_pages if self.host_pool else 0,
+            "host_pages_used": self.cache.host_pages if self.cache else 0,
+            "host_bytes": self.host_pool.nbytes if self.host_pool else 0,
+            "spilled_pages": self.cache.spilled_pages if self.cache else 0,
+            "loaded_pages": self.cache.loaded_pages if self.cache else 0,
             "running": sum(q.status == "running" for q in s.running),
             "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
         }

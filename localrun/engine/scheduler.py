@@ -102,7 +102,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # arrival order
         self.running: list[Sequence] = []  # arrival order
         self.finished_by_scheduler: list[Sequence] = []  # pool too small for a lone sequence
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens = 0  # prompt tokens served by the prefix cache (both tiers)
+        self.prefix_host_hit_tokens = 0  # of those, tokens whose KV was loaded back from host memory
         self.prefix_query_tokens = 0
         self.num_preemptions = 0
         self._step = 0
@@ -192,7 +193,7 @@ class Scheduler:
     def _order_waiting(self) -> list[Sequence]:
         if self.cache is None or len(self.waiting) > LONG_QUEUE:
             return self.waiting
-        hits = {s.id: len(self.cache.match_prefix(s.token_ids[: self._cacheable(s)])[0]) for s in self.waiting}
+        hits = {s.id: self.cache.cached_pages(s.token_ids[: self._cacheable(s)]) for s in self.waiting}
         return sorted(self.waiting, key=lambda s: (-hits[s.id], s.arrival))
 
     def _cacheable(self, seq: Sequence) -> int:
@@ -267,9 +268,9 @@ class Scheduler:
                 break
             if seq.num_pending:  # preempted while a token was in flight: wait for it
                 continue
-            pages, node = [], None
+            pages, node, loaded = [], None, 0
             if self.cache is not None:
-                pages, node = self.cache.match_prefix(seq.token_ids[: self._cacheable(seq)])
+                pages, node, loaded = self.cache.load_prefix(seq.token_ids[: self._cacheable(seq)])
                 i, P = len(pages) * self.P, self.P
                 if i + P <= self._cacheable(seq) and (len(pages), tuple(seq.token_ids[i:i + P])) in admitted_pages:
                     continue  # it shares an uncached page with one admitted this step: let that one compute it
@@ -293,6 +294,7 @@ class Scheduler:
             if seq.cached_tokens < 0:
                 seq.cached_tokens = cached
                 self.prefix_hit_tokens += cached
+                self.prefix_host_hit_tokens += loaded * self.P
                 self.prefix_query_tokens += seq.prompt_len
             seq.status = RUNNING
             seq.last_step = self._step

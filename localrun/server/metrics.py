@@ -4,7 +4,8 @@ Counted as requests happen: HTTP requests by route and status (an ASGI middlewar
 completion / cached tokens, finished requests by reason, time to first token and
 inter-token latency histograms (as the daemon sees them, i.e. as clients do). Read at
 scrape time: queue depth and running requests per model (the model manager), KV pages
-used/free and the engine's prefix hit rate per model (asked of each runner, bounded).
+used/free, the engine's prefix hit rate and its hits by tier (device KV pool / host RAM), and
+the host tier's pages per model (asked of each runner, bounded).
 Each app has its own registry, so several daemons in one process (tests) never mix.
 """
 
@@ -14,7 +15,7 @@ import asyncio
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 STATS_TIMEOUT = 1.0  # seconds a runner gets to report its KV pages at scrape time
@@ -121,6 +122,14 @@ class _Live:
         free = GaugeMetricFamily("localrun_kv_pages_free", "KV cache pages free", labels=["model"])
         hit = GaugeMetricFamily("localrun_prefix_cache_hit_rate",
                                 "Share of prompt tokens served from the prefix cache since load", labels=["model"])
+        hit_tokens = CounterMetricFamily("localrun_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from the native engine's prefix cache since load, by "
+                                         "where their KV was: device (the KV pool) or host (loaded back from RAM)",
+                                         labels=["model", "tier"])
+        host_used = GaugeMetricFamily("localrun_host_kv_pages_used",
+                                      "Prefix-cache KV pages held in the host-memory tier", labels=["model"])
+        host_total = GaugeMetricFamily("localrun_host_kv_pages_total",
+                                       "Pages the prefix cache's host-memory tier holds at most", labels=["model"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
             running.add_metric([r.name], r.active)
@@ -128,11 +137,17 @@ class _Live:
             if "kv_pages_total" in st:
                 used.add_metric([r.name], st["kv_pages_total"] - st["kv_pages_free"])
                 free.add_metric([r.name], st["kv_pages_free"])
+            if "prefix_host_hit_tokens" in st:
+                hit_tokens.add_metric([r.name, "device"], st["prefix_device_hit_tokens"])
+                hit_tokens.add_metric([r.name, "host"], st["prefix_host_hit_tokens"])
+            if "host_pages_total" in st:
+                host_used.add_metric([r.name], st["host_pages_used"])
+                host_total.add_metric([r.name], st["host_pages_total"])
             if st.get("prefix_query_tokens"):  # the engine's own count
                 hit.add_metric([r.name], st["prefix_hit_tokens"] / st["prefix_query_tokens"])
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
-        yield from (waiting, running, used, free, hit)
+        yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total)
 
 
 class MetricsMiddleware:
