@@ -4,18 +4,40 @@ and a conversation's turns land on the replica that holds its prefix while new c
 
 from __future__ import annotations
 
+import importlib.util
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from localrun.cluster.ray_serve import ModelSource, build_app, check_fits, ModelTooLarge, REPLICA_HEADER
+from localrun.cluster.ray_serve import REPLICA_HEADER, ModelSource, ModelTooLarge, build_app, check_fits
 
-ray = pytest.importorskip("ray", reason="ray is not installed: pip install \"localrun[ray]\"")
-serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed: pip install \"localrun[ray]\"")
-openai = pytest.importorskip("openai")
+HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray[serve] is not installed: pip install \"localrun[ray]\"")
+if HAVE_RAY:
+    import openai
+    import ray
+    from ray import serve
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def test_works_without_ray(tmp_path):
+    """localrun and its ray-serve command import without Ray; the command then says how to install it."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import localrun.cli, localrun.cluster.ray_serve as m\n"
+            "sys.exit(localrun.cli.main(['ray-serve', 'model.gguf']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and 'pip install "localrun[ray]"' in r.stderr, r.stderr
+
+
+@needs_ray
+def test_cli_errors_before_touching_ray():
+    r = subprocess.run([sys.executable, "-m", "localrun", "ray-serve", "/nonexistent/model.gguf", "--replicas", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no such GGUF file" in r.stderr, r.stderr
 
 
 def _free_port() -> int:
@@ -41,16 +63,15 @@ def served(smollm2_gguf):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
         yield client
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        ray.shutdown()  # stops the local Ray and every Serve actor in it (serve.shutdown first only adds seconds)
 
 
+@needs_ray
 def test_models(served):
     assert [m.id for m in served.models.list().data] == ["smollm2"]
 
 
+@needs_ray
 def test_chat_not_streamed(served):
     raw = served.chat.completions.with_raw_response.create(
         model="smollm2", messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -62,6 +83,7 @@ def test_chat_not_streamed(served):
     assert raw.headers[REPLICA_HEADER] == r.model_extra["localrun_replica"]
 
 
+@needs_ray
 def test_chat_streamed(served):
     stream = served.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=12,
@@ -78,6 +100,7 @@ def test_chat_streamed(served):
     assert r.choices[0].message.content == text
 
 
+@needs_ray
 def test_completions_and_errors(served):
     r = served.completions.create(model="smollm2", prompt="The sky is", max_tokens=6, temperature=0)
     assert r.choices[0].text and r.model_extra["localrun_replica"]
@@ -99,6 +122,7 @@ TOPICS = [
 ]
 
 
+@needs_ray
 def test_prefix_affinity(served):
     """Each conversation's later turns land on the replica of its first turn, and hit its prefix cache;
     different conversations use both replicas."""
@@ -125,6 +149,7 @@ def test_prefix_affinity(served):
     print(f"{3 * len(TOPICS)} chat turns in {time.perf_counter() - t0:.1f}s; cached fraction {min(cached):.2f}..")
 
 
+@needs_ray
 def test_too_large_for_one_node(served, smollm2_gguf):
     """A memory plan over the largest node is refused, pointing to vLLM on Ray."""
     src = ModelSource(name="smollm2", weights=str(smollm2_gguf))
@@ -133,6 +158,7 @@ def test_too_large_for_one_node(served, smollm2_gguf):
         check_fits(src, 1 << 20, 4096, "cpu", 0)  # a KV plan of terabytes
 
 
+@needs_ray
 def test_prefix_table_bounds_and_matching():
     from localrun.cluster.router import PrefixTable
 

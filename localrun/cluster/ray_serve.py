@@ -27,14 +27,18 @@ Routing: ``localrun.cluster.router.PrefixAffinityRouter``, a Ray Serve *custom r
 prompt extends the previous turn's - goes to the replica whose radix cache holds that prefix; new
 conversations go to the least-loaded replica. The prefix table is bounded (LRU, ``max_blocks``).
 
-Why a plain Serve deployment and not Ray Serve LLM (``ray.serve.llm``: ``LLMServer``/``LLMConfig``,
-``build_openai_app``): Serve LLM's engine layer is built around vLLM (``LLMConfig`` takes vLLM engine
-kwargs, its OpenAI layer and ``PrefixCacheAffinityRouter`` expect vLLM's request/response models, and
-its placement groups follow vLLM's TP/PP); using it for another engine means implementing Ray's
-*internal* engine base class, which is not a public API and changes between releases. The request
-router API (``ray.serve.request_router``) is public, so the routing is done the documented way;
-the router reads ``.prompt`` from the call object, so Ray's own ``PrefixCacheAffinityRouter`` (which
-reads ``prompt``/``messages`` too) could be swapped in through the same config.
+Why a plain Serve deployment and not Ray Serve LLM's custom-engine protocol (checked against Ray 2.60,
+the version pip installs today): Serve LLM's ``LLMEngine`` base class lives in
+``ray.llm._internal.serve.core.engine.protocol`` (internal, no stability promise), speaks OpenAI
+request/response models that Serve LLM takes from vLLM's OpenAI server, ``LLMConfig``'s engine enum has
+only ``vLLM``, and ``ray.serve.llm`` needs the ``ray[llm]`` extra (vLLM, pyarrow, ...) just to import -
+it does not import here with ``ray[serve]`` alone. Plugging localrun in there would tie it to Ray
+internals and pull vLLM onto CPU boxes. What Serve LLM adds over plain Serve for this engine is the
+OpenAI layer (localrun has its own) and prefix-aware routing, and routing is a *public* Serve API
+(``ray.serve.request_router``, PublicAPI alpha; ``RequestRouterConfig`` with kwargs since Ray 2.48), so this module uses plain deployments plus
+that API. The router reads ``.prompt`` from the call object, so Ray's own ``PrefixCacheAffinityRouter``
+(``ray.serve.llm.request_router``, needs ``ray[llm]``; it reads ``prompt``/``messages`` too and keeps
+its prefix tree in a detached actor) can be swapped in through the same ``RequestRouterConfig``.
 
 Models too large for one node: each replica is one process with the whole model (this engine has no
 tensor/pipeline parallelism across machines). A model whose memory plan exceeds the largest node is
@@ -45,7 +49,6 @@ refused with an error that points to vLLM on Ray (``ray.serve.llm`` with
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import uuid
@@ -372,7 +375,12 @@ def build_app(model: str | ModelSource, *, replicas: int = 1, min_replicas: int 
     """The Serve application (ingress bound to the replicas). Needs a connected Ray (ray.init) when
     `check_memory` is on."""
     ray, serve = _need_ray()
-    from ray.serve.config import RequestRouterConfig
+    try:
+        from ray.serve.config import RequestRouterConfig
+        from ray.serve.request_router import RequestRouter  # noqa: F401
+    except ImportError:
+        raise LocalrunError(f"Ray {ray.__version__} has no request router API (Ray Serve >= 2.48); upgrade with: "
+                            "pip install -U \"localrun[ray]\"") from None
 
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     if replicas < 1:
@@ -427,24 +435,27 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="localrun", help="Serve application name (default localrun)")
     ap.add_argument("--route-prefix", default="/", help="HTTP route prefix (default /)")
     ap.add_argument("--max-prefix-blocks", type=int, default=None, help="prefix table bound (16-char blocks)")
-    ap.add_argument("--no-block", action="store_true", help="deploy and return instead of serving until Ctrl+C")
+    ap.add_argument("--no-block", action="store_true",
+                    help="deploy on the cluster and return (the app keeps running) instead of serving until Ctrl+C")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    ray, serve = _need_ray()
     try:
-        if args.address == "local":
-            ray.init()
-        else:
-            ray.init(address=args.address)
+        ray, serve = _need_ray()
+        src = resolve_model(args.model)
+    except LocalrunError as exc:
+        print(f"localrun ray-serve: {exc.message}", file=sys.stderr)
+        return 1
+    try:
+        ray.init(address=None if args.address == "local" else args.address)
     except ConnectionError as exc:
         print(f"localrun ray-serve: no Ray cluster at {args.address} ({exc}); start one with `ray start --head` "
               "or pass --address local for a one-machine Ray", file=sys.stderr)
         return 1
     try:
-        app = build_app(args.model, replicas=args.replicas, min_replicas=args.min_replicas,
+        app = build_app(src, replicas=args.replicas, min_replicas=args.min_replicas,
                         max_replicas=args.max_replicas, num_ctx=args.num_ctx, num_parallel=args.num_parallel,
                         cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                         device="cuda" if args.gpus_per_replica > 0 else "cpu",
@@ -454,9 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     serve.start(http_options={"host": args.http_host, "port": args.port})
     serve.run(app, name=args.name, route_prefix=args.route_prefix, blocking=False)
-    print(f"localrun ray-serve: {args.model} on http://{args.http_host}:{args.port}{args.route_prefix.rstrip('/')}/v1 "
-          f"({json.dumps({'replicas': args.replicas, 'min': args.min_replicas, 'max': args.max_replicas})})",
-          file=sys.stderr)
+    scale = (f"{args.replicas} replicas" if args.min_replicas is None and args.max_replicas is None
+             else f"autoscaling {args.min_replicas}..{args.max_replicas} replicas")
+    print(f"localrun ray-serve: {src.name} ({scale}) at "
+          f"http://{args.http_host}:{args.port}{args.route_prefix.rstrip('/')}/v1", file=sys.stderr)
     if args.no_block:
         return 0
     try:
