@@ -49,6 +49,7 @@ refused with an error that points to vLLM on Ray (``ray.serve.llm`` with
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 import uuid
@@ -59,6 +60,8 @@ from typing import Any, AsyncIterator
 
 from localrun.backends.base import SamplingOptions
 from localrun.errors import InsufficientMemory, InvalidRequest, LocalrunError
+
+log = logging.getLogger("localrun.cluster")
 
 REPLICA_HEADER = "x-localrun-replica"
 VLLM_HINT = ("serve it with vLLM on Ray instead (Ray Serve LLM: `from ray.serve.llm import LLMConfig, "
@@ -134,7 +137,7 @@ def check_fits(src: ModelSource, num_ctx: int, num_parallel: int, device: str | 
             import torch
 
             if torch.cuda.is_available():
-                have = torch.cuda.get_device_properties(0).total_memory * max(gpus_per_replica, 1)
+                have = torch.cuda.get_device_properties(0).total_memory
                 if need > have:
                     raise ModelTooLarge(f"{src.name} needs about {need / gib:.1f} GiB per replica (weights "
                                         f"{est.weights_bytes / gib:.1f} GiB + KV {est.kv_bytes / gib:.1f} GiB) but a "
@@ -218,12 +221,14 @@ class OpenAIIngress:
                                         parameters=src.parameters, messages=src.messages)
 
     async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
         path, method = request.url.path.rstrip("/"), request.method
         try:
             if path == "/v1/models" and method == "GET":
-                return self._models()
+                return JSONResponse(self._models())
             if path == f"/v1/models/{self.src.name}" and method == "GET":
-                return self._models()["data"][0]
+                return JSONResponse(self._models()["data"][0])
             if path in ("/v1/chat/completions", "/v1/completions") and method == "POST":
                 try:
                     body = await request.json()
@@ -236,6 +241,9 @@ class OpenAIIngress:
                                "and /v1/completions", "not_found")
         except LocalrunError as exc:
             return _error(exc.status, exc.public_message, exc.code)
+        except Exception as exc:  # noqa: BLE001 - a replica died or Serve failed: still OpenAI's error shape
+            log.error("request failed: %s: %s", type(exc).__name__, exc)
+            return _error(503, f"no replica could serve the request ({type(exc).__name__}); retry", "server_busy")
 
     def _models(self) -> dict:
         return {"object": "list", "data": [{"id": self.src.name, "object": "model", "created": int(self.src.created),
@@ -371,9 +379,11 @@ class OpenAIIngress:
 def build_app(model: str | ModelSource, *, replicas: int = 1, min_replicas: int | None = None,
               max_replicas: int | None = None, num_ctx: int = 4096, num_parallel: int = 4,
               cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0, device: str | None = None,
-              router_kwargs: dict | None = None, check_memory: bool = True):
+              router: str = "localrun.cluster.router.PrefixAffinityRouter", router_kwargs: dict | None = None,
+              check_memory: bool = True):
     """The Serve application (ingress bound to the replicas). Needs a connected Ray (ray.init) when
-    `check_memory` is on."""
+    `check_memory` is on. `router`: the replica deployment's request router class (import path), e.g.
+    Ray's default "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter" to compare."""
     ray, serve = _need_ray()
     try:
         from ray.serve.config import RequestRouterConfig
@@ -385,6 +395,9 @@ def build_app(model: str | ModelSource, *, replicas: int = 1, min_replicas: int 
     src = model if isinstance(model, ModelSource) else resolve_model(model)
     if replicas < 1:
         raise InvalidRequest("--replicas must be at least 1")
+    if gpus_per_replica > 1:
+        raise InvalidRequest(f"--gpus-per-replica {gpus_per_replica}: the native engine runs a replica on one GPU "
+                             f"(no tensor parallelism); for a model that needs several, {VLLM_HINT}")
     if (min_replicas is None) != (max_replicas is None):
         min_replicas = replicas if min_replicas is None else min_replicas
         max_replicas = max(replicas, min_replicas) if max_replicas is None else max_replicas
@@ -404,7 +417,7 @@ def build_app(model: str | ModelSource, *, replicas: int = 1, min_replicas: int 
         ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
         max_ongoing_requests=num_parallel * 2,
         request_router_config=RequestRouterConfig(
-            request_router_class="localrun.cluster.router.PrefixAffinityRouter",
+            request_router_class=router,
             request_router_kwargs=dict(router_kwargs or {})),
         **scale,
     )
