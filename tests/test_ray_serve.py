@@ -34,10 +34,11 @@ def test_works_without_ray(tmp_path):
 
 
 @needs_ray
-def test_cli_errors_before_touching_ray():
-    r = subprocess.run([sys.executable, "-m", "localrun", "ray-serve", "/nonexistent/model.gguf", "--replicas", "2"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "no such GGUF file" in r.stderr, r.stderr
+def test_cli_errors_before_touching_ray(capsys):
+    from localrun.cli import main
+
+    assert main(["ray-serve", "/nonexistent/model.gguf", "--replicas", "2"]) == 1
+    assert "no such GGUF file" in capsys.readouterr().err
 
 
 def _free_port() -> int:
@@ -117,8 +118,6 @@ TOPICS = [
     "the chemistry of sourdough fermentation, wild yeasts and lactic acid bacteria in a rye starter",
     "how a four-stroke diesel engine differs from a petrol engine in ignition and compression ratio",
     "the history of the printing press in fifteenth century Mainz and the spread of movable type",
-    "why the ocean tides at the Bay of Fundy are the highest in the world and how resonance matters",
-    "the rules of the game of go, liberties, ko fights and how territory is counted at the end",
 ]
 
 
