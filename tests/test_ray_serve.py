@@ -70,6 +70,7 @@ def served(smollm2_gguf):
 @needs_ray
 def test_models(served):
     assert [m.id for m in served.models.list().data] == ["smollm2"]
+    assert served.models.retrieve("smollm2").id == "smollm2"
 
 
 @needs_ray
@@ -172,3 +173,24 @@ def test_prefix_table_bounds_and_matching():
     assert len(t) == 0
     with pytest.raises(ValueError, match="at least 1"):
         PrefixTable(block_chars=0)
+
+
+@needs_ray
+def test_autoscaling_bounds_and_validation(smollm2_gguf):
+    """--min/--max-replicas become Serve's autoscaling config on the replica deployment (with our router);
+    bad bounds are refused with the reason."""
+    from localrun.errors import InvalidRequest
+
+    src = ModelSource(name="smollm2", weights=str(smollm2_gguf))
+    app = build_app(src, replicas=2, min_replicas=1, max_replicas=3, num_parallel=4, check_memory=False)
+    replica = app._bound_deployment.init_args[0]._bound_deployment  # the ingress is bound to the replica app
+    cfg = replica._deployment_config
+    a = cfg.autoscaling_config
+    assert (a.min_replicas, a.initial_replicas, a.max_replicas, a.target_ongoing_requests) == (1, 2, 3, 4)
+    assert cfg.request_router_config.request_router_class == "localrun.cluster.router.PrefixAffinityRouter"
+    fixed = build_app(src, replicas=3, check_memory=False)._bound_deployment.init_args[0]._bound_deployment
+    assert fixed._deployment_config.num_replicas == 3 and fixed._deployment_config.autoscaling_config is None
+    with pytest.raises(InvalidRequest, match="min-replicas"):
+        build_app(src, min_replicas=4, max_replicas=2, check_memory=False)
+    with pytest.raises(InvalidRequest, match="one GPU"):
+        build_app(src, gpus_per_replica=2, check_memory=False)
