@@ -805,6 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default: ./Modelfile)")
 
     add("bench", "benchmarks (see `localrun bench --help`)")
+    add("ray-serve", "serve a model with replicas on a Ray cluster (see `localrun ray-serve --help`)")
     add("version", "print the client and daemon versions")
     return p
 
@@ -814,8 +815,8 @@ VERBS = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "list": cmd_list, "
          "version": cmd_version}
 
 
-def _split_bench(argv: list[str]) -> list[str] | None:
-    """`localrun [globals] bench ARGS...` -> ARGS, passed untouched to the bench CLI."""
+def _split_bench(argv: list[str], verb: str = "bench") -> list[str] | None:
+    """`localrun [globals] bench ARGS...` -> ARGS, passed untouched to the bench CLI (or another `verb`'s)."""
     i = 0
     while i < len(argv):
         tok = argv[i]
@@ -824,7 +825,7 @@ def _split_bench(argv: list[str]) -> list[str] | None:
         elif tok.startswith("-"):
             i += 1
         else:
-            return argv[i + 1:] if tok == "bench" else None
+            return argv[i + 1:] if tok == verb else None
     return None
 
 
@@ -841,6 +842,11 @@ def _dispatch(argv: list[str]) -> int:
     rest = _split_bench(argv)
     if rest is not None:
         return _bench(rest)
+    rest = _split_bench(argv, "ray-serve")
+    if rest is not None:  # runs without the daemon; imports Ray only here
+        from localrun.cluster.ray_serve import main as ray_serve_main
+
+        return ray_serve_main(rest)
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

@@ -1,0 +1,1 @@
+"""Serving localrun past one machine. Nothing here imports Ray at import time (``localrun[ray]`` is optional)."""
