@@ -291,32 +291,33 @@ class TestTritonQuant:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces compilation")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-@pytest.mark.parametrize("quant,cache_type", [(1, "*i8"), (2, "*fp8e4nv")])
-def test_quant_kernels_compile_for_h100(quant, cache_type):
-    """The GPU compiler (no GPU needed) accepts the int8 / fp8 variants of store, decode and
-    extend at Llama-3.1-8B shapes with bf16 queries (what the interpreter cannot show)."""
+def test_quant_kernels_compile_for_h100():
+    """The GPU compiler (no GPU needed) accepts the quantized variants at Llama-3.1-8B shapes with
+    bf16 queries (what the interpreter cannot show): the store for int8 and fp8, decode over fp8
+    pages, extend over int8 pages (the two share attend_kv_block)."""
     from test_kernels import _compile_for_gpu
 
     from localrun.kernels import decode_attention, extend_attn, kv_store
 
-    bf, h100, c = "*bf16", (9, 0), cache_type
-    _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": c, "VCache": c,
-                                                       "KScale": "*fp32", "VScale": "*fp32", "SlotMapping": "*i64"},
-                     dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANT=quant, INTERP_FP8=False),
-                     num_warps=4)
+    bf, h100, i8, f8 = "*bf16", (9, 0), "*i8", "*fp8e4nv"
+    for quant, c in ((1, i8), (2, f8)):
+        _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": c, "VCache": c,
+                                                           "KScale": "*fp32", "VScale": "*fp32", "SlotMapping": "*i64"},
+                         dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANT=quant, INTERP_FP8=False),
+                         num_warps=4)
     _compile_for_gpu(
         decode_attention._decode_split_kernel, h100,
-        {"Q": bf, "K": c, "V": c, "KScale": "*fp32", "VScale": "*fp32", "PageTable": "*i32", "SeqLens": "*i32",
+        {"Q": bf, "K": f8, "V": f8, "KScale": "*fp32", "VScale": "*fp32", "PageTable": "*i32", "SeqLens": "*i32",
          "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32"},
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32",
-             QUANT=quant), num_warps=4, num_stages=2)
+             QUANT=2), num_warps=4, num_stages=2)
     block_m, block_n, warps, stages = extend_attn._default_config(h100, 128)
     _compile_for_gpu(
         extend_attn._extend_kernel, h100,
-        {"Q": bf, "K": c, "V": c, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
+        {"Q": bf, "K": i8, "V": i8, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
          "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32"},
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16, PRECISION="tf32",
-             QUANT=quant), num_warps=warps, num_stages=stages)
+             QUANT=1), num_warps=warps, num_stages=stages)
 
 
 # --------------------------------------------------------------------------- the native backend, real SmolLM2
@@ -356,3 +357,22 @@ def test_native_backend_loads_the_configured_kv_type(smollm2_gguf, monkeypatch):
         assert "Paris" in asyncio.run(answer())
     finally:
         b._close()
+
+
+def test_bench_perplexity_pass_matches_a_cacheless_forward():
+    """bench kv-quant's teacher-forced pass through the paged cache (chunks of 5: extend over a
+    cached prefix) gives the log-probabilities of one cache-free forward over the whole text,
+    and frees its pages; over int8 pages it stays close."""
+    from localrun.bench.kv_quant import agreement, text_logprobs
+
+    eng = LLMEngine.from_random(TINY, EngineConfig(device="cpu", max_model_len=128), seed=3)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = torch.tensor(text_logprobs(eng, ids, 5))
+    with torch.inference_mode():
+        lp = torch.log_softmax(eng.model.compute_logits(eng.runner.hidden_states([ids])[0]), -1)
+    want = lp[torch.arange(39), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert eng.pool.num_free == eng.pool.num_pages
+    q = LLMEngine(eng.model, TINY, EngineConfig(device="cpu", max_model_len=128, kv_cache_dtype="int8"), None)
+    assert float((torch.tensor(text_logprobs(q, ids, 1)) - want).abs().max()) < 0.05
+    assert agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 0], [4, 5, 6]]) == (5 / 6, 2.5, 1)

@@ -142,14 +142,15 @@ def run(a: argparse.Namespace) -> int:
     tok = base.tokenizer
     text_ids = tok.encode(HELD_OUT, add_special=True)
     print(f"{Path(path).name} on {a.device} ({base.config.dtype}), loaded in {time.perf_counter() - t:.1f} s; "
-          f"{len(prompts)} prompts (<= {a.prompt_tokens} tokens) x {a.max_tokens} greedy tokens; perplexity over {len(text_ids)} tokens of "
-          f"held-out text, {a.chunk} tokens per step")
-    rows = []
-    engines = [("auto", base)] + [(k, None) for k in kinds]
+          f"{len(prompts)} prompts (<= {a.prompt_tokens} tokens) x {a.max_tokens} greedy tokens; perplexity over "
+          f"{len(text_ids)} tokens of held-out text, {a.chunk} tokens per step")
+    head = ("KV cache", "bytes/token", "pages/GiB", "identical", "first diff", "same seqs", "perplexity",
+            "vs base", "time")
+    print(" | ".join(head), flush=True)
     ref_out = ref_nll = None
-    for kind, eng in engines:
+    for kind in ["auto"] + kinds:
         t = time.perf_counter()
-        eng = eng or LLMEngine(base.model, base.model_config, config(kind), tok)
+        eng = base if kind == "auto" else LLMEngine(base.model, base.model_config, config(kind), tok)
         outs = greedy(eng, prompts, a.max_tokens)
         lps = text_logprobs(eng, text_ids, a.chunk)
         nll = -sum(lps) / len(lps)
@@ -158,15 +159,10 @@ def run(a: argparse.Namespace) -> int:
         same, first, full = agreement(outs, ref_out)
         kv = eng.pool.dtype
         per_tok = eng.model_config.kv_bytes_per_token(kv)
-        rows.append((f"{kv_dtype_name(kv)}{' (baseline)' if kind == 'auto' else ''}", per_tok,
-                     2**30 // (per_tok * eng.pool.page_size), same, first, full, math.exp(nll),
-                     100 * (math.exp(nll - ref_nll) - 1), time.perf_counter() - t))
-        if eng is not base:
-            del eng
-    head = ("KV cache", "bytes/token", "pages/GiB", "identical", "first diff", "same seqs", "perplexity",
-            "vs base", "time")
-    print(" | ".join(head))
-    for name, per_tok, pages, same, first, full, ppl, delta, dt in rows:
+        pages = 2**30 // (per_tok * eng.pool.page_size)
+        name = f"{kv_dtype_name(kv)}{' (baseline)' if kind == 'auto' else ''}"
         print(f"{name} | {per_tok} | {pages} | {100 * same:.1f}% | {first:.1f} | {full}/{len(prompts)} | "
-              f"{ppl:.3f} | {delta:+.2f}% | {dt:.0f} s")
+              f"{math.exp(nll):.3f} | {100 * (math.exp(nll - ref_nll) - 1):+.2f}% | "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        del eng
     return 0
