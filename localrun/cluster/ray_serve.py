@@ -49,6 +49,7 @@ refused with an error that points to vLLM on Ray (``ray.serve.llm`` with
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
@@ -249,7 +250,7 @@ class OpenAIIngress:
         return {"object": "list", "data": [{"id": self.src.name, "object": "model", "created": int(self.src.created),
                                             "owned_by": "localrun"}]}
 
-    def _job(self, body: dict, chat: bool) -> tuple[ReplicaCall, bool, bool]:
+    async def _job(self, body: dict, chat: bool) -> tuple[ReplicaCall, bool, bool]:
         from localrun.server import params as p
         from localrun.server.generation import Job, render_prompt
         from localrun.server.routes_openai import _think, openai_options
@@ -275,13 +276,14 @@ class OpenAIIngress:
                 raise InvalidRequest("'prompt' must be a non-empty string")
             job = Job(resolved=self.resolved, options=opts, prompt=prompt, raw=True)
         so = body.get("stream_options") or {}
-        call = ReplicaCall(prompt=render_prompt(job), options=opts, request_id=uuid.uuid4().hex[:12])
+        prompt = await asyncio.to_thread(render_prompt, job)  # templates can be slow (bounded): off the loop
+        call = ReplicaCall(prompt=prompt, options=opts, request_id=uuid.uuid4().hex[:12])
         return call, p.get_bool(body, "stream"), bool(so.get("include_usage"))
 
     async def _generate(self, body: dict, chat: bool):
         from starlette.responses import JSONResponse, StreamingResponse
 
-        call, stream, include_usage = self._job(body, chat)
+        call, stream, include_usage = await self._job(body, chat)
         gen = self.handle.generate.remote(call)
         it = gen.__aiter__()
         streaming = False
