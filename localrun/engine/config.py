@@ -117,6 +117,7 @@ class EngineConfig:
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
+    tensor_parallel: int = 1  # ranks (processes; GPUs on CUDA) the weights and KV heads are split over (parallel.py)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -137,6 +138,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be positive")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a whole number >= 1, got {self.tensor_parallel!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be positive")
 
