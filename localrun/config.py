@@ -33,6 +33,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
+    "LOCALRUN_TENSOR_PARALLEL": ("1", "native engine: split each model over N ranks (processes; one GPU each on CUDA) by attention heads; N must divide its KV heads (Modelfile: PARAMETER tensor_parallel N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -44,6 +45,7 @@ _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+MAX_TENSOR_PARALLEL = 64  # ranks per model (also the Modelfile's bound)
 MAX_DURATION = 100 * 365 * 86400.0  # longer than this (a century) means forever; no date holds 1e300 s
 
 
@@ -143,6 +145,7 @@ class Settings:
     llamacpp_extra_buffers: str = "auto"
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
+    tensor_parallel: int = 1  # native engine ranks per model
 
     @property
     def models_dir(self) -> Path:
@@ -183,6 +186,7 @@ class Settings:
             "LOCALRUN_BACKEND": self.backend,
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
+            "LOCALRUN_TENSOR_PARALLEL": str(self.tensor_parallel),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -232,6 +236,9 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError(f"LOCALRUN_SHUTDOWN_GRACE: {exc}") from None
     if grace is None or grace > 3600:
         raise ValueError("LOCALRUN_SHUTDOWN_GRACE must be between 0 and 1h")
+    tensor_parallel = _int("LOCALRUN_TENSOR_PARALLEL", e.get("LOCALRUN_TENSOR_PARALLEL"), 1, 1)
+    if tensor_parallel > MAX_TENSOR_PARALLEL:
+        raise ValueError(f"LOCALRUN_TENSOR_PARALLEL must be at most {MAX_TENSOR_PARALLEL}, got {tensor_parallel}")
     return Settings(
         home=home,
         host=host,
@@ -249,6 +256,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         llamacpp_extra_buffers=extra_buffers,
         load_timeout=load_timeout,
         shutdown_grace=grace,
+        tensor_parallel=tensor_parallel,
     )
 
 

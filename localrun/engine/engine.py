@@ -569,7 +569,12 @@ class LLMEngine:
         if self.fatal:
             raise RuntimeError(self.fatal)
         with self._lock:
-            states = self.runner.hidden_states(token_lists)
+            try:
+                states = self.runner.hidden_states(token_lists)
+            except Exception as exc:
+                if self.tp.world > 1:
+                    raise RuntimeError(self._step_failed(exc)) from exc
+                raise
         vecs = [torch.nn.functional.normalize(h.float().mean(0), dim=0) for h in states]
         return [v.tolist() for v in vecs]
 

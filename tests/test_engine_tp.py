@@ -1,0 +1,152 @@
+"""Tensor parallelism in the native engine on CPU (gloo, one process per rank): 2 ranks give
+the same greedy tokens and logprobs as 1 (GQA; tied and untied embeddings; a vocabulary that
+does not split evenly), a rank killed mid-generation ends the request with a clear error and
+nothing hangs, and bad settings are refused with a message that says what to do."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+from localrun.engine.config import ModelConfig
+from localrun.engine.parallel import TPGroup, check_shapes
+
+# GQA (4 query heads, 2 KV heads), untied head, an odd vocabulary (the last shard is padded)
+UNTIED = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                     vocab_size=301, max_position_embeddings=256)
+
+
+def _cfg(tp: int, **kw) -> EngineConfig:
+    base = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_tokens=1024, max_num_batched_tokens=64,
+                tensor_parallel=tp)
+    return EngineConfig(**{**base, **kw})
+
+
+PROMPTS = [[(7 * i + 3) % 301 for i in range(n)] for n in (5, 40, 90)]  # the 90-token prompt is chunked (budget 64)
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, want_logprobs=True, logprobs=3)
+
+
+def _run(engine: LLMEngine):
+    try:
+        outs = engine.generate(PROMPTS, PARAMS)
+        emb = engine.embed([PROMPTS[0], PROMPTS[1][:9]])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    return outs, emb, stats
+
+
+def _same(a, b) -> None:
+    (outs1, emb1, _), (outs2, emb2, _) = a, b
+    for o1, o2 in zip(outs1, outs2):
+        assert o2.token_ids == o1.token_ids
+        assert [lp for _, lp, _ in o2.logprobs] == pytest.approx([lp for _, lp, _ in o1.logprobs], abs=1e-4)
+        for (_, _, top1), (_, _, top2) in zip(o1.logprobs, o2.logprobs):
+            assert [t for t, _ in top2] == [t for t, _ in top1]
+    for v1, v2 in zip(emb1, emb2):
+        assert v2 == pytest.approx(v1, abs=1e-5)
+
+
+def test_two_ranks_match_one_random_untied_gqa():
+    """Random weights drawn identically for any split; overlap and the padded decode-graph path
+    (eager on CPU) on, so sampled tokens feed the next step from the device on every rank."""
+    kw = dict(overlap=True, cuda_graphs=True)
+    one = _run(LLMEngine.from_random(UNTIED, _cfg(1, **kw), seed=5))
+    two = _run(LLMEngine.from_random(UNTIED, _cfg(2, **kw), seed=5))
+    _same(one, two)
+    s1, s2 = one[2], two[2]
+    assert s2["tensor_parallel"] == 2 and s1["tensor_parallel"] == 1
+    assert s2["kv_bytes_per_rank"] * 2 == s1["kv_bytes_per_rank"]  # each rank holds half the KV heads
+    assert s2["weight_bytes_per_rank"] < 0.6 * s1["weight_bytes_per_rank"]  # norms are replicated
+
+
+def test_two_ranks_match_one_safetensors_tied_bias(tmp_path):
+    """A Qwen2-style checkpoint (q/k/v bias, tied embeddings) read shard by shard with
+    safetensors' get_slice."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=301, max_position_embeddings=256,
+                                   initializer_range=0.3, tie_word_embeddings=True)
+    hf = transformers.Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    one = _run(LLMEngine.from_safetensors(tmp_path, _cfg(1)))
+    two = _run(LLMEngine.from_safetensors(tmp_path, _cfg(2)))
+    assert two[0][0].token_ids  # not vacuous
+    _same(one, two)
+
+
+def test_killed_rank_fails_the_request_and_nothing_hangs():
+    engine = LLMEngine.from_random(UNTIED, _cfg(2), seed=1)
+    follower = engine.tp.procs[0]
+    engine.start()
+
+    async def go():
+        stream = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
+        deltas, killed = [], False
+        async for d in stream:
+            deltas.append(d)
+            if not killed:
+                os.kill(follower.pid, signal.SIGKILL)
+                killed = True
+        return deltas
+
+    t = time.monotonic()
+    try:
+        deltas = asyncio.run(asyncio.wait_for(go(), 60))
+        waited = time.monotonic() - t
+        last = deltas[-1]
+        assert last.finish_reason == "abort" and last.error
+        assert "tensor-parallel rank 1" in last.error and "SIGKILL" in last.error, last.error
+        assert engine.fatal == last.error
+        with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays down: the model must be reloaded
+            engine.add_request([1, 2], SamplingParams(max_tokens=2))
+        assert waited < 30, waited
+    finally:
+        t = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - t < 15
+    assert follower.exitcode == -signal.SIGKILL
+
+
+def test_settings_are_validated(monkeypatch):
+    with pytest.raises(ValueError, match="tensor_parallel must be a whole number >= 1"):
+        EngineConfig(device="cpu", tensor_parallel=0)
+    with pytest.raises(ValueError, match="tensor_parallel must be a whole number"):
+        EngineConfig(device="cpu", tensor_parallel=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tensor_parallel 3 must divide the model's num_heads 4 and num_kv_heads 2"):
+        check_shapes(UNTIED, 3)
+    with pytest.raises(ValueError, match="num_kv_heads 2"):  # refused before any process starts
+        LLMEngine.from_random(UNTIED, _cfg(4))
+    with pytest.raises(ValueError, match="from_gguf, from_safetensors or from_random"):
+        LLMEngine.from_hf_state(UNTIED, lambda n: None, set(), _cfg(2))
+    check_shapes(UNTIED, 2)
+    g = TPGroup(1, 2)
+    assert g.vocab_shard(301) == (151, 150, 151)
+    assert g.local_config(UNTIED).num_kv_heads == 1 and g.local_config(UNTIED).head_dim == 16
+
+    from localrun.config import ENV_VARS, settings
+
+    assert "LOCALRUN_TENSOR_PARALLEL" in ENV_VARS
+    assert settings({}).tensor_parallel == 1
+    assert settings({"LOCALRUN_TENSOR_PARALLEL": "2"}).tensor_parallel == 2
+    for bad, msg in (("0", ">= 1"), ("two", "must be an integer"), ("65", "at most 64")):
+        with pytest.raises(ValueError, match=f"LOCALRUN_TENSOR_PARALLEL.*{msg}"):
+            settings({"LOCALRUN_TENSOR_PARALLEL": bad})
+
+    from localrun.errors import InvalidRequest
+    from localrun.library.modelfile import parse_parameter
+
+    assert parse_parameter("tensor_parallel", "2") == 2
+    with pytest.raises(InvalidRequest, match="tensor_parallel"):
+        parse_parameter("tensor_parallel", "0")
