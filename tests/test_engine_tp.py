@@ -66,55 +66,97 @@ def test_two_ranks_match_one_random_untied_gqa():
     assert s2["weight_bytes_per_rank"] < 0.6 * s1["weight_bytes_per_rank"]  # norms are replicated
 
 
+def _write_qwen2_checkpoint(d, vocab: int = 301, h: int = 64, inter: int = 128, layers: int = 2, nq: int = 4,
+                            nkv: int = 2) -> None:
+    """A Qwen2-style safetensors checkpoint (q/k/v bias, tied embeddings) with random weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    d_head = h // nq
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).contiguous()
+
+    sd = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": 1 + w(h) / 3}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd.update({p + "input_layernorm.weight": 1 + w(h) / 3, p + "post_attention_layernorm.weight": 1 + w(h) / 3,
+                   p + "self_attn.q_proj.weight": w(nq * d_head, h), p + "self_attn.q_proj.bias": w(nq * d_head),
+                   p + "self_attn.k_proj.weight": w(nkv * d_head, h), p + "self_attn.k_proj.bias": w(nkv * d_head),
+                   p + "self_attn.v_proj.weight": w(nkv * d_head, h), p + "self_attn.v_proj.bias": w(nkv * d_head),
+                   p + "self_attn.o_proj.weight": w(h, nq * d_head), p + "mlp.gate_proj.weight": w(inter, h),
+                   p + "mlp.up_proj.weight": w(inter, h), p + "mlp.down_proj.weight": w(h, inter)})
+    save_file(sd, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": h, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": nq, "num_key_value_heads": nkv, "vocab_size": vocab,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True}))
+
+
 def test_two_ranks_match_one_safetensors_tied_bias(tmp_path):
     """A Qwen2-style checkpoint (q/k/v bias, tied embeddings) read shard by shard with
     safetensors' get_slice."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=301, max_position_embeddings=256,
-                                   initializer_range=0.3, tie_word_embeddings=True)
-    hf = transformers.Qwen2ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _write_qwen2_checkpoint(tmp_path)
     one = _run(LLMEngine.from_safetensors(tmp_path, _cfg(1)))
     two = _run(LLMEngine.from_safetensors(tmp_path, _cfg(2)))
-    assert two[0][0].token_ids  # not vacuous
+    assert one[0][0].token_ids and two[2]["tensor_parallel"] == 2
     _same(one, two)
 
 
-def test_killed_rank_fails_the_request_and_nothing_hangs():
+def _word_tokenizer(vocab_size: int):
+    """A word-level tokenizer ("w0 w1 ..."), built in memory: the backend needs one."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from localrun.engine.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    t = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>"), [], None)
+
+
+def test_killed_rank_fails_the_request_and_nothing_hangs(tmp_path):
+    """SIGKILL a follower mid-generation: the request in flight ends with an error naming the
+    rank, the native backend turns fatal (its runner then exits 70 and the daemon reloads),
+    later requests are refused at once, and shutdown does not hang."""
+    native = pytest.importorskip("localrun.backends.native")
+    from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+    from localrun.errors import BackendError
+
+    tokenizer = _word_tokenizer(UNTIED.vocab_size)
     engine = LLMEngine.from_random(UNTIED, _cfg(2), seed=1)
+    engine.tokenizer = tokenizer
     follower = engine.tp.procs[0]
-    engine.start()
+    backend = native.NativeBackend(LoadSpec(name="tiny-tp2", weights=tmp_path, format="safetensors", num_ctx=128),
+                                   engine, "cpu")
+    assert "tensor parallel 2" in backend.info.reason and "per rank" in backend.info.reason
+    opts = SamplingOptions(temperature=0, ignore_eos=True)
 
     async def go():
-        stream = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True))
-        deltas, killed = [], False
-        async for d in stream:
-            deltas.append(d)
-            if not killed:
-                os.kill(follower.pid, signal.SIGKILL)
-                killed = True
-        return deltas
+        chunks = []
+        with pytest.raises(BackendError, match="tensor-parallel rank 1 .* killed by SIGKILL") as err:
+            async for chunk in backend.generate(GenerationRequest("w1 w2 w3", opts)):
+                if not chunks:
+                    os.kill(follower.pid, signal.SIGKILL)
+                chunks.append(chunk)
+        assert chunks and chunks[-1].finish_reason is None  # it was cut short, not finished
+        assert backend.fatal == engine.fatal and engine.fatal in str(err.value)
+        with pytest.raises(BackendError, match="rank 1"):  # refused at once: the model must be reloaded
+            async for _ in backend.generate(GenerationRequest("w4", opts)):
+                pass
 
     t = time.monotonic()
     try:
-        deltas = asyncio.run(asyncio.wait_for(go(), 60))
-        waited = time.monotonic() - t
-        last = deltas[-1]
-        assert last.finish_reason == "abort" and last.error
-        assert "tensor-parallel rank 1" in last.error and "SIGKILL" in last.error, last.error
-        assert engine.fatal == last.error
-        with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays down: the model must be reloaded
-            engine.add_request([1, 2], SamplingParams(max_tokens=2))
-        assert waited < 30, waited
+        asyncio.run(asyncio.wait_for(go(), 60))
+        assert time.monotonic() - t < 30
     finally:
         t = time.monotonic()
-        engine.shutdown()
+        asyncio.run(backend.close())
         assert time.monotonic() - t < 15
     assert follower.exitcode == -signal.SIGKILL
 
