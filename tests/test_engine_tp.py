@@ -58,7 +58,10 @@ def test_two_ranks_match_one_random_untied_gqa():
     (eager on CPU) on, so sampled tokens feed the next step from the device on every rank."""
     kw = dict(overlap=True, cuda_graphs=True)
     one = _run(LLMEngine.from_random(UNTIED, _cfg(1, **kw), seed=5))
-    two = _run(LLMEngine.from_random(UNTIED, _cfg(2, **kw), seed=5))
+    engine = LLMEngine.from_random(UNTIED, _cfg(2, **kw), seed=5)
+    procs = list(engine.tp.procs)
+    two = _run(engine)
+    assert [p.exitcode for p in procs] == [0]  # shutdown: the follower left on its own
     _same(one, two)
     s1, s2 = one[2], two[2]
     assert s2["tensor_parallel"] == 2 and s1["tensor_parallel"] == 1
@@ -192,3 +195,22 @@ def test_settings_are_validated(monkeypatch):
     assert parse_parameter("tensor_parallel", "2") == 2
     with pytest.raises(InvalidRequest, match="tensor_parallel"):
         parse_parameter("tensor_parallel", "0")
+
+
+def test_memory_estimate_checks_the_split(tmp_path, monkeypatch):
+    native = pytest.importorskip("localrun.backends.native")
+    from localrun.backends.base import LoadSpec
+    from localrun.errors import InvalidRequest
+
+    _write_qwen2_checkpoint(tmp_path, layers=1)
+    spec = lambda tp: LoadSpec(name="q", weights=tmp_path, format="safetensors", num_ctx=128,  # noqa: E731
+                               extra={"native_device": "cpu", "tensor_parallel": tp})
+    with pytest.raises(InvalidRequest, match="cannot split q: tensor_parallel 3 must divide"):
+        native.estimate_memory(spec(3))
+    one, two = native.estimate_memory(spec(1)), native.estimate_memory(spec(2))
+    assert two.weights_bytes == one.weights_bytes and two.kv_bytes == one.kv_bytes  # CPU: one machine's RAM
+    assert two.overhead_bytes == one.overhead_bytes + native.FOLLOWER_RSS_BYTES
+    monkeypatch.setenv("LOCALRUN_TENSOR_PARALLEL", "3")  # no Modelfile parameter: the setting applies
+    no_param = LoadSpec(name="q", weights=tmp_path, format="safetensors", num_ctx=128, extra={"native_device": "cpu"})
+    with pytest.raises(InvalidRequest, match="tensor_parallel 3"):
+        native.estimate_memory(no_param)

@@ -204,8 +204,6 @@ class TPGroup:
             return
         self._closing = True
         if self.rank == 0:
-            if self._stop_w is not None:
-                self._stop_w.send_bytes(b"x")
             head = np.array([MSG_SHUTDOWN] + [0] * (_HEADER - 1), dtype=np.int32).tobytes()
             for c in self.conns:
                 try:
@@ -218,6 +216,8 @@ class TPGroup:
                     log.warning("tensor-parallel rank (pid %s) did not exit; killing it", p.pid)
                     p.kill()
                     p.join(5.0)
+            if self._stop_w is not None:  # only now: the watcher thread's exit SIGKILLs the followers (PDEATHSIG)
+                self._stop_w.send_bytes(b"x")
             for c in self.conns:
                 c.close()
         if dist.is_initialized():
