@@ -73,6 +73,7 @@ class TPGroup:
         self._stop_r: Connection | None = None
         self._stop_w: Connection | None = None
         self._watcher: threading.Thread | None = None
+        self._threads: int | None = None  # CPU: rank 0's torch thread count before the group split the cores
 
     # -- shapes ------------------------------------------------------------------------------
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -220,6 +221,8 @@ class TPGroup:
                 self._stop_w.send_bytes(b"x")
             for c in self.conns:
                 c.close()
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -294,6 +297,10 @@ def start(world: int, device: str, recipe: tuple, config, timeout_s: float = COL
         raise ValueError(f"tensor_parallel {world} needs {world} GPUs; {torch.cuda.device_count()} are visible")
     init = f"tcp://127.0.0.1:{_free_port()}"
     g = TPGroup(0, world)
+    if not cuda:  # CPU: the ranks share the cores (more threads than cores spin against each other)
+        g._threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, g._threads // world))
+    threads = 0 if cuda else torch.get_num_threads()
     ctx = mp.get_context("spawn")
     g._stop_r, g._stop_w = ctx.Pipe(duplex=False)
     spawned = threading.Event()
@@ -304,7 +311,7 @@ def start(world: int, device: str, recipe: tuple, config, timeout_s: float = COL
             for r in range(1, world):
                 mine, theirs = ctx.Pipe(duplex=False)  # (reader, writer): rank 0 writes
                 p = ctx.Process(target=_follower_main, name=f"localrun-tp{r}", daemon=True,
-                                args=(r, world, init, recipe, config, mine, timeout_s))
+                                args=(r, world, init, recipe, config, mine, timeout_s, threads))
                 p.start()
                 mine.close()
                 g.conns.append(theirs)
@@ -336,12 +343,14 @@ def start(world: int, device: str, recipe: tuple, config, timeout_s: float = COL
 
 
 def _follower_main(rank: int, world: int, init: str, recipe: tuple, config, conn: Connection,
-                   timeout_s: float) -> None:
+                   timeout_s: float, threads: int) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     code = 0
     try:
+        if threads:
+            torch.set_num_threads(threads)
         if str(config.device).startswith("cuda"):
             torch.cuda.set_device(rank)
             config = replace(config, device=f"cuda:{rank}")
