@@ -36,6 +36,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
     "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_HOST_CACHE": ("auto", "native engine: host RAM for prefix-cache pages evicted from the KV pool (size like '4GiB', a fraction of available RAM like '0.1' or '10%', 0 = off; auto = 10% of available RAM, at most 16 GiB and 4x the KV pool)"),
+    "LOCALRUN_TENSOR_PARALLEL": ("1", "native engine: split each model over N ranks (processes; one GPU each on CUDA) by attention heads; N must divide its KV heads (Modelfile: PARAMETER tensor_parallel N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -47,6 +48,7 @@ _DURATION_PART_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+MAX_TENSOR_PARALLEL = 64  # ranks per model (also the Modelfile's bound)
 MAX_DURATION = 100 * 365 * 86400.0  # longer than this (a century) means forever; no date holds 1e300 s
 
 
@@ -197,6 +199,7 @@ class Settings:
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
     weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
+    tensor_parallel: int = 1  # native engine ranks per model
 
     @property
     def models_dir(self) -> Path:
@@ -240,6 +243,7 @@ class Settings:
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
             "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
             "LOCALRUN_HOST_CACHE": describe_host_cache(self.host_cache),
+            "LOCALRUN_TENSOR_PARALLEL": str(self.tensor_parallel),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -308,6 +312,9 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError(f"LOCALRUN_SHUTDOWN_GRACE: {exc}") from None
     if grace is None or grace > 3600:
         raise ValueError("LOCALRUN_SHUTDOWN_GRACE must be between 0 and 1h")
+    tensor_parallel = _int("LOCALRUN_TENSOR_PARALLEL", e.get("LOCALRUN_TENSOR_PARALLEL"), 1, 1)
+    if tensor_parallel > MAX_TENSOR_PARALLEL:
+        raise ValueError(f"LOCALRUN_TENSOR_PARALLEL must be at most {MAX_TENSOR_PARALLEL}, got {tensor_parallel}")
     return Settings(
         home=home,
         host=host,
@@ -328,6 +335,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         load_timeout=load_timeout,
         shutdown_grace=grace,
         weight_dtype=weight_dtype,
+        tensor_parallel=tensor_parallel,
     )
 
 

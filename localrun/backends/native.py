@@ -30,6 +30,7 @@ from localrun.backends.base import (
 )
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, kv_dtype_name, parse_dtype, parse_kv_cache_dtype
+from localrun.engine.parallel import check_shapes
 from localrun.engine.quant import estimate_weight_bytes
 from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
 
@@ -84,6 +85,17 @@ def _weight_dtype(spec: LoadSpec) -> str:
         return parse_weight_dtype(str(raw))
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+def _tensor_parallel(spec: LoadSpec) -> int:
+    """Modelfile PARAMETER tensor_parallel, else LOCALRUN_TENSOR_PARALLEL."""
+    v = spec.extra.get("tensor_parallel")
+    if v is None:
+        from localrun.config import settings
+
+        return settings().tensor_parallel
+    return int(v)
+
+
+FOLLOWER_RSS_BYTES = 400 * 2**20  # CPU: each extra rank is a process with its own torch runtime
 
 
 def _kv_tokens(spec: LoadSpec) -> int:
@@ -98,11 +110,21 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
         raise InvalidRequest(f"the native engine cannot run {spec.name}: {exc}") from None
     device, dtype = _device_dtype(spec)
     kv_dtype = _kv_dtype(spec, dtype)
+    tp = _tensor_parallel(spec)
+    try:
+        check_shapes(cfg, tp)
+    except ValueError as exc:
+        raise InvalidRequest(f"the native engine cannot split {spec.name}: {exc}") from None
     elem = torch.empty((), dtype=dtype).element_size()
     weights = estimate_weight_bytes(cfg, _weight_dtype(spec), elem)  # int8/fp8: <= 1.125 bytes a weight
     kv = cfg.kv_bytes_per_token(kv_dtype) * _kv_tokens(spec)
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
-    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead, kv_type=kv_dtype_name(kv_dtype))
+    kv_type = kv_dtype_name(kv_dtype)
+    if tp > 1 and device == "cuda":  # the plan is for one GPU: each holds 1/tp of the weights and KV heads
+        return MemoryEstimate(weights_bytes=-(-weights // tp), kv_bytes=-(-kv // tp), overhead_bytes=overhead,
+                              kv_type=kv_type)
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead + (tp - 1) * FOLLOWER_RSS_BYTES,
+                          kv_type=kv_type)
 
 
 def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams:
@@ -141,16 +163,21 @@ class NativeBackend:
         if engine.tokenizer is None:
             raise BackendError(f"{spec.name} has no tokenizer files (tokenizer.json); the daemon needs one")
         self.tokenizer = engine.tokenizer
-        weights = engine.weight_bytes  # as stored (int8/fp8 data and scales when quantized)
-        size = weights + engine.pool.nbytes
+        weights = engine.weight_bytes  # this rank's, as stored (int8/fp8 data and scales when quantized)
+        tp = engine.tp.world
+        size = (weights + engine.pool.nbytes) * tp  # every rank holds a shard this size
         cuda = device == "cuda"
         pool = engine.pool
-        kv = (f"KV cache {kv_dtype_name(pool.dtype)}: {pool.num_pages * pool.page_size} tokens in "
-              f"{pool.nbytes / 2**20:.0f} MiB")
+        reason = spec.extra.get("reason") or f"native engine on {'CUDA' if cuda else 'CPU'}"
+        reason += (f"; KV cache {kv_dtype_name(pool.dtype)}: {pool.num_pages * pool.page_size} tokens in "
+                   f"{pool.nbytes / 2**20:.0f} MiB")
+        if tp > 1:
+            reason += (f"; tensor parallel {tp}: {weights / 2**20:.1f} MiB weights + "
+                       f"{pool.nbytes / 2**20:.1f} MiB KV per rank")
         self.info = BackendInfo(
             name="native", device="CUDA" if cuda else "CPU",
             processor=spec.extra.get("processor") or ("100% GPU" if cuda else "100% CPU"),
-            reason=f"{spec.extra.get('reason') or 'native engine on ' + ('CUDA' if cuda else 'CPU')}; {kv}",
+            reason=reason,
             context_length=engine.config.max_model_len, slots=engine.config.max_num_seqs,
             size_bytes=size, size_vram_bytes=size if cuda else 0,
             supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
@@ -175,6 +202,9 @@ class NativeBackend:
         if not ids:
             raise InvalidRequest("the prompt is empty")
         params = _params(request.options, len(ids), self.engine.config.max_model_len)
+        if self.engine.fatal:  # a tensor-parallel rank died: this runner must restart
+            self.fatal = self.engine.fatal
+            raise BackendError(self.engine.fatal)
         try:
             stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}")
         except ValueError as exc:
@@ -182,8 +212,8 @@ class NativeBackend:
         try:
             async for d in stream:
                 if d.error:
-                    if _cuda_error(d.error):  # the CUDA context is poisoned: the runner must restart
-                        self.fatal = d.error
+                    if _cuda_error(d.error) or self.engine.fatal:  # a poisoned CUDA context, a dead
+                        self.fatal = d.error  # tensor-parallel rank: the runner must restart
                     raise BackendError(d.error)
                 usage = None
                 if d.usage is not None:
@@ -208,6 +238,11 @@ class NativeBackend:
             return await asyncio.to_thread(self.engine.embed, ids)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        except RuntimeError as exc:
+            if self.engine.fatal:
+                self.fatal = self.engine.fatal
+                raise BackendError(self.engine.fatal) from None
+            raise
 
     async def close(self) -> None:
         await asyncio.to_thread(self._close)
@@ -237,6 +272,7 @@ def load(spec: LoadSpec) -> NativeBackend:
             kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
             max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
             kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec), weight_dtype=_weight_dtype(spec),
+            tensor_parallel=_tensor_parallel(spec),
         )
     except ValueError as exc:  # e.g. fp8 weights on a GPU without fp8 tensor cores
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None

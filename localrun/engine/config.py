@@ -156,6 +156,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8
     #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
     weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (quant.py)
+    tensor_parallel: int = 1  # ranks (processes; GPUs on CUDA) the weights and KV heads are split over (parallel.py)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -185,6 +186,12 @@ class EngineConfig:
                                                   or self.host_cache_bytes < 0):
             raise ValueError(f"host_cache_bytes must be a whole number of bytes >= 0 (0: no host tier), "
                              f"got {self.host_cache_bytes!r}")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be a whole number >= 1, got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and self.weight_dtype != "auto":
+            raise ValueError(f"weight_dtype {self.weight_dtype} with tensor_parallel {self.tensor_parallel} is not "
+                             "supported yet (quantized weights are not sharded); use one of the two")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be positive")
 

@@ -27,6 +27,7 @@ from localrun.engine.host_cache import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv_pool import KVPool
 from localrun.engine.model import LlamaModel
 from localrun.engine.quant import weight_bytes
+from localrun.engine.parallel import TPGroup, check_shapes
 from localrun.engine.radix_cache import RadixCache
 from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
@@ -117,6 +118,9 @@ class LLMEngine:
         self.model, self.model_config, self.config, self.tokenizer = model, model_config, config, tokenizer
         self.device = torch.device(config.device)
         self.timings = dict(timings or {})  # load phases, seconds
+        self.tp: TPGroup = model.tp
+        self.fatal: str | None = None  # set when the engine cannot go on (a tensor-parallel rank died)
+        kv_cfg = self.tp.local_config(model_config)  # this rank's KV heads
         dtype, kv_dtype = config.torch_dtype, config.kv_torch_dtype
         triton = use_triton(config.device, config.use_triton)
         check_kv_dtype(kv_dtype, self.device, triton)
@@ -126,12 +130,12 @@ class LLMEngine:
         activations = profile_and_warm(model, config, triton) if self.device.type == "cuda" else 0
         self.timings["profile_warmup_s"] = time.perf_counter() - t
         self.weight_bytes = weight_bytes(model)  # as stored: int8/fp8 data + scales when quantized
-        per_page = model_config.kv_bytes_per_token(kv_dtype) * config.page_size
-        num_pages = self._kv_budget(model, per_page, activations) // per_page
+        per_page = kv_cfg.kv_bytes_per_token(kv_dtype) * config.page_size
+        num_pages = self.tp.min_int(self._kv_budget(model, per_page, activations) // per_page, self.device)
         if num_pages < 2:
             raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
         t = time.perf_counter()
-        self.pool = KVPool(model_config, int(num_pages), config.page_size, kv_dtype, self.device)
+        self.pool = KVPool(kv_cfg, int(num_pages), config.page_size, kv_dtype, self.device)
         self.host_pool = self._host_pool() if config.enable_prefix_cache else None
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
@@ -156,14 +160,21 @@ class LLMEngine:
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
         self._stop = False
-        log.info("native engine: weights %.1f MiB (%s), %d KV pages x %d tokens (%.1f MiB, %s), %s on %s, %s attention, "
-                 "decode graphs %s, overlap %s", self.weight_bytes / 2**20, config.weight_dtype, num_pages,
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self.tp.on_death(self._peer_died)
+        log.info("native engine%s: weights %.1f MiB (%s), %d KV pages x %d tokens (%.1f MiB, %s), %s on %s, "
+                 "%s attention, decode graphs %s, overlap %s",
+                 f" (tensor-parallel rank {self.tp.rank} of {self.tp.world})" if self.tp.world > 1 else "",
+                 self.weight_bytes / 2**20, config.weight_dtype, num_pages,
                  config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype, self.device,
                  "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
                  else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
 
     def _host_pool(self) -> HostKVPool | None:
-        """The prefix cache's host tier (None when its budget is 0 or under one page)."""
+        """The prefix cache's host tier (None when its budget is 0 or under one page, and with
+        tensor parallelism: the followers' pools would need the same copies)."""
+        if self.tp.world > 1:
+            return None
         budget = self.config.host_cache_bytes
         if budget is None:
             budget = min(default_host_cache_bytes(), HOST_AUTO_POOL_MULTIPLE * self.pool.nbytes)
@@ -196,52 +207,128 @@ class LLMEngine:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def _build(cls, mcfg: ModelConfig, config: EngineConfig | None, fill) -> "tuple[LlamaModel, EngineConfig, dict]":
+    def _make(cls, mcfg: ModelConfig, config: EngineConfig | None, fill, tokenizer=lambda: None,
+              recipe: tuple | None = None, tp: TPGroup | None = None) -> "LLMEngine":
+        """Build the model (this rank's shard) and the engine. With config.tensor_parallel > 1 and
+        no `tp`, this is rank 0: it starts the other ranks, which build theirs from `recipe`."""
         config = config or EngineConfig()
-        max_pos = max(config.max_model_len, 1)
-        t = time.perf_counter()
-        ops = Ops(reference=not use_triton(config.device, config.use_triton))
-        model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops, config.weight_dtype)
-        fill(model)
-        if config.is_cuda:
-            torch.cuda.synchronize()
-        return model, config, {"weights_s": time.perf_counter() - t}
+        check_shapes(mcfg, config.tensor_parallel)
+        if tp is None:
+            tp = TPGroup()
+            if config.tensor_parallel > 1:
+                if recipe is None:
+                    raise ValueError("tensor_parallel > 1 needs weights every rank can read itself: load with "
+                                     "from_gguf, from_safetensors or from_random")
+                from localrun.engine import parallel
+
+                tp = parallel.start(config.tensor_parallel, config.device, recipe, config)
+        try:
+            max_pos = max(config.max_model_len, 1)
+            t = time.perf_counter()
+            ops = Ops(reference=not use_triton(config.device, config.use_triton))
+            model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops, weight_dtype=config.weight_dtype, tp=tp)
+            fill(model)
+            if config.is_cuda:
+                torch.cuda.synchronize()
+            timings = {"weights_s": time.perf_counter() - t}
+            return cls(model, mcfg, config, tokenizer() if tp.rank == 0 else None, timings)
+        except BaseException:
+            if tp.rank == 0:
+                tp.close()
+            raise
+
+    @classmethod
+    def from_recipe(cls, recipe: tuple, config: EngineConfig | None = None, tp: TPGroup | None = None) -> "LLMEngine":
+        """("gguf", path) | ("safetensors", directory) | ("random", shape, seed): how every
+        tensor-parallel rank builds its shard of the same model."""
+        kind = recipe[0]
+        if kind == "gguf":
+            from localrun.engine.loader import read_gguf
+
+            path = recipe[1]
+            mcfg, get, names, meta = read_gguf(path)
+            return cls._make(mcfg, config, lambda m: m.load_hf_state(get, names),
+                             lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]), recipe, tp)
+        if kind == "safetensors":
+            from localrun.engine.loader import read_safetensors
+
+            directory = recipe[1]
+            config = config or EngineConfig()
+            mcfg, get, names, close = read_safetensors(directory, device=config.device)
+
+            def fill(m: LlamaModel) -> None:
+                try:
+                    m.load_hf_state(get, names)
+                finally:
+                    close()
+
+            return cls._make(mcfg, config, fill, lambda: Tokenizer.from_dir(directory, mcfg.eos_token_ids), recipe, tp)
+        if kind == "random":
+            from localrun.engine.shapes import get_shape
+
+            shape, seed = recipe[1], recipe[2]
+            mcfg = get_shape(shape) if isinstance(shape, str) else shape
+            return cls._make(mcfg, config, lambda m: m.init_random(seed), recipe=recipe, tp=tp)
+        raise ValueError(f"unknown model recipe {kind!r}")
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
-        from localrun.engine.loader import read_gguf
-
-        mcfg, get, names, meta = read_gguf(path)
-        model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
-        tok = Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"])
-        return cls(model, mcfg, config, tok, timings)
+        return cls.from_recipe(("gguf", str(path)), config)
 
     @classmethod
     def from_safetensors(cls, directory: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
-        from localrun.engine.loader import read_safetensors
-
-        config = config or EngineConfig()
-        mcfg, get, names, close = read_safetensors(directory, device=config.device)
-        try:
-            model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
-        finally:
-            close()
-        return cls(model, mcfg, config, Tokenizer.from_dir(directory, mcfg.eos_token_ids), timings)
+        return cls.from_recipe(("safetensors", str(directory)), config)
 
     @classmethod
     def from_hf_state(cls, mcfg: ModelConfig, get, names: set[str], config: EngineConfig | None = None,
                       tokenizer: Tokenizer | None = None) -> "LLMEngine":
         """From weights in memory by Hugging Face name (e.g. a transformers model's state_dict)."""
-        model, config, timings = cls._build(mcfg, config, lambda m: m.load_hf_state(get, names))
-        return cls(model, mcfg, config, tokenizer, timings)
+        return cls._make(mcfg, config, lambda m: m.load_hf_state(get, names), lambda: tokenizer)
 
     @classmethod
     def from_random(cls, shape: str | ModelConfig, config: EngineConfig | None = None, seed: int = 0) -> "LLMEngine":
-        from localrun.engine.shapes import get_shape
+        return cls.from_recipe(("random", shape, seed), config)
 
-        mcfg = get_shape(shape) if isinstance(shape, str) else shape
-        model, config, timings = cls._build(mcfg, config, lambda m: m.init_random(seed))
-        return cls(model, mcfg, config, None, timings)
+    # -- tensor parallelism ------------------------------------------------------------------
+    def follow(self) -> None:
+        """A follower rank: run rank 0's steps until it says stop (or is gone)."""
+        while True:
+            order = self.tp.recv()
+            if order[0] == "step":
+                self.runner.follow_step(*order[1:])
+            elif order[0] == "embed":
+                self.runner.hidden_states(order[1])
+            else:
+                return
+
+    def _peer_died(self, message: str) -> None:
+        """Rank 0's watcher: a follower is gone, so no step can complete; end every request with
+        the reason. The loop thread may be stuck in a collective (NCCL waits for its timeout):
+        then the streams are ended without it."""
+        self.fatal = message
+        if self._lock.acquire(timeout=2.0):
+            try:
+                self._fail_all(message)
+            finally:
+                self._lock.release()
+            return
+        for req in list(self._requests.values()):
+            if req.stream is not None:
+                req.finish_time = time.perf_counter()
+                try:
+                    req.stream._push(StreamDelta([], "", "abort", None, self._usage(req), error=message))
+                except RuntimeError:
+                    pass
+
+    def _step_failed(self, exc: Exception) -> str:
+        """Why a step failed. With tensor parallelism every failure is fatal: the ranks are no
+        longer in step."""
+        msg = f"engine step failed: {type(exc).__name__}: {exc}"
+        if self.tp.world > 1:
+            dead = self.tp.wait_dead(1.0)
+            self.fatal = self.fatal or (dead or f"tensor-parallel {msg}")
+            return self.fatal
+        return msg
 
     # -- requests ----------------------------------------------------------------------------
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> _Request:
@@ -261,6 +348,8 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> RequestStream:
         """Queue a request on the running loop (call from an asyncio loop); returns its stream."""
+        if self.fatal:
+            raise RuntimeError(self.fatal)
         req = self._new_request(list(prompt_token_ids), params or SamplingParams(), request_id)
         if req.seq.id in self._requests:
             raise ValueError(f"request id {req.seq.id!r} is already in use")
@@ -415,9 +504,16 @@ class LLMEngine:
             for r in reqs:
                 self._requests[r.seq.id] = r
                 self.scheduler.add(r.seq)
+        if self.fatal:
+            raise RuntimeError(self.fatal)
         try:
             while len(self._done) < len(reqs):
-                self.step()
+                try:
+                    self.step()
+                except Exception as exc:
+                    if self.tp.world > 1:
+                        raise RuntimeError(self._step_failed(exc)) from exc
+                    raise
                 if progress is not None:
                     progress(len(self._done), len(reqs))
         finally:
@@ -456,7 +552,7 @@ class LLMEngine:
                 self.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep the engine alive
                 log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                self._fail_all(self._step_failed(exc))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -479,9 +575,15 @@ class LLMEngine:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(None if not self.fatal else 5.0)  # fatal: it may be stuck in a collective
             self._thread = None
-        self._fail_all("the engine shut down")
+        if self._lock.acquire(timeout=-1 if not self.fatal else 5.0):
+            try:
+                self._fail_all("the engine shut down")
+            finally:
+                self._lock.release()
+        if self.tp.rank == 0:
+            self.tp.close()  # tensor parallelism: the other ranks exit
 
     # -- misc --------------------------------------------------------------------------------
     def embed(self, token_lists: list[list[int]]) -> list[list[float]]:
@@ -491,8 +593,15 @@ class LLMEngine:
         for t in token_lists:
             if len(t) > self.config.max_model_len:
                 raise ValueError(f"an input has {len(t)} tokens; the limit is {self.config.max_model_len}")
+        if self.fatal:
+            raise RuntimeError(self.fatal)
         with self._lock:
-            states = self.runner.hidden_states(token_lists)
+            try:
+                states = self.runner.hidden_states(token_lists)
+            except Exception as exc:
+                if self.tp.world > 1:
+                    raise RuntimeError(self._step_failed(exc)) from exc
+                raise
         vecs = [torch.nn.functional.normalize(h.float().mean(0), dim=0) for h in states]
         return [v.tolist() for v in vecs]
 
@@ -503,7 +612,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
+            "tensor_parallel": self.tp.world, "weight_bytes_per_rank": weights, "kv_bytes_per_rank": self.pool.nbytes,
             "kv_pages_total": self.pool.num_pages, "kv_pages_free": self.pool.num_free,
             "page_size": self.pool.page_size, "kv_bytes": self.pool.nbytes, "kv_dtype": kv_dtype_name(self.pool.dtype),
             "weight_dtype": self.config.weight_dtype, "weight_bytes": self.weight_bytes,

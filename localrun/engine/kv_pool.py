@@ -111,6 +111,7 @@ class PageTable:
             self.table = torch.from_numpy(self.host)  # shared memory: no copies at all
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._dirty: list[tuple[int, int, int]] = []  # (row, first column, end column)
+        self.journal: list | None = None  # tensor parallelism, rank 0: writes to send to the other ranks
 
     @property
     def dummy_row(self) -> int:
@@ -130,6 +131,8 @@ class PageTable:
         if end > self.max_pages:
             raise OutOfPages(f"a sequence needs {end} pages; the page table holds {self.max_pages} per sequence")
         self.host[row, start:end] = pages
+        if self.journal is not None:
+            self.journal.append((row, start, list(pages)))
         if self.separate:
             self._dirty.append((row, start, end))
 

@@ -2,7 +2,9 @@
 (memory-mapped with safetensors.safe_open). Never unpickles anything.
 
 Both produce (ModelConfig, get(hf_name) -> tensor, names); the model copies each tensor
-into its fused parameters one at a time, so peak memory stays near the model's size.
+into its fused parameters one at a time, so peak memory stays near the model's size. The
+getters also have ``get.part(name, dim, start, n)``: rows (dim 0) or columns (dim 1) of a
+tensor, read without the rest where the format allows (a tensor-parallel rank's shard).
 """
 
 from __future__ import annotations
@@ -130,6 +132,18 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
 
     get.q8_0 = q8_0  # type: ignore[attr-defined] - quant.QuantizedWeight.load looks for it
 
+    def part(name: str, dim: int, start: int, n: int) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None or dim != 0:  # columns cut through quantization blocks: dequantize the whole
+            return get(name).narrow(dim, start, n)
+        arr = np.ascontiguousarray(gguf.quants.dequantize(t.data[start:start + n], t.tensor_type), dtype=np.float32)
+        w = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr).reshape(
+            (n, *reversed(t.shape.tolist()[:-1])))
+        if permuted and (".q_proj." in name or ".k_proj." in name):  # whole heads: undo their permutation
+            w = unpermute_qk(w, n // cfg.head_dim)
+        return w
+
+    get.part = part  # type: ignore[attr-defined]
     meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
             "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
     return cfg, get, set(tensors), meta
@@ -162,6 +176,15 @@ def read_safetensors(directory: str | Path, device: str | None = None
         if h is None:
             raise KeyError(f"safetensors weights lack tensor {name}")
         return h.get_tensor(name)
+
+    def part(name: str, dim: int, start: int, n: int) -> torch.Tensor:
+        h = where.get(name)
+        if h is None:
+            raise KeyError(f"safetensors weights lack tensor {name}")
+        sl = h.get_slice(name)  # reads only the rows / columns asked for
+        return sl[start:start + n] if dim == 0 else sl[:, start:start + n]
+
+    get.part = part  # type: ignore[attr-defined]
 
     def close() -> None:
         handles.clear()

@@ -15,22 +15,25 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from localrun.engine import quant
 from localrun.engine.attention import AttentionBackend, AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
+from localrun.engine.parallel import TPGroup
 from localrun.kernels import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32, weight_dtype: str = "auto",
-                 device="meta"):
+                 device="meta", tp: TPGroup | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.layer_id = layer_id
-        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.tp = tp or TPGroup()
+        world = self.tp.world  # this rank's shard: its q heads, its kv heads, its MLP columns
+        self.nq, self.nkv, self.d = cfg.num_heads // world, cfg.num_kv_heads // world, d
+        inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
         self.scale = d ** -0.5
 
@@ -43,8 +46,8 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = w((self.nq + 2 * self.nkv) * d, h)
         self.qkv_bias = nn.Parameter(e((self.nq + 2 * self.nkv) * d), requires_grad=False) if cfg.attention_bias else None
         self.o_proj = w(h, self.nq * d)
-        self.gate_up_proj = w(2 * cfg.intermediate_size, h)
-        self.down_proj = w(h, cfg.intermediate_size)
+        self.gate_up_proj = w(2 * inter, h)
+        self.down_proj = w(h, inter)
 
     def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
@@ -53,25 +56,32 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
         o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
-        x = quant.linear(o.reshape(T, self.nq * self.d), self.o_proj)
+        x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
-        x = quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj)
+        x = self.tp.all_reduce(quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
         return x, residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
-                 weight_dtype: str = "auto"):
+                 weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__()
         self.cfg, self.ops, self.dtype = cfg, ops, dtype
+        self.tp = tp or TPGroup()
         w = lambda n, k: quant.make_weight(n, k, dtype, weight_dtype, device)  # noqa: E731 - float or int8/fp8
         self.attn: AttentionBackend | None = None  # set by the model runner (it owns the KV pool)
+        self.vocab_start, self.vocab_rows, vocab = self.tp.vocab_shard(cfg.vocab_size)  # vocab-parallel rows
         with torch.device("meta"):  # shapes only: the weights are allocated once, below
-            self.embed_tokens = w(cfg.vocab_size, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device) for i in range(cfg.num_layers))
+            self.embed_tokens = w(vocab, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device, self.tp)
+                                        for i in range(cfg.num_layers))
             self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-            self.lm_head = None if cfg.tie_word_embeddings else w(cfg.vocab_size, cfg.hidden_size)
+            self.lm_head = None if cfg.tie_word_embeddings else w(vocab, cfg.hidden_size)
         self.to_empty(device=device)
+        if vocab > self.vocab_rows:  # the last shard's padding rows: zero embeddings and logits (cut off)
+            for w in (self.embed_tokens, self.lm_head):
+                if w is not None:
+                    w.data[self.vocab_rows:].zero_()
         # [max_pos, head_dim]: cos | sin (NeoX half-split), with the config's rope scaling
         cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
@@ -81,26 +91,48 @@ class LlamaModel(nn.Module):
                 attn: AttentionBackend | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] for a flat batch of tokens."""
         attn = attn or self.attn
-        x, residual = quant.embedding(input_ids, self.embed_tokens, self.dtype), None
+        x, residual = self._embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta, self.ops, attn, self.cos_sin)
         return self.ops.fused_add_rmsnorm(x, residual, self.norm, self.cfg.rms_norm_eps)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world == 1:
+            return quant.embedding(input_ids, self.embed_tokens, self.dtype)
+        local = input_ids - self.vocab_start  # vocab-parallel: look up the ids this rank holds, sum over ranks
+        mine = (local >= 0) & (local < self.vocab_rows)
+        x = quant.embedding(torch.where(mine, local, 0), self.embed_tokens, self.dtype) * mine.unsqueeze(-1).to(self.dtype)
+        return self.tp.all_reduce(x)
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, vocab] float32 logits (with tensor parallelism: on rank 0; None on the others)."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return quant.linear(hidden, w).float()
+        logits = self.tp.gather_logits(quant.linear(hidden, w), self.cfg.vocab_size)
+        return None if logits is None else logits.float()
 
     # -- weights -----------------------------------------------------------------------------
     def load_hf_state(self, get, names: set[str]) -> None:
         """Copy weights given by HF name. `get(name)` returns a tensor (any device and dtype);
-        `names` lists what exists. Each tensor goes straight into its slice of a fused weight."""
-        def put(dst: torch.Tensor, name: str, start: int = 0, n: int | None = None) -> None:
-            if isinstance(dst, quant.QuantizedWeight):  # quantized at load, straight from the source
+        `names` lists what exists. Each tensor goes straight into its slice of a fused weight.
+        With tensor parallelism only this rank's shard is read: `get.part(name, dim, start, n)`
+        when the getter has it (the loaders' getters slice the checkpoint), else a narrow().
+        Quantized weights (int8/fp8) are quantized at load, straight from the source (one rank only)."""
+        r = self.tp.rank
+
+        def put(dst: torch.Tensor, name: str, start: int = 0, n: int | None = None, shard_dim: int | None = None,
+                shard_at: int = 0, shard_n: int = 0) -> None:
+            if isinstance(dst, quant.QuantizedWeight):  # EngineConfig refuses quantized weights with TP > 1
                 return dst.load(get, [(name, dst.shape[0])])
-            src = get(name)
             if n is not None:
                 dst = dst[start:start + n]
+            if shard_dim is None:
+                src = get(name)
+            else:  # this rank's rows (dim 0) or columns (dim 1) of the checkpoint tensor
+                part = getattr(get, "part", None)
+                src = part(name, shard_dim, shard_at, shard_n) if part else get(name).narrow(shard_dim, shard_at, shard_n)
+                if shard_n < dst.shape[shard_dim]:  # the last vocabulary shard's padding
+                    dst = dst.narrow(shard_dim, 0, shard_n)
             if tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(f"weight {name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
             dst.copy_(src)
@@ -109,15 +141,22 @@ class LlamaModel(nn.Module):
             if isinstance(dst, quant.QuantizedWeight):
                 return dst.load(get, parts)
             start = 0
-            for name, n in parts:
-                put(dst, name, start, n)
+            for name, n in parts:  # rank r holds rows [r*n, (r+1)*n) of each part
+                put(dst, name, start, n, *((0, r * n, n) if self.tp.world > 1 else ()))
                 start += n
 
+        def put_cols(dst: torch.Tensor, name: str) -> None:  # row-parallel: this rank's input columns
+            n = dst.shape[1]
+            put(dst, name, *((None, None, 1, r * n, n) if self.tp.world > 1 else ()))
+
+        def put_vocab(dst: torch.Tensor, name: str) -> None:
+            put(dst, name, *((None, None, 0, self.vocab_start, self.vocab_rows) if self.tp.world > 1 else ()))
+
         with torch.no_grad():
-            put(self.embed_tokens, "model.embed_tokens.weight")
+            put_vocab(self.embed_tokens, "model.embed_tokens.weight")
             put(self.norm, "model.norm.weight")
             if self.lm_head is not None:
-                put(self.lm_head, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+                put_vocab(self.lm_head, "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 put(layer.input_layernorm, p + "input_layernorm.weight")
@@ -126,10 +165,10 @@ class LlamaModel(nn.Module):
                 put_fused(layer.qkv_proj, [(p + f"self_attn.{n}_proj.weight", w) for n, w in zip("qkv", widths)])
                 if layer.qkv_bias is not None:
                     put_fused(layer.qkv_bias, [(p + f"self_attn.{n}_proj.bias", w) for n, w in zip("qkv", widths)])
-                put(layer.o_proj, p + "self_attn.o_proj.weight")
+                put_cols(layer.o_proj, p + "self_attn.o_proj.weight")
                 inter = layer.down_proj.shape[1]
                 put_fused(layer.gate_up_proj, [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
-                put(layer.down_proj, p + "mlp.down_proj.weight")
+                put_cols(layer.down_proj, p + "mlp.down_proj.weight")
 
     def init_random(self, seed: int = 0) -> None:
         """Random weights with sane scales (for throughput benchmarks of exact shapes), drawn on
@@ -143,8 +182,39 @@ class LlamaModel(nn.Module):
                 elif p.dim() == 1:
                     p.fill_(1.0) if "layernorm" in name or name == "norm" else p.zero_()
                     continue
-                std = 1.0 / math.sqrt(p.shape[1])
-                for start in range(0, p.shape[0], 4096):  # in slices: never a second full fp32 copy
-                    rows = min(4096, p.shape[0] - start)
-                    w = torch.randn(rows, p.shape[1], generator=g, device=dev) * std
-                    p.set_rows(start, w) if isinstance(p, quant.QuantizedWeight) else p[start:start + rows].copy_(w)
+                (full_rows, full_cols), segments, (c0, nc) = self._shard_layout(name, p)
+                std = 1.0 / math.sqrt(full_cols)
+                for start in range(0, full_rows, 4096):  # in slices: never a second full fp32 copy
+                    rows = min(4096, full_rows - start)
+                    chunk = torch.randn(rows, full_cols, generator=g, device=dev)  # the whole model's draw...
+                    if isinstance(p, quant.QuantizedWeight):  # (one rank only: never sharded)
+                        p.set_rows(start, chunk * std)
+                        continue
+                    for src, n, dst in segments:  # ... of which this rank keeps its shard
+                        lo, hi = max(src, start), min(src + n, start + rows)
+                        if lo < hi:
+                            p[dst + lo - src:dst + hi - src].copy_(chunk[lo - start:hi - start, c0:c0 + nc] * std)
+
+    def _shard_layout(self, name: str, p: torch.Tensor) -> tuple[tuple[int, int], list[tuple[int, int, int]],
+                                                                  tuple[int, int]]:
+        """A 2-D weight's unsharded shape, its row segments held here (first row in the full
+        weight, rows, first row in `p`) and the column range held here: random weights equal
+        for every tensor_parallel."""
+        w, r, cfg = self.tp.world, self.tp.rank, self.cfg
+        rows, cols = p.shape
+        if w == 1:
+            return (rows, cols), [(0, rows, 0)], (0, cols)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("embed_tokens", "lm_head"):
+            return (cfg.vocab_size, cols), [(self.vocab_start, self.vocab_rows, 0)], (0, cols)
+        d, nq, nkv = cfg.head_dim, cfg.num_heads // w, cfg.num_kv_heads // w
+        if leaf == "qkv_proj":
+            q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+            return (q + 2 * kv, cols), [(r * nq * d, nq * d, 0), (q + r * nkv * d, nkv * d, nq * d),
+                                        (q + kv + r * nkv * d, nkv * d, (nq + nkv) * d)], (0, cols)
+        if leaf == "gate_up_proj":
+            i = rows // 2
+            return (2 * i * w, cols), [(r * i, i, 0), (i * w + r * i, i, i)], (0, cols)
+        if leaf in ("o_proj", "down_proj"):  # row-parallel: this rank's input columns
+            return (rows, cols * w), [(0, rows, 0)], (r * cols, cols)
+        raise ValueError(f"no tensor-parallel layout for weight {name}")

@@ -17,6 +17,7 @@ from localrun.engine.attention import AttnMetadata, HostStep, StepBuffers, make_
 from localrun.engine.config import EngineConfig
 from localrun.engine.kv_pool import KVPool, PageTable
 from localrun.engine.model import LlamaModel
+from localrun.engine.parallel import apply_journal
 from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample
 from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
 
@@ -56,7 +57,9 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> None:
         r = self.runner
         hidden = r.model(r.buffers.view("input_ids", bs), r.buffers.view("positions", bs), self.meta[bs], r.attn)
-        self.logits[:bs] = r.model.compute_logits(hidden)
+        logits = r.model.compute_logits(hidden)  # None on a tensor-parallel follower
+        if logits is not None:
+            self.logits[:bs] = logits
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -89,9 +92,12 @@ class DecodeGraphs:
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, config: EngineConfig, triton: bool) -> None:
         self.model, self.pool, self.config = model, pool, config
+        self.tp = model.tp
         self.device = torch.device(config.device)
         self.P = pool.page_size
         self.table = PageTable(config.max_num_seqs, -(-config.max_model_len // self.P), self.device)
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self.table.journal = []  # page-table writes, sent to the other ranks with each step
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.device)
         self.attn = make_backend(triton, pool, self.table, self.buffers)
@@ -144,7 +150,24 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Run the model on the step and sample, without waiting for the device."""
         step, sample_seqs, bs = self.host_step(batch)
-        T, S = step.num_tokens, len(sample_seqs)
+        if self.tp.world > 1:  # the other ranks run the same forward
+            self.tp.send_step(step, bs, self.table.journal)
+        logits, ids = self._forward(step, bs)
+        S = len(sample_seqs)
+        if not S:
+            return StepHandle([], None, None)
+        sb = self.sampling_batch(sample_seqs, step)
+        inputs = ids.index_select(0, self.buffers.view("sample_idx", S)) if sb.penalties is not None else None
+        out = sample(logits, sb, inputs)
+        self.last_tokens[:S].copy_(out.tokens)
+        self.tp.broadcast(self.last_tokens[:S])  # a follower's next decode may read them
+        out.start_copy()
+        return StepHandle(sample_seqs, out, sb)
+
+    def _forward(self, step: HostStep, bs: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits of the sampling tokens (None when none samples, or on a tensor-parallel
+        follower) and the step's input ids on the device."""
+        T, S = step.num_tokens, len(step.sample_idx)
         self.buffers.write(step)
         meta = self.attn.prepare(step, for_graph=bs is not None)
         ids = self.buffers.view("input_ids", T)
@@ -156,14 +179,17 @@ class ModelRunner:
         else:
             hidden = self.model(ids, self.buffers.view("positions", T), meta, self.attn)
             if not S:
-                return StepHandle([], None, None)
+                return None, ids
             logits = self.model.compute_logits(hidden.index_select(0, self.buffers.view("sample_idx", S)))
-        sb = self.sampling_batch(sample_seqs, step)
-        inputs = ids.index_select(0, self.buffers.view("sample_idx", S)) if sb.penalties is not None else None
-        out = sample(logits, sb, inputs)
-        self.last_tokens[:S].copy_(out.tokens)
-        out.start_copy()
-        return StepHandle(sample_seqs, out, sb)
+        return logits, ids
+
+    def follow_step(self, step: HostStep, bs: int | None, journal: np.ndarray) -> None:
+        """A tensor-parallel follower's share of a step rank 0 launched."""
+        apply_journal(self.table, journal)
+        self._forward(step, bs)
+        S = len(step.sample_idx)
+        if S:
+            self.tp.broadcast(self.last_tokens[:S])
 
     def sampling_batch(self, seqs: list[Sequence], step: HostStep) -> SamplingBatch:
         params = [s.params for s in seqs]
@@ -178,6 +204,8 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states of each sequence, with no KV cache (embeddings)."""
+        if self.tp.world > 1 and self.tp.rank == 0:
+            self.tp.send_embed(token_lists)
         lens = [len(t) for t in token_lists]
         cu = np.zeros(len(lens) + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
@@ -238,12 +266,21 @@ def profile_and_warm(model: LlamaModel, config: EngineConfig, triton: bool) -> i
     cuda = torch.device(config.device).type == "cuda"
     cfg = model.cfg
     pages = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs + 2
-    pool = KVPool(cfg, pages, config.page_size, config.kv_torch_dtype, config.device)
+    pool = KVPool(model.tp.local_config(cfg), pages, config.page_size, config.kv_torch_dtype, config.device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
     runner = ModelRunner(model, pool, config, triton)
+    if model.tp.rank:  # a tensor-parallel follower runs its share of rank 0's profiling step
+        order = model.tp.recv()
+        if order[0] != "step":
+            raise RuntimeError("tensor-parallel rank 0 stopped during the profiling step")
+        runner.follow_step(*order[1:])
+        peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+        model.attn = None
+        del runner, pool
+        return int(peak)
     handle = runner.launch(_profile_batch(pool, runner.table, config, cfg.vocab_size))
     handle.result()
     peak = torch.cuda.max_memory_allocated() - base if cuda else 0

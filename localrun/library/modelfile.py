@@ -41,6 +41,7 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "num_batch": (int, 1, 1 << 20),
     "num_gpu": (int, -1, 1 << 16),
     "num_thread": (int, 0, 1 << 12),
+    "tensor_parallel": (int, 1, 64),  # native engine: ranks the model is split over (load time)
     "mirostat": (int, 0, 2),
     "mirostat_tau": (float, 0.0, 100.0),
     "mirostat_eta": (float, 0.0, 100.0),
