@@ -175,3 +175,21 @@ def test_throughput_random_weights_without_server_dependencies(tmp_path):
     total_t = sum(ps["elapsed_s"] for ps in eng["passes"])
     assert math.isclose(eng["total_tok_s"], 2 * (inp + outp) / total_t, rel_tol=1e-9)
     assert math.isclose(eng["elapsed_s"], total_t / 2, rel_tol=1e-9)
+
+
+def test_prefix_host_tier_round_robin(capsys):
+    res = run_json(["prefix", "--host-tier", "--random-weights", "--shape", "tiny", "--page-size", "4",
+                    "--kv-cache-tokens", "32", "--turns", "3", "--user-len", "4", "--max-tokens", "2",
+                    "--max-model-len", "128", "--host-cache", "1MiB", "--no-save", "--threads", "1"], capsys)
+    w, on, off = res["workload"], res["host_on"], res["host_off"]
+    # device pool: 8 + 1 pages of 4 = 36 tokens; a chat ends at 3 x (4 + 2) = 18 tokens: 6 chats = 3x the pool
+    assert on["device_pool_tokens"] == off["device_pool_tokens"] == 36 and w["chats"] == 6
+    for r in (on, off):
+        assert r["requests"] == 18 and r["prompt_tokens"] == 6 * (4 + 10 + 16) and r["output_tokens"] == 18 * 2
+        assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+        assert r["engine_stats"]["prefix_hit_tokens"] == r["cached_tokens"]
+    assert off["engine_stats"]["prefix_host_hit_tokens"] == 0 and off["engine_stats"]["host_pages_total"] == 0
+    # host tier: every whole page of every history comes back (turn 2: 1 page, turn 3: 2 pages, per chat)
+    assert on["cached_tokens"] == 6 * (4 + 8) > off["cached_tokens"]
+    assert on["engine_stats"]["prefix_host_hit_tokens"] > 0
+    assert math.isclose(res["speedup"]["elapsed_x"], off["elapsed_s"] / on["elapsed_s"])

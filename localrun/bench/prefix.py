@@ -217,7 +217,8 @@ def run_host_tier(
             if chats is None:  # sized once (from the first engine's pool), the same for both runs
                 chats = max(2, -(-int(working_set * pool_tokens) // per_chat))
             if warmup:
-                _measure(engine, [_ids(random.Random(99 + i), 64, vocab) for i in range(warmup)], 4)
+                n = min(64, pool_tokens // 2)
+                _measure(engine, [_ids(random.Random(99 + i), n, vocab) for i in range(warmup)], 4)
                 engine.clear_prefix_cache()
             with PeakMemory() as mem:
                 runs[label] = run_roundrobin(engine, vocab, chats, turns, user_len, max_tokens, console=console)
