@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import time
 import uuid
@@ -486,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
           f"http://{args.http_host}:{args.port}{args.route_prefix.rstrip('/')}/v1", file=sys.stderr)
     if args.no_block:
         return 0
+
+    def stop(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # Ctrl+C or a service manager's stop: take the app down
+    signal.signal(signal.SIGINT, stop)  # (also when started in the background, where SIGINT comes ignored)
     try:
         while True:
             time.sleep(3600)
