@@ -164,6 +164,29 @@ def test_killed_rank_fails_the_request_and_nothing_hangs(tmp_path):
     assert follower.exitcode == -signal.SIGKILL
 
 
+def test_rank_dying_while_idle_marks_the_backend_fatal_at_once(tmp_path):
+    """No request in flight: the watcher still marks the engine, and so the backend, fatal (the
+    runner's fatal watch then exits, so the daemon reloads the model on the next request)."""
+    native = pytest.importorskip("localrun.backends.native")
+    from localrun.backends.base import LoadSpec
+
+    engine = LLMEngine.from_random(UNTIED, _cfg(2), seed=1)
+    engine.tokenizer = _word_tokenizer(UNTIED.vocab_size)
+    backend = native.NativeBackend(LoadSpec(name="tiny-tp2", weights=tmp_path, format="safetensors", num_ctx=128),
+                                   engine, "cpu")
+    try:
+        assert backend.fatal is None
+        os.kill(engine.tp.procs[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while backend.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.fatal and "rank 1" in backend.fatal
+    finally:
+        t = time.monotonic()
+        asyncio.run(backend.close())
+        assert time.monotonic() - t < 15
+
+
 def test_settings_are_validated(monkeypatch):
     with pytest.raises(ValueError, match="tensor_parallel must be a whole number >= 1"):
         EngineConfig(device="cpu", tensor_parallel=0)

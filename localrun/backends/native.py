@@ -156,7 +156,18 @@ def _cuda_error(message: str) -> bool:
 
 
 class NativeBackend:
-    fatal: str | None = None  # set when the backend cannot go on; the runner then exits and restarts
+    _fatal: str | None = None
+
+    @property
+    def fatal(self) -> str | None:
+        """Set when the backend cannot go on (a poisoned CUDA context, a dead tensor-parallel rank:
+        the engine's own mark counts even with no request in flight); the runner then exits and
+        the daemon loads the model afresh on the next request."""
+        return self._fatal or self.engine.fatal
+
+    @fatal.setter
+    def fatal(self, message: str | None) -> None:
+        self._fatal = message
 
     def __init__(self, spec: LoadSpec, engine: LLMEngine, device: str) -> None:
         self.spec, self.engine = spec, engine

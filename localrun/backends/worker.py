@@ -176,6 +176,15 @@ class Runner:
             os._exit(EXIT_FATAL)
 
 
+async def _watch_fatal(runner: Runner, every: float = 1.0) -> None:
+    """A backend can become unusable with no request in flight (a tensor-parallel rank that dies
+    while the model is idle): the runner exits then, not on the next request, so the daemon sees
+    a dead runner and that request loads the model afresh."""
+    while True:
+        await asyncio.sleep(every)
+        await runner.check_fatal()
+
+
 async def _main(fd: int, order: dict) -> int:
     import socket
 
@@ -196,9 +205,11 @@ async def _main(fd: int, order: dict) -> int:
         return EXIT_LOAD_FAILED
     chan.send({"t": "ready", "pid": os.getpid(), "info": wire.info_to_wire(backend.info)})
     runner = Runner(chan, backend)
+    watch = asyncio.create_task(_watch_fatal(runner))
     try:
         await runner.serve()
     finally:
+        watch.cancel()
         for task in list(runner.tasks.values()):
             task.cancel()
         await asyncio.gather(*runner.tasks.values(), return_exceptions=True)
