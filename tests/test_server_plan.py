@@ -85,3 +85,26 @@ def test_gpu_probe_asks_nvidia_smi_not_torch(tmp_path, monkeypatch):
     smi.write_text("#!/bin/sh\necho 'garbage'\n")
     monkeypatch.setattr(select.importlib.util, "find_spec", lambda name: None)  # and no torch either
     assert select.cuda_gpu() is None
+
+
+def test_plan_counts_the_host_cache_tier_and_refuses_one_that_does_not_fit():
+    est = MemoryEstimate(weights_bytes=2 * GiB, kv_bytes=GiB, overhead_bytes=GiB // 2, host_cache_bytes=4 * GiB)
+    cpu = plan_load(est, 32, ram_free=16 * GiB)
+    assert cpu.size == int(3.5 * GiB) + 4 * GiB and "4.00 GiB host RAM" in cpu.detail
+    gpu = plan_load(est, 32, ram_free=16 * GiB, gpu_free=24 * GiB, gpu_kind="CUDA")
+    assert gpu.size_vram == int(3.5 * GiB) and gpu.size == gpu.size_vram + 4 * GiB  # the tier is RAM, not VRAM
+    with pytest.raises(InsufficientMemory, match="LOCALRUN_HOST_CACHE") as e:
+        plan_load(est, 32, ram_free=6 * GiB)  # the model fits (3.5 GiB), its host tier does not
+    assert e.value.status == 507
+
+
+def test_native_estimate_names_its_host_tier(smollm2_gguf, monkeypatch):
+    native = pytest.importorskip("localrun.backends.native")
+    spec = LoadSpec(name="smollm2:135m", weights=smollm2_gguf, format="gguf", num_ctx=256, num_parallel=1)
+    monkeypatch.setenv("LOCALRUN_HOST_CACHE", "1GiB")
+    assert native.estimate_memory(spec).host_cache_bytes == GiB
+    monkeypatch.setenv("LOCALRUN_HOST_CACHE", "0")
+    assert native.estimate_memory(spec).host_cache_bytes == 0
+    monkeypatch.setenv("LOCALRUN_HOST_CACHE", "auto")
+    est = native.estimate_memory(spec)
+    assert 0 < est.host_cache_bytes <= 4 * est.kv_bytes  # auto: at most 4x the KV pool

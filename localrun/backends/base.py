@@ -126,6 +126,7 @@ class MemoryEstimate:
     kv_bytes: int  # for num_ctx x slots
     overhead_bytes: int
     kv_type: str = ""  # the KV cache's element type when the backend knows it (native: bf16, fp8, int8, ...)
+    host_cache_bytes: int = 0  # host RAM beyond the total: the native prefix cache's host tier (at most)
 
     @property
     def total_bytes(self) -> int:

@@ -120,11 +120,27 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     kv = cfg.kv_bytes_per_token(kv_dtype) * _kv_tokens(spec)
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
     kv_type = kv_dtype_name(kv_dtype)
+    host = _host_tier_bytes(kv, tp)
     if tp > 1 and device == "cuda":  # the plan is for one GPU: each holds 1/tp of the weights and KV heads
         return MemoryEstimate(weights_bytes=-(-weights // tp), kv_bytes=-(-kv // tp), overhead_bytes=overhead,
-                              kv_type=kv_type)
+                              kv_type=kv_type, host_cache_bytes=host)
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead + (tp - 1) * FOLLOWER_RSS_BYTES,
-                          kv_type=kv_type)
+                          kv_type=kv_type, host_cache_bytes=host)
+
+
+def _host_tier_bytes(kv_bytes: int, tp: int) -> int:
+    """The most host RAM the prefix cache's host tier will take (LOCALRUN_HOST_CACHE; auto: the
+    engine's default, at most HOST_AUTO_POOL_MULTIPLE x the KV pool; none under tensor parallelism)."""
+    from localrun.config import settings
+    from localrun.engine.engine import HOST_AUTO_POOL_MULTIPLE
+    from localrun.engine.host_cache import default_host_cache_bytes
+
+    if tp > 1:
+        return 0
+    budget = _host_cache_bytes(settings().host_cache)
+    if budget is None:
+        budget = min(default_host_cache_bytes(), HOST_AUTO_POOL_MULTIPLE * kv_bytes)
+    return max(int(budget), 0)
 
 
 def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams:

@@ -37,8 +37,8 @@ from localrun.stop_strings import held_back
 
 log = logging.getLogger("localrun.engine")
 
-CUDA_RESERVE_BYTES = 1 << 30
-HOST_AUTO_POOL_MULTIPLE = 4  # the default host tier holds at most this many times the device KV pool  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
+CUDA_RESERVE_BYTES = 1 << 30  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
+HOST_AUTO_POOL_MULTIPLE = 4  # the default host tier holds at most this many times the device KV pool
 
 
 @dataclass

@@ -47,6 +47,14 @@ def plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int 
     plan = _plan_load(est, layers, ram_free=ram_free, gpu_free=gpu_free, gpu_kind=gpu_kind)
     if est.kv_type:
         plan.detail += f" ({est.kv_type} KV cache: {gib(est.kv_bytes)})"
+    if est.host_cache_bytes:
+        ram_left = ram_free - (plan.size - plan.size_vram)
+        if est.host_cache_bytes > ram_left * RAM_HEADROOM:
+            raise InsufficientMemory(
+                f"the prefix cache's host tier wants {gib(est.host_cache_bytes)} of RAM but only {gib(max(ram_left, 0))} "
+                "is free after the model; lower LOCALRUN_HOST_CACHE (a size, a fraction, or 0 for none)")
+        plan.size += est.host_cache_bytes
+        plan.detail += f", up to {gib(est.host_cache_bytes)} host RAM for the prefix cache's host tier"
     return plan
 
 
