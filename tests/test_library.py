@@ -366,3 +366,12 @@ def test_tampered_manifest_is_refused(smol_lib):
     assert "evil:latest" not in [m.name for m in lib.list()]
     lib.remove("evil")
     assert lib.resolve("smollm2:135m").weights.is_file()
+
+
+def test_modelfile_load_time_engine_parameters():
+    mf = parse_modelfile("FROM x\nPARAMETER kv_cache_type INT8\nPARAMETER weight_dtype int8\nPARAMETER tensor_parallel 3\n")
+    assert mf.parameters == {"kv_cache_type": "int8", "weight_dtype": "int8", "tensor_parallel": 3}
+    with pytest.raises(InvalidRequest, match="kv_cache_type must be one of .*int4"):
+        parse_modelfile("FROM x\nPARAMETER kv_cache_type int4\n")
+    with pytest.raises(InvalidRequest, match="weight_dtype must be one of"):
+        parse_modelfile("FROM x\nPARAMETER weight_dtype q4\n")

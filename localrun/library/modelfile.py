@@ -42,9 +42,18 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "num_gpu": (int, -1, 1 << 16),
     "num_thread": (int, 0, 1 << 12),
     "tensor_parallel": (int, 1, 64),  # native engine: ranks the model is split over (load time)
+    "kv_cache_type": (str, None, None),  # native engine, load time: as LOCALRUN_KV_CACHE_TYPE, for this model
+    "weight_dtype": (str, None, None),  # native engine, load time: as LOCALRUN_WEIGHT_DTYPE, for this model
     "mirostat": (int, 0, 2),
     "mirostat_tau": (float, 0.0, 100.0),
     "mirostat_eta": (float, 0.0, 100.0),
+}
+
+# string parameters with a closed set of values (the native engine's load-time choices; the
+# library does not import the engine, so the names are listed here and checked again at load)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "kv_cache_type": ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "f16", "q8_0"),
+    "weight_dtype": ("auto", "int8", "fp8"),
 }
 
 
@@ -79,6 +88,10 @@ def parse_parameter(key: str, value: Any, line: int | None = None) -> Any:
     if typ is str:
         if not isinstance(value, str) or value == "":
             raise InvalidRequest(f"{where}parameter {key} needs a non-empty string")
+        if key in CHOICES:
+            value = value.strip().lower()
+            if value not in CHOICES[key]:
+                raise InvalidRequest(f"{where}parameter {key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
         return value
     try:
         if isinstance(value, bool):
