@@ -277,6 +277,15 @@ def test_engine_host_tier_same_outputs_fewer_prefill_tokens():
     assert s_on["kv_pages_free"] + s_on["cached_pages"] == s_on["kv_pages_total"]
 
 
+def test_engine_host_tier_moves_quantized_pages_with_their_scales():
+    """int8 KV pages spill and load back with their per-token scales (KVPool.page_tensors()):
+    the same greedy outputs as with the tier off, with host hits."""
+    off, _, _, _ = _chats({"host_cache_bytes": 0, "kv_cache_dtype": "int8"})
+    on, s_on, _, _ = _chats({"host_cache_bytes": 1 << 20, "kv_cache_dtype": "int8"})
+    assert s_on["kv_dtype"] == "int8" and s_on["prefix_host_hit_tokens"] > 0
+    assert on == off
+
+
 def test_engine_host_cache_setting():
     with pytest.raises(ValueError, match="host_cache_bytes"):
         EngineConfig(device="cpu", host_cache_bytes=-1)
