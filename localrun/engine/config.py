@@ -157,6 +157,11 @@ class EngineConfig:
     #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
     weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (quant.py)
     tensor_parallel: int = 1  # ranks (processes; GPUs on CUDA) the weights and KV heads are split over (parallel.py)
+    speculative: str = "off"  # off | ngram (prompt lookup) | draft (a small draft model): speculative.py
+    num_speculative_tokens: int = 4  # drafted tokens verified per sequence per step
+    ngram_min: int = 1  # prompt lookup: match the last n tokens, n from ngram_max down to ngram_min
+    ngram_max: int = 3
+    draft_model: str | None = None  # speculative="draft": a GGUF file, a safetensors directory or random:SHAPE[:SEED]
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -192,8 +197,27 @@ class EngineConfig:
         if self.tensor_parallel > 1 and self.weight_dtype != "auto":
             raise ValueError(f"weight_dtype {self.weight_dtype} with tensor_parallel {self.tensor_parallel} is not "
                              "supported yet (quantized weights are not sharded); use one of the two")
+        self._check_speculative()
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be positive")
+
+    def _check_speculative(self) -> None:
+        mode = str(self.speculative or "off").strip().lower()
+        if mode not in ("off", "ngram", "draft"):
+            raise ValueError(f"speculative must be off, ngram or draft, got {self.speculative!r}")
+        self.speculative = mode
+        if mode == "off":
+            return
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"num_speculative_tokens must be a whole number in [1, 32], got {k!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max <= 64, got {self.ngram_min}..{self.ngram_max}")
+        if self.tensor_parallel > 1:
+            raise ValueError("speculative decoding with tensor_parallel > 1 is not supported yet; turn one off")
+        if mode == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a GGUF file, a safetensors directory or "
+                             "random:SHAPE[:SEED]); or use speculative='ngram', which needs no second model")
 
     @property
     def torch_dtype(self) -> torch.dtype:

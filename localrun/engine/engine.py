@@ -150,7 +150,12 @@ class LLMEngine:
                 raise ValueError("cuda_graphs=True needs the Triton kernels (use_triton); the torch reference "
                                  "path syncs with the host")
             self.timings["graphs_s"] = self.runner.setup_graphs(capture)
-        self.overlap = bool(config.overlap)
+        self.spec = None
+        if config.speculative != "off":
+            from localrun.engine.speculative import SpecDecoder
+
+            self.spec = SpecDecoder(self)
+        self.overlap = bool(config.overlap) and self.spec is None  # verification needs host tokens: serial
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._done: dict[str, _Request] = {}
@@ -388,6 +393,9 @@ class LLMEngine:
         this one (serial)."""
         with self._lock:
             self._drain_inbox()
+            if self.spec is not None:
+                self.spec.step()
+                return
             handle = self._launch()
             if self.overlap:
                 handle, self._inflight = self._inflight, handle
@@ -485,9 +493,13 @@ class LLMEngine:
 
     def _usage(self, req: _Request) -> dict:
         first = req.first_token_time or req.finish_time
-        return {"prompt_tokens": req.seq.prompt_len, "completion_tokens": req.num_tokens,
-                "cached_tokens": max(req.seq.cached_tokens, 0),
-                "prompt_eval_seconds": first - req.arrival_time, "eval_seconds": req.finish_time - first}
+        usage = {"prompt_tokens": req.seq.prompt_len, "completion_tokens": req.num_tokens,
+                 "cached_tokens": max(req.seq.cached_tokens, 0),
+                 "prompt_eval_seconds": first - req.arrival_time, "eval_seconds": req.finish_time - first}
+        if self.spec is not None:
+            usage["spec_draft_tokens"] = req.seq.spec_draft_tokens
+            usage["spec_accepted_tokens"] = req.seq.spec_accepted_tokens
+        return usage
 
     # -- offline -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -630,4 +642,5 @@ class LLMEngine:
             "loaded_pages": self.cache.loaded_pages if self.cache else 0,
             "running": sum(q.status == "running" for q in s.running),
             "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
+            **(self.spec.stats() if self.spec is not None else {"speculative": "off"}),
         }

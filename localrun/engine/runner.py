@@ -135,11 +135,21 @@ class ModelRunner:
             if tok == PENDING:
                 prev[i], tok = seqs[i].pending_row, 0
             ids.append(tok)
-        for i in range(nd, B):
+        ns = batch.num_spec
+        for i in range(nd, nd + ns):  # a speculative row: its last token, then its draft
+            ids.append(seqs[i].token_ids[starts[i]])
+            ids += seqs[i].draft[:n[i] - 1]
+        for i in range(nd + ns, B):
             ids += seqs[i].token_ids[starts[i]:starts[i] + n[i]]
         sampling = [i for i in range(B) if starts[i] + n[i] == len(seqs[i].token_ids)]
+        sample_idx = cu[1:][sampling] - 1
+        if ns:  # every position of a speculative row samples (verification)
+            sampling = [i for i in range(B) if nd <= i < nd + ns or starts[i] + n[i] == len(seqs[i].token_ids)]
+            sample_idx = np.concatenate([np.arange(cu[i], cu[i + 1]) if nd <= i < nd + ns else cu[i + 1:i + 2] - 1
+                                         for i in sampling]).astype(np.int32) if sampling else cu[:0]
+            sampling = [i for i in sampling for _ in range(n[i] if nd <= i < nd + ns else 1)]
         step = HostStep(input_ids=np.asarray(ids, dtype=np.int32), prev_idx=prev, positions=pos, slots=slots,
-                        seq_lens=starts + n, cu_seqlens_q=cu, rows=rows, sample_idx=cu[1:][sampling] - 1,
+                        seq_lens=starts + n, cu_seqlens_q=cu, rows=rows, sample_idx=sample_idx,
                         num_decodes=nd, num_real_seqs=B)
         bs = self.graphs.size_for(B) if self.graphs is not None and nd == B else None
         if bs is not None and bs > B:

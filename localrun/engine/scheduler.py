@@ -54,6 +54,9 @@ class Sequence:
         self.num_pending = 0  # PENDING placeholders at the end of token_ids
         self.pending_row: int | None = None  # the last placeholder's row in its step's sampled tokens
         self.last_step = -1  # the step that last scheduled this sequence
+        self.draft: list[int] = []  # speculative decoding: proposed next tokens, verified in the coming step
+        self.spec_draft_tokens = 0  # drafted tokens scheduled for verification
+        self.spec_accepted_tokens = 0  # of those, accepted
 
     def __lt__(self, other: "Sequence") -> bool:  # arrival order (bisect)
         return self.arrival < other.arrival
@@ -86,9 +89,10 @@ class Sequence:
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]  # decodes first, then prefill chunks
+    seqs: list[Sequence]  # decodes first, then speculative verifies, then prefill chunks
     num_tokens: list[int]
     num_decodes: int
+    num_spec: int = 0  # rows after the decodes: a decode plus its draft (1 + len(draft) tokens, all sampled)
 
     @property
     def total_tokens(self) -> int:
@@ -210,6 +214,7 @@ class Scheduler:
         self._step += 1
         budget = self.cfg.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
+        specs: list[tuple[Sequence, int]] = []  # decodes with a draft to verify
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
         for want_decode in (True, False):
@@ -222,6 +227,13 @@ class Scheduler:
                 if (need == 1) != want_decode:
                     continue
                 n = min(need, budget)
+                if want_decode and seq.draft:
+                    if self._room_for_draft(seq, budget):
+                        seq.last_step = self._step
+                        specs.append((seq, 1 + len(seq.draft)))
+                        budget -= 1 + len(seq.draft)
+                        continue
+                    seq.draft = []  # no room: a plain decode
                 ok, victim = self._make_room(seq, seq.num_computed + n)
                 preempted |= victim
                 if not ok:
@@ -232,10 +244,15 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, prefills)
         self._compact()
-        batch = decodes + prefills
+        batch = decodes + specs + prefills
         if not batch:
             return None
-        return ScheduledBatch([s for s, _ in batch], [n for _, n in batch], len(decodes))
+        return ScheduledBatch([s for s, _ in batch], [n for _, n in batch], len(decodes), len(specs))
+
+    def _room_for_draft(self, seq: Sequence, budget: int) -> bool:
+        """Trim seq's draft to the step budget and get pages for it; never preempts for a draft."""
+        del seq.draft[max(budget - 1, 0):]
+        return bool(seq.draft) and self._ensure_pages(seq, seq.num_computed + 1 + len(seq.draft))
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
         """Pages for num_tokens of seq, preempting the newest running sequences not scheduled this

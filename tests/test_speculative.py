@@ -1,0 +1,97 @@
+"""Speculative decoding in the native engine (localrun.engine.speculative): prompt-lookup
+drafts verified in one step must leave greedy and seeded outputs exactly as without them."""
+
+from __future__ import annotations
+
+import pytest
+
+from localrun.chat_template import render_chat
+from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+from localrun.engine.config import ModelConfig
+from localrun.engine.speculative import propose_ngram
+
+TINY = ModelConfig(64, 2, 4, 2, 128, 300)
+# repetitive prompts give the lookup something to find; the third is prefilled in chunks
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8] * 3, [9, 8, 7] * 5 + [1, 2], list(range(40)) + list(range(20))]
+
+
+def _engine(mode: str, **kw) -> LLMEngine:
+    cfg = dict(device="cpu", max_model_len=256, page_size=4, max_num_batched_tokens=16, speculative=mode)
+    cfg.update(kw)
+    return LLMEngine.from_random(TINY, EngineConfig(**cfg), seed=0)
+
+
+def test_propose_ngram_most_recent_longest_match():
+    toks = [5, 1, 2, 9, 9, 1, 2, 3, 4, 7, 1, 2]
+    assert propose_ngram(toks, 3, 1, 3) == [3, 4, 7]  # "1 2" last seen at 5..6 (3 grams: no match)
+    assert propose_ngram(toks, 2, 1, 3) == [3, 4]
+    assert propose_ngram([1, 2, 3, 1, 2, 3], 5, 1, 3) == [1, 2, 3]  # "2 3" ... at 0..2 -> continues 1 2 3
+    assert propose_ngram([1, 2, 3, 4], 4, 1, 3) == []  # nothing repeats
+    assert propose_ngram([7, 7], 4, 1, 3) == [7]  # the suffix itself never counts as its own match
+    assert propose_ngram([4, 1, 2, 3], 0, 1, 3) == []
+    assert propose_ngram([1, 2, 8, 2], 2, 2, 3) == []  # min_n 2: a 1-gram match is not enough
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=5, max_tokens=30, ignore_eos=True,
+                   logprobs=2, repetition_penalty=1.1, frequency_penalty=0.2),
+], ids=["greedy", "seeded-penalties-logprobs"])
+def test_ngram_outputs_identical_to_plain_decoding(params):
+    base = _engine("off").generate(PROMPTS, params)
+    eng = _engine("ngram", num_speculative_tokens=5)
+    outs = eng.generate(PROMPTS, params)
+    for a, b in zip(base, outs):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason == "length"
+        if a.logprobs:
+            assert [(t, round(lp, 4)) for t, lp, _ in b.logprobs] == [(t, round(lp, 4)) for t, lp, _ in a.logprobs]
+    st = eng.stats()
+    assert st["speculative"] == "ngram" and st["spec_draft_tokens"] > 0
+    if params.greedy:  # the random model repeats itself: the lookup pays
+        assert st["spec_accepted_tokens"] > 0 and st["spec_tokens_per_row_step"] > 1.0
+    # rolled-back drafts leave no page behind
+    assert st["kv_pages_free"] + st["cached_pages"] == st["kv_pages_total"]
+
+
+def test_ngram_respects_max_tokens_stop_ids_and_tiny_budgets():
+    greedy = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
+    base = _engine("off").generate(PROMPTS, greedy)
+    # budget 3 tokens a step: drafts are cut to fit (or dropped) and still verify right
+    eng = _engine("ngram", num_speculative_tokens=8, max_num_batched_tokens=3)
+    outs = eng.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert all(o.completion_tokens == 23 for o in outs)
+    stop = base[0].token_ids[10]  # a stop token met inside an accepted draft ends the request there
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    a, b = _engine("off").generate(PROMPTS[:1], p)[0], _engine("ngram").generate(PROMPTS[:1], p)[0]
+    assert b.token_ids == a.token_ids and b.finish_reason == "stop" and b.token_ids[-1] == stop
+
+
+def test_speculative_config_errors():
+    with pytest.raises(ValueError, match="off, ngram or draft"):
+        EngineConfig(device="cpu", speculative="medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(device="cpu", speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="ngram_min"):
+        EngineConfig(device="cpu", speculative="ngram", ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(device="cpu", speculative="draft")
+
+
+def test_ngram_smollm2_greedy_identical(smollm2_gguf):
+    """The real model, CPU fp32: a prompt that quotes a passage back gets drafts accepted, and
+    the text is the same as the same engine's with its speculator detached (plain steps)."""
+    passage = "The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the warm sun."
+    eng = LLMEngine.from_gguf(smollm2_gguf, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                                         speculative="ngram"))
+    tok = eng.tokenizer
+    ids = tok.encode(render_chat(tok.chat_template, [{"role": "user",
+                                                      "content": f"Repeat this text exactly:\n\n{passage}"}]))
+    params = SamplingParams(temperature=0, max_tokens=20)
+    spec = eng.generate([ids], params)[0]
+    stats = eng.stats()
+    eng.spec = None  # the plain step from here on
+    plain = eng.generate([ids], params)[0]
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert stats["spec_acceptance_rate"] > 0.3, stats
