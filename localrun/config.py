@@ -37,6 +37,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_HOST_CACHE": ("auto", "native engine: host RAM for prefix-cache pages evicted from the KV pool (size like '4GiB', a fraction of available RAM like '0.1' or '10%', 0 = off; auto = 10% of available RAM, at most 16 GiB and 4x the KV pool)"),
     "LOCALRUN_TENSOR_PARALLEL": ("1", "native engine: split each model over N ranks (processes; one GPU each on CUDA) by attention heads; N must divide its KV heads (Modelfile: PARAMETER tensor_parallel N)"),
+    "LOCALRUN_SPECULATIVE": ("off", "speculative decoding: off | ngram (prompt lookup: drafts copied from the prompt and output, verified by the model; pays on summarise/quote/edit work) | draft:PATH (native engine: a small draft model with the same tokenizer, GGUF file or safetensors directory); greedy output is unchanged (Modelfile: PARAMETER speculative ngram)"),
+    "LOCALRUN_SPECULATIVE_TOKENS": ("4", "tokens drafted per step when LOCALRUN_SPECULATIVE is on (Modelfile: PARAMETER num_speculative_tokens N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
@@ -200,6 +202,8 @@ class Settings:
     shutdown_grace: float = 10.0  # seconds
     weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
     tensor_parallel: int = 1  # native engine ranks per model
+    speculative: str = "off"  # off | ngram | draft:PATH
+    speculative_tokens: int = 4
 
     @property
     def models_dir(self) -> Path:
@@ -244,6 +248,8 @@ class Settings:
             "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
             "LOCALRUN_HOST_CACHE": describe_host_cache(self.host_cache),
             "LOCALRUN_TENSOR_PARALLEL": str(self.tensor_parallel),
+            "LOCALRUN_SPECULATIVE": self.speculative,
+            "LOCALRUN_SPECULATIVE_TOKENS": str(self.speculative_tokens),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
@@ -265,6 +271,37 @@ def parse_kv_cache_type(text: str | None) -> str:
         raise ValueError(f"LOCALRUN_KV_CACHE_TYPE must be one of {', '.join(KV_CACHE_TYPES)} (fp8 and int8 quantize the "
                          f"native engine's KV cache; q4_0 is not supported), got {text!r}")
     return key
+
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+def parse_speculative(text: str | None, name: str = "LOCALRUN_SPECULATIVE") -> tuple[str, str | None]:
+    """(mode, draft model path) from 'off' | 'ngram' | 'draft:PATH'."""
+    raw = (text or "off").strip()
+    mode, _, path = raw.partition(":")
+    mode = mode.strip().lower()
+    if mode in ("off", "none", "0", "false", "no", ""):
+        return "off", None
+    if mode in ("ngram", "prompt_lookup", "lookup") and not path:
+        return "ngram", None
+    if mode == "draft" and path.strip():
+        return "draft", path.strip()
+    raise ValueError(f"{name} must be off, ngram or draft:PATH (a draft model's GGUF file or safetensors "
+                     f"directory), got {text!r}")
+
+
+def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
+    """(mode, draft model path, tokens per step) for loading a model: its Modelfile's
+    PARAMETER speculative / num_speculative_tokens, else LOCALRUN_SPECULATIVE(_TOKENS)."""
+    s = settings()
+    raw = extra.get("speculative")
+    mode, draft = parse_speculative(s.speculative if raw is None else str(raw),
+                                    "LOCALRUN_SPECULATIVE" if raw is None else "PARAMETER speculative")
+    k = int(extra.get("num_speculative_tokens") or s.speculative_tokens)
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
+    return mode, draft, k
 
 
 def settings(env: dict[str, str] | None = None) -> Settings:
@@ -315,6 +352,12 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     tensor_parallel = _int("LOCALRUN_TENSOR_PARALLEL", e.get("LOCALRUN_TENSOR_PARALLEL"), 1, 1)
     if tensor_parallel > MAX_TENSOR_PARALLEL:
         raise ValueError(f"LOCALRUN_TENSOR_PARALLEL must be at most {MAX_TENSOR_PARALLEL}, got {tensor_parallel}")
+    speculative = (e.get("LOCALRUN_SPECULATIVE") or "off").strip()
+    mode, draft = parse_speculative(speculative)
+    speculative = mode if draft is None else f"draft:{draft}"
+    speculative_tokens = _int("LOCALRUN_SPECULATIVE_TOKENS", e.get("LOCALRUN_SPECULATIVE_TOKENS"), 4, 1)
+    if speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"LOCALRUN_SPECULATIVE_TOKENS must be at most {MAX_SPECULATIVE_TOKENS}, got {speculative_tokens}")
     return Settings(
         home=home,
         host=host,
@@ -336,6 +379,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         shutdown_grace=grace,
         weight_dtype=weight_dtype,
         tensor_parallel=tensor_parallel,
+        speculative=speculative,
+        speculative_tokens=speculative_tokens,
     )
 
 

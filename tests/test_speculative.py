@@ -95,3 +95,26 @@ def test_ngram_smollm2_greedy_identical(smollm2_gguf):
     plain = eng.generate([ids], params)[0]
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     assert stats["spec_acceptance_rate"] > 0.3, stats
+
+
+def test_speculative_settings_and_modelfile(monkeypatch):
+    from localrun.config import parse_speculative, settings, speculative_for_load
+    from localrun.library.modelfile import parse_modelfile
+
+    assert parse_speculative(None) == ("off", None) and parse_speculative("NGRAM") == ("ngram", None)
+    assert parse_speculative("draft:/m/draft.gguf") == ("draft", "/m/draft.gguf")
+    for bad in ("draft", "eagle", "ngram:3"):
+        with pytest.raises(ValueError, match="LOCALRUN_SPECULATIVE must be off, ngram or draft:PATH"):
+            parse_speculative(bad)
+    s = settings({"LOCALRUN_SPECULATIVE": "ngram", "LOCALRUN_SPECULATIVE_TOKENS": "6"})
+    assert (s.speculative, s.speculative_tokens) == ("ngram", 6)
+    assert ("LOCALRUN_SPECULATIVE", "ngram") in s.describe() and ("LOCALRUN_SPECULATIVE_TOKENS", "6") in s.describe()
+    with pytest.raises(ValueError, match="LOCALRUN_SPECULATIVE_TOKENS must be at most 32"):
+        settings({"LOCALRUN_SPECULATIVE_TOKENS": "99"})
+    mf = parse_modelfile("FROM x\nPARAMETER speculative ngram\nPARAMETER num_speculative_tokens 3\n")
+    assert mf.parameters == {"speculative": "ngram", "num_speculative_tokens": 3}
+    monkeypatch.setenv("LOCALRUN_SPECULATIVE", "off")
+    assert speculative_for_load(mf.parameters) == ("ngram", None, 3)  # the Modelfile wins over the setting
+    assert speculative_for_load({}) == ("off", None, 4)
+    with pytest.raises(ValueError, match="PARAMETER speculative"):
+        speculative_for_load({"speculative": "medusa"})

@@ -300,10 +300,33 @@ class LlamaCppBackend:
             last_n_tokens_size=int(self.spec.extra.get("repeat_last_n", 64)),
             verbose=False,
         )
+        if not embedding:
+            draft = self._draft()
+            if draft is not None:
+                kwargs["draft_model"] = draft
         if embedding:
             kwargs.update(embedding=True, n_batch=n_ctx, n_ubatch=n_ctx, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
         with _model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
             return llama_cpp.Llama(**kwargs)
+
+    def _draft(self):
+        """llama.cpp's prompt-lookup decoding for LOCALRUN_SPECULATIVE / PARAMETER speculative ngram
+        (a draft model is the native engine's only)."""
+        from localrun.config import speculative_for_load
+
+        try:
+            mode, _, k = speculative_for_load(self.spec.extra)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if mode == "off":
+            return None
+        if mode != "ngram":
+            log.warning("speculative=%s: the llama.cpp backend supports only ngram (prompt lookup); %s runs "
+                        "without speculation", mode, self.spec.name)
+            return None
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        return LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k)
 
     # -- tokens ------------------------------------------------------------------------
     def _tokenize(self, text: str, add_special: bool = False) -> list[int]:

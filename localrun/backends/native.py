@@ -95,6 +95,17 @@ def _tensor_parallel(spec: LoadSpec) -> int:
     return int(v)
 
 
+def _speculative(spec: LoadSpec) -> dict:
+    """EngineConfig's speculative fields: PARAMETER speculative, else LOCALRUN_SPECULATIVE."""
+    from localrun.config import speculative_for_load
+
+    try:
+        mode, draft, k = speculative_for_load(spec.extra)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return {"speculative": mode, "draft_model": draft, "num_speculative_tokens": k}
+
+
 FOLLOWER_RSS_BYTES = 400 * 2**20  # CPU: each extra rank is a process with its own torch runtime
 
 
@@ -299,7 +310,7 @@ def load(spec: LoadSpec) -> NativeBackend:
             kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
             max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
             kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec), weight_dtype=_weight_dtype(spec),
-            tensor_parallel=_tensor_parallel(spec),
+            tensor_parallel=_tensor_parallel(spec), **_speculative(spec),
         )
     except ValueError as exc:  # e.g. fp8 weights on a GPU without fp8 tensor cores
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None

@@ -343,7 +343,8 @@ class ModelManager:
         spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
                         num_parallel=self.settings.num_parallel, extra={"gguf_info": resolved.info})
         if resolved.parameters:
-            for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype"):
+            for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
+                      "speculative", "num_speculative_tokens"):
                 if k in resolved.parameters:
                     spec.extra[k] = resolved.parameters[k]
         if "num_thread" in spec.extra:
