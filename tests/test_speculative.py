@@ -118,3 +118,32 @@ def test_speculative_settings_and_modelfile(monkeypatch):
     assert speculative_for_load({}) == ("off", None, 4)
     with pytest.raises(ValueError, match="PARAMETER speculative"):
         speculative_for_load({"speculative": "medusa"})
+
+
+SMALL = ModelConfig(32, 1, 2, 1, 64, 300)  # another shape, the same vocabulary
+
+
+@pytest.mark.parametrize("draft,expect_all", [(("random", TINY, 0), True), (("random", SMALL, 1), False)],
+                         ids=["draft-is-target", "other-tiny-draft"])
+def test_draft_model_outputs_identical_to_plain_decoding(draft, expect_all):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=20, ignore_eos=True)
+    plain = _engine("off")
+    eng = _engine("draft", draft_model=draft, num_speculative_tokens=4)
+    for params in (greedy, seeded):
+        assert [o.token_ids for o in eng.generate(PROMPTS, params)] == \
+            [o.token_ids for o in plain.generate(PROMPTS, params)]
+        if params is greedy:
+            st = eng.stats()
+            assert st["spec_draft_tokens"] > 0
+            if expect_all:  # the draft is the target: every greedy draft is accepted
+                assert st["spec_acceptance_rate"] == 1.0 and st["spec_tokens_per_row_step"] > 3
+    st = eng.stats()
+    assert st["kv_pages_free"] + st["cached_pages"] == st["kv_pages_total"]
+
+
+def test_draft_model_errors(tmp_path):
+    with pytest.raises(ValueError, match="share the tokenizer"):
+        _engine("draft", draft_model=("random", ModelConfig(32, 1, 2, 1, 64, 200), 0))
+    with pytest.raises(ValueError, match="neither a GGUF file"):
+        _engine("draft", draft_model=str(tmp_path / "missing.gguf"))

@@ -161,7 +161,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafted tokens verified per sequence per step
     ngram_min: int = 1  # prompt lookup: match the last n tokens, n from ngram_max down to ngram_min
     ngram_max: int = 3
-    draft_model: str | None = None  # speculative="draft": a GGUF file, a safetensors directory or random:SHAPE[:SEED]
+    draft_model: str | tuple | None = None  # speculative="draft": a GGUF file, a safetensors directory,
+    #                                        random:SHAPE[:SEED], or a recipe tuple (LLMEngine.from_recipe)
 
     def __post_init__(self) -> None:
         if self.device is None:

@@ -23,12 +23,16 @@ tokens on the host); KV written for rejected draft positions is simply overwritt
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
-from localrun.engine.sampler import SamplingBatch, sample
+from localrun.engine.sampler import SamplingBatch, SamplingParams, sample
+from localrun.engine.scheduler import ScheduledBatch, Sequence
+
+log = logging.getLogger("localrun.engine")
 
 SPECULATIVE_MODES = ("off", "ngram", "draft")
 
@@ -63,6 +67,7 @@ class SpecDecoder:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.emitted_tokens = 0  # tokens produced by verified rows (accepted + one each)
+        self.drafter = DraftModel(engine) if self.mode == "draft" else None
 
     # -- drafting ----------------------------------------------------------------------------
     def _candidates(self) -> list:
@@ -85,6 +90,15 @@ class SpecDecoder:
         # the step's sampled rows live in buffers of max_num_seqs entries: the drafts share what
         # the running sequences leave free
         left = self.engine.config.max_num_seqs - len(self.engine.scheduler.running)
+        if self.drafter is not None:
+            capped = []
+            for seq, room in cands:
+                if left <= 0:
+                    break
+                capped.append((seq, min(room, left)))
+                left -= capped[-1][1]
+            self.drafter.propose(capped)
+            return
         for seq, room in cands:
             if left <= 0:
                 break
@@ -170,3 +184,165 @@ class SpecDecoder:
                 "spec_draft_tokens": self.draft_tokens, "spec_accepted_tokens": self.accepted_tokens,
                 "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
                 "spec_tokens_per_row_step": self.emitted_tokens / self.verified_rows if self.verified_rows else 0.0}
+
+
+# -- a draft model ---------------------------------------------------------------------------
+def draft_recipe(spec) -> tuple:
+    """EngineConfig.draft_model -> a model recipe: a recipe tuple as is; 'random:SHAPE[:SEED]';
+    a directory (safetensors); else a GGUF file."""
+    if isinstance(spec, tuple):
+        return spec
+    from pathlib import Path
+
+    text = str(spec)
+    if text.startswith("random:"):
+        _, shape, *seed = text.split(":")
+        return ("random", shape, int(seed[0]) if seed else 0)
+    p = Path(text).expanduser()
+    if p.is_dir():
+        return ("safetensors", str(p))
+    if p.is_file():
+        return ("gguf", str(p))
+    raise ValueError(f"draft_model {text!r} is neither a GGUF file, a safetensors directory nor random:SHAPE[:SEED]")
+
+
+def load_draft_model(recipe: tuple, config, triton: bool):
+    """The draft's LlamaModel (one rank, the engine's dtype and device)."""
+    from localrun.engine.attention import Ops
+    from localrun.engine.model import LlamaModel
+
+    kind = recipe[0]
+    close = None
+    if kind == "gguf":
+        from localrun.engine.loader import read_gguf
+
+        mcfg, get, names, _ = read_gguf(recipe[1])
+        fill = lambda m: m.load_hf_state(get, names)  # noqa: E731
+    elif kind == "safetensors":
+        from localrun.engine.loader import read_safetensors
+
+        mcfg, get, names, close = read_safetensors(recipe[1], device=config.device)
+        fill = lambda m: m.load_hf_state(get, names)  # noqa: E731
+    elif kind == "random":
+        from localrun.engine.shapes import get_shape
+
+        mcfg = get_shape(recipe[1]) if isinstance(recipe[1], str) else recipe[1]
+        fill = lambda m: m.init_random(recipe[2])  # noqa: E731
+    else:
+        raise ValueError(f"unknown draft model recipe {kind!r}")
+    try:
+        model = LlamaModel(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device,
+                           Ops(reference=not triton), weight_dtype=config.weight_dtype)
+        fill(model)
+    finally:
+        if close is not None:
+            close()
+    return model, mcfg
+
+
+class DraftModel:
+    """A small model of the same tokenizer with its own KV pool: for each drafting sequence a
+    shadow sequence mirrors its tokens (KV of the common prefix is kept across steps; rejected
+    draft positions are recomputed); it catches up on the new tokens and then decodes k tokens
+    greedily, batched over the sequences."""
+
+    def __init__(self, engine) -> None:
+        from localrun.engine.attention import use_triton
+        from localrun.engine.kv_pool import KVPool
+        from localrun.engine.runner import ModelRunner
+
+        cfg = engine.config
+        t = time.perf_counter()
+        triton = use_triton(cfg.device, cfg.use_triton)
+        self.model, self.model_config = load_draft_model(draft_recipe(cfg.draft_model), cfg, triton)
+        vocab = engine.model_config.vocab_size
+        if self.model_config.vocab_size != vocab:
+            raise ValueError(f"the draft model's vocabulary has {self.model_config.vocab_size} tokens, the model's "
+                             f"{vocab}: a draft model must share the tokenizer")
+        # as many tokens as the target's pool (the draft's pages are smaller)
+        self.pool = KVPool(self.model_config, engine.pool.num_pages, cfg.page_size, cfg.kv_torch_dtype, cfg.device)
+        self.runner = ModelRunner(self.model, self.pool, cfg, triton)
+        self.P, self.budget = cfg.page_size, cfg.max_num_batched_tokens
+        self.shadows: dict[str, tuple[Sequence, Sequence]] = {}  # id -> (target, shadow)
+        self.greedy = SamplingParams(temperature=0, max_tokens=1 << 30)
+        engine.timings["draft_model_s"] = time.perf_counter() - t
+        log.info("draft model: %d layers, hidden %d, KV pool %d pages (%.1f MiB)", self.model_config.num_layers,
+                 self.model_config.hidden_size, self.pool.num_pages, self.pool.nbytes / 2**20)
+
+    def _drop(self, key: str) -> None:
+        _, sh = self.shadows.pop(key)
+        self.pool.decref(sh.pages)
+        self.runner.table.free_row(sh.row)
+
+    def _shadow(self, seq: Sequence, room: int) -> Sequence | None:
+        t = seq.token_ids
+        entry = self.shadows.get(seq.id)
+        if entry is not None and entry[0] is not seq:
+            self._drop(seq.id)
+            entry = None
+        if entry is None:
+            if not self.runner.table._free_rows:
+                return None
+            sh = Sequence(seq.id, t, self.greedy)
+            sh.row = self.runner.table.alloc_row()
+            sh.base = len(t)
+            self.shadows[seq.id] = (seq, sh)
+        else:
+            sh = entry[1]
+            n, end = sh.base, min(len(sh.token_ids), len(t))
+            while n < end and sh.token_ids[n] == t[n]:  # the accepted part of its last draft
+                n += 1
+            del sh.token_ids[n:]
+            sh.token_ids.extend(t[n:])
+            sh.num_computed = min(sh.num_computed, n, len(t) - 1)
+            sh.base = len(t)
+        need = -(-(len(t) + room) // self.P) - len(sh.pages)
+        if need > 0:
+            if self.pool.num_free < need:
+                self._drop(seq.id)
+                return None
+            got = self.pool.alloc(need)
+            self.runner.table.write(sh.row, len(sh.pages), got)
+            sh.pages += got
+        return sh
+
+    @torch.inference_mode()
+    def propose(self, cands: list) -> None:
+        live = {s.id for s, _ in cands}
+        for key, (target, _) in list(self.shadows.items()):
+            if key not in live and target.status != "running":
+                self._drop(key)
+        work = []
+        for seq, room in cands:
+            sh = self._shadow(seq, room)
+            if sh is not None:
+                work.append((seq, sh, room))
+        if not work:
+            return
+        # catch up on the new tokens (chunked to the step budget); the last chunk drafts token 1
+        pending = list(work)
+        while pending:
+            seqs, sizes, left = [], [], self.budget
+            for _, sh, _ in pending:
+                if left <= 0:
+                    break
+                n = min(len(sh.token_ids) - sh.num_computed, left)
+                seqs.append(sh)
+                sizes.append(n)
+                left -= n
+            self._run(ScheduledBatch(seqs, sizes, 0))
+            pending = [w for w in pending if len(w[1].token_ids) - w[1].base < 1]
+        # then greedy decodes, batched, for the sequences that want more
+        for i in range(1, max(room for _, _, room in work)):
+            active = [sh for _, sh, room in work if room > i]
+            self._run(ScheduledBatch(active, [1] * len(active), len(active)))
+        for seq, sh, room in work:
+            seq.draft = sh.token_ids[sh.base:sh.base + room]
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        handle = self.runner.launch(batch)
+        for sh, n in zip(batch.seqs, batch.num_tokens):
+            sh.num_computed += n
+        tokens, _ = handle.result()
+        for sh, tok in zip(handle.seqs, tokens):
+            sh.token_ids.append(tok)
