@@ -147,3 +147,22 @@ def test_draft_model_errors(tmp_path):
         _engine("draft", draft_model=("random", ModelConfig(32, 1, 2, 1, 64, 200), 0))
     with pytest.raises(ValueError, match="neither a GGUF file"):
         _engine("draft", draft_model=str(tmp_path / "missing.gguf"))
+
+
+def test_bench_spec_runs_and_compares(capsys):
+    """`localrun bench spec` at tiny sizes: both cases run, plain vs speculative texts compared."""
+    import json
+
+    from localrun.bench.cli import main as bench_main
+
+    rc = bench_main(["spec", "--random-weights", "--shape", "tiny", "--requests", "2", "--batch", "3",
+                     "--max-tokens", "8", "--rounds", "2", "--max-model-len", "256", "--no-save", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-2000:]
+    res = json.loads(captured.out)
+    for case, n in (("single", 2), ("batch", 3)):
+        c = res[case]
+        assert c["requests"] == n and c["identical"] is True
+        assert len(c["off"]["elapsed_s"]) == len(c["spec"]["elapsed_s"]) == 2
+        assert c["spec"]["output_tok_s_best"] > 0 and c["speedup_x"] > 0
+    assert "speculative decoding" in captured.err

