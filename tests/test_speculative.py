@@ -166,3 +166,49 @@ def test_bench_spec_runs_and_compares(capsys):
         assert len(c["off"]["elapsed_s"]) == len(c["spec"]["elapsed_s"]) == 2
         assert c["spec"]["output_tok_s_best"] > 0 and c["speedup_x"] > 0
     assert "speculative decoding" in captured.err
+
+
+def test_metrics_report_speculation_from_engine_stats():
+    pytest.importorskip("prometheus_client")
+    import asyncio
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from localrun.server.metrics import Metrics
+
+    eng = _engine("ngram")
+    eng.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    stats = eng.stats()
+
+    async def engine_stats():
+        return stats
+
+    runner = SimpleNamespace(name="m", waiting=0, active=0, backend=SimpleNamespace(stats=engine_stats))
+    text = asyncio.run(Metrics(SimpleNamespace(runners={"m": runner})).render()).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("localrun_spec_tokens_total", (("kind", "drafted"), ("model", "m")))] == stats["spec_draft_tokens"]
+    assert samples[("localrun_spec_tokens_total", (("kind", "accepted"), ("model", "m")))] == \
+        stats["spec_accepted_tokens"] > 0
+    assert samples[("localrun_spec_acceptance_rate", (("model", "m"),))] == pytest.approx(stats["spec_acceptance_rate"])
+    assert samples[("localrun_spec_tokens_per_step", (("model", "m"),))] > 1.0
+
+
+def test_usage_reports_drafts_per_request():
+    import asyncio
+
+    eng = _engine("ngram")
+
+    async def run():
+        eng.start()
+        try:
+            stream = eng.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+            return [d async for d in stream]
+        finally:
+            eng.shutdown()
+
+    deltas = asyncio.run(run())
+    usage = deltas[-1].usage
+    assert usage["completion_tokens"] == 20 == sum(len(d.token_ids) for d in deltas)
+    assert 0 < usage["spec_accepted_tokens"] <= usage["spec_draft_tokens"]

@@ -130,6 +130,14 @@ class _Live:
                                       "Prefix-cache KV pages held in the host-memory tier", labels=["model"])
         host_total = GaugeMetricFamily("localrun_host_kv_pages_total",
                                        "Pages the prefix cache's host-memory tier holds at most", labels=["model"])
+        spec_tokens = CounterMetricFamily("localrun_spec_tokens",
+                                          "Speculative decoding (native engine): tokens drafted and, of those, "
+                                          "accepted by the model since load", labels=["model", "kind"])
+        spec_rate = GaugeMetricFamily("localrun_spec_acceptance_rate",
+                                      "Share of drafted tokens the model accepted since load", labels=["model"])
+        spec_tps = GaugeMetricFamily("localrun_spec_tokens_per_step",
+                                     "Tokens a sequence gains per verification step since load (1 = no gain)",
+                                     labels=["model"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
             running.add_metric([r.name], r.active)
@@ -143,11 +151,17 @@ class _Live:
             if "host_pages_total" in st:
                 host_used.add_metric([r.name], st["host_pages_used"])
                 host_total.add_metric([r.name], st["host_pages_total"])
+            if "spec_draft_tokens" in st:
+                spec_tokens.add_metric([r.name, "drafted"], st["spec_draft_tokens"])
+                spec_tokens.add_metric([r.name, "accepted"], st["spec_accepted_tokens"])
+                spec_rate.add_metric([r.name], st["spec_acceptance_rate"])
+                spec_tps.add_metric([r.name], st["spec_tokens_per_row_step"])
             if st.get("prefix_query_tokens"):  # the engine's own count
                 hit.add_metric([r.name], st["prefix_hit_tokens"] / st["prefix_query_tokens"])
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
-        yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total)
+        yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, spec_tokens, spec_rate,
+                    spec_tps)
 
 
 class MetricsMiddleware:
