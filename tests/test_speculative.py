@@ -212,3 +212,28 @@ def test_usage_reports_drafts_per_request():
     usage = deltas[-1].usage
     assert usage["completion_tokens"] == 20 == sum(len(d.token_ids) for d in deltas)
     assert 0 < usage["spec_accepted_tokens"] <= usage["spec_draft_tokens"]
+
+
+def test_drafts_fit_the_step_when_new_sequences_are_admitted():
+    """max_num_seqs 4: two sequences decode with drafts, then two more arrive and are admitted in
+    the same step; the step's sampled rows (sequences + draft tokens) must fit the 4-row buffers."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], [5, 6] * 6, [3, 1, 3, 1, 3]]
+    base = _engine("off", max_num_seqs=4).generate(prompts, greedy)
+    # a draft model (the target itself) drafts every step, so the drafts always claim the room
+    eng = _engine("draft", draft_model=("random", TINY, 0), max_num_seqs=4, num_speculative_tokens=6,
+                  max_num_batched_tokens=64)
+    reqs = [eng._new_request(p, greedy, None) for p in prompts]
+    eng._done = {}
+    for r in reqs[:2]:
+        eng._requests[r.seq.id] = r
+        eng.scheduler.add(r.seq)
+    for _ in range(2):  # prefill, then decodes with drafts
+        eng.step()
+    for r in reqs[2:]:
+        eng._requests[r.seq.id] = r
+        eng.scheduler.add(r.seq)
+    while len(eng._done) < len(reqs):
+        eng.step()
+    assert [eng._output(r).token_ids for r in reqs] == [o.token_ids for o in base]
+    assert eng.stats()["spec_accepted_tokens"] > 0

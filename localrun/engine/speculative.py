@@ -126,10 +126,25 @@ class SpecDecoder:
                 handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
                 eng._handle(handle)
                 return
+            self._fit_rows(batch)
             self._verify(batch)
         finally:
             for seq in sched.running:
                 seq.draft = []
+
+    def _fit_rows(self, batch) -> None:
+        """Every draft token is a sampled row, and a step samples at most max_num_seqs rows (its
+        buffers): trim the last drafts when sequences admitted this step took the room."""
+        nd, ns = batch.num_decodes, batch.num_spec
+        over = len(batch.seqs) + sum(n - 1 for n in batch.num_tokens[nd:nd + ns]) - self.engine.config.max_num_seqs
+        for i in range(nd + ns - 1, nd - 1, -1):
+            if over <= 0:
+                break
+            seq = batch.seqs[i]
+            cut = min(over, len(seq.draft))
+            del seq.draft[len(seq.draft) - cut:]
+            batch.num_tokens[i] -= cut
+            over -= cut
 
     def _verify(self, batch) -> None:
         eng, runner = self.engine, self.engine.runner
