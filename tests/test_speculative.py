@@ -237,3 +237,33 @@ def test_drafts_fit_the_step_when_new_sequences_are_admitted():
         eng.step()
     assert [eng._output(r).token_ids for r in reqs] == [o.token_ids for o in base]
     assert eng.stats()["spec_accepted_tokens"] > 0
+
+
+def test_llamacpp_prompt_lookup_same_greedy_text(smollm2_gguf):
+    """llama.cpp: PARAMETER speculative ngram hands it LlamaPromptLookupDecoding; greedy text unchanged."""
+    pytest.importorskip("llama_cpp")
+    import asyncio
+
+    from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    text = "Repeat exactly: the cat sat on the mat, and the dog sat on the log."
+    prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    opts = SamplingOptions(temperature=0.0, max_tokens=16)
+
+    def answer(extra: dict) -> tuple[str, object]:
+        backend = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=256, num_parallel=1,
+                                           extra={"n_threads": 2, **extra}))
+
+        async def run() -> str:
+            return "".join([ch.text async for ch in backend.generate(GenerationRequest(prompt=prompt, options=opts))])
+
+        try:
+            return asyncio.run(run()), backend._main.draft_model
+        finally:
+            asyncio.run(backend.close())
+
+    plain, no_draft = answer({})
+    spec, draft = answer({"speculative": "ngram", "num_speculative_tokens": 5})
+    assert no_draft is None and type(draft).__name__ == "LlamaPromptLookupDecoding" and draft.num_pred_tokens == 5
+    assert spec == plain and "cat sat on the mat" in spec
