@@ -203,6 +203,13 @@ def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight
     return out.to(x.dtype), new_residual
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight over the last dim (x [..., D], weight [D]): Qwen3's per-head q/k norm.
+    Computed in fp32, rounded to x's dtype once."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim // 2] (fp64 on CPU), with optional HF-style rope scaling.
 
@@ -234,8 +241,36 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r}: localrun supports default, linear, llama3 "
-                     "and freq_factors")
+    if kind == "longrope":
+        raise ValueError("longrope frequencies depend on the cache length: build the table with rope_cos_sin_cache "
+                         "(or longrope_inv_freq)")
+    raise ValueError(f"unsupported rope scaling type {kind!r}: localrun supports default, linear, llama3, "
+                     "longrope and freq_factors")
+
+
+def longrope_inv_freq(rotary_dim: int, base: float, scaling: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Phi-3 LongRoPE: (inverse frequencies [rotary_dim // 2], attention factor) for a cache of
+    max_pos positions.
+
+    scaling: {"short_factor": [...], "long_factor": [...], "original_max_position_embeddings": n,
+    "factor": s, optional "attention_factor"} (ModelConfig.from_hf_config completes it). The long
+    factors serve the whole table when max_pos > n, else the short ones: one choice per engine
+    (as vLLM and llama.cpp choose by context size), where transformers switches per forward
+    pass on the sequence length; both agree for every sequence whose length is on the same
+    side of n as max_pos. The attention factor (default sqrt(1 + ln(s) / ln(n)), 1 when s <= 1)
+    multiplies cos and sin, so q.k scales by its square, as in transformers.
+    """
+    orig = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor"] if max_pos > orig else scaling["short_factor"]
+    ext = torch.tensor(factors, dtype=torch.float64).reshape(-1)
+    if ext.numel() != rotary_dim // 2:
+        raise ValueError(f"longrope: {ext.numel()} factors for {rotary_dim // 2} frequencies (rotary_dim {rotary_dim})")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = float(scaling.get("factor") or 1.0)
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return inv_freq, float(attention)
 
 
 def rope_cos_sin_cache(head_dim: int, max_pos: int, base: float, scaling: dict | None = None,
@@ -244,10 +279,15 @@ def rope_cos_sin_cache(head_dim: int, max_pos: int, base: float, scaling: dict |
     """The [max_pos, rotary_dim] table apply_rope reads: cos in the first half, sin in the second.
 
     rotary_dim defaults to head_dim (partial rotary: only the first rotary_dim dims rotate).
+    A "longrope" scaling picks its factors by max_pos and scales the table (longrope_inv_freq).
     """
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(rotary_dim, base, scaling))
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "longrope":
+        inv_freq, mscale = longrope_inv_freq(rotary_dim, base, scaling, max_pos)
+    else:
+        inv_freq, mscale = rope_inv_freq(rotary_dim, base, scaling), 1.0
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale).to(device=device, dtype=dtype)
 
 
 def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

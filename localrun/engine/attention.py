@@ -31,7 +31,7 @@ from localrun.kernels.reference import causal_attention
 
 log = logging.getLogger("localrun.engine")
 
-_POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul")
+_POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "rms_norm")
 
 
 @dataclass

@@ -10,7 +10,8 @@ import torch
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Mistral, SmolLM2."""
+    """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm), Mistral,
+    SmolLM2, Phi-3 / Phi-4 (longrope, partial rotary)."""
 
     hidden_size: int
     num_layers: int
@@ -28,10 +29,17 @@ class ModelConfig:
     arch: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # per-head RMSNorm (weight [head_dim]) on q and k before RoPE (Qwen3)
+    rotary_dim: int = 0  # dims of each head RoPE rotates (0: head_dim; Phi-4-mini: 3/4 of it, the rest pass)
+    sliding_window: int = 0  # Phi-3: keys within this many positions (0: none); see check_context_len
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_heads
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
@@ -53,17 +61,21 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face config.json dict (old `rope_scaling` or new `rope_parameters`)."""
+        from localrun.archs import is_native, unsupported_message
+
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(
-                f"model_type {model_type!r} ({', '.join(archs) or 'unknown architecture'}) is not supported by the "
-                "native engine (Llama, Mistral, Qwen2 families); use the llama.cpp backend for it"
-            )
+        if not is_native(model_type):
+            raise ValueError(unsupported_message(model_type, "model_type" + (f" of {'/'.join(archs)}" if archs else "")))
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         eos = cfg.get("eos_token_id")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        if scaling:
+            scaling = _longrope_scaling(dict(scaling), cfg) if (scaling.get("rope_type") or scaling.get("type")) in (
+                "longrope", "su") or (model_type == "phi3" and scaling.get("rope_type") == "yarn") else dict(scaling)
         return cls(
             hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
@@ -74,14 +86,45 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or 0,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=dict(scaling) if scaling else None,
+            rope_scaling=scaling or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             arch=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+            qk_norm=model_type == "qwen3",
+            rotary_dim=int(head_dim * partial),
+            sliding_window=int(cfg.get("sliding_window") or 0) if model_type == "phi3" else 0,
         )
+
+    def check_context_len(self, max_model_len: int) -> None:
+        """Refuse a context this engine would compute differently from the model: a Phi-3 sliding
+        window shorter than max_model_len (attention here is global; within the window both agree)."""
+        if self.sliding_window and max_model_len > self.sliding_window:
+            raise ValueError(f"this {self.arch} model attends within a sliding window of {self.sliding_window} "
+                             f"tokens, which the native engine does not implement for it: use a context of at most "
+                             f"{self.sliding_window} tokens (max_model_len / num_ctx), or the llama.cpp backend")
+
+
+def _longrope_scaling(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Phi-3 "longrope" rope scaling ("su" and Phi-3's "yarn" are read as longrope, as
+    transformers does), completed as transformers 5 completes it: original_max_position_embeddings
+    from the config's top level first (Phi-3's default 4096), and factor, when absent,
+    max_position_embeddings / original_max_position_embeddings (it sets the attention factor
+    sqrt(1 + ln(factor) / ln(original)); see kernels.reference.longrope_inv_freq)."""
+    scaling["rope_type"] = "longrope"
+    scaling.pop("type", None)
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or (
+        4096 if cfg.get("model_type") == "phi3" else max_pos)
+    scaling["original_max_position_embeddings"] = int(orig)
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_pos / int(orig)
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"longrope rope scaling needs a {key} list in config.json")
+    return scaling
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

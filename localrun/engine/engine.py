@@ -213,6 +213,7 @@ class LLMEngine:
         no `tp`, this is rank 0: it starts the other ranks, which build theirs from `recipe`."""
         config = config or EngineConfig()
         check_shapes(mcfg, config.tensor_parallel)
+        mcfg.check_context_len(config.max_model_len)
         if tp is None:
             tp = TPGroup()
             if config.tensor_parallel > 1:

@@ -28,9 +28,11 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q|k|v fused (its ffn_up holds gate|up: see read_gguf)
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # = localrun.archs.NATIVE_ARCHS
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -65,11 +67,15 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
     arch = _field(reader, "general.architecture", "?")
     if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported by the native engine "
-                         f"({', '.join(_GGUF_ARCHS)}); use the llama.cpp backend for it")
+        from localrun.archs import unsupported_message
+
+        raise ValueError(unsupported_message(arch, "GGUF architecture"))
     tensors = {_hf_name(t.name): t for t in reader.tensors}
     extra = {t.name: t for t in reader.tensors}
     tensors.pop(None, None)
+    if arch == "phi3":  # llama.cpp stores Phi-3's fused gate|up as ffn_up (and no ffn_gate)
+        tensors = {n.replace(".mlp.up_proj.", ".mlp.gate_up_proj.") if ".mlp.up_proj." in n
+                   and n.replace(".up_proj.", ".gate_proj.") not in tensors else n: t for n, t in tensors.items()}
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
@@ -80,6 +86,16 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
                                                      extra["rope_freqs.weight"].tensor_type).ravel().tolist()}
     elif _field(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    elif "rope_factors_long.weight" in extra:  # Phi-3 longrope: both factor lists, as tensors
+        factors = {k: gguf.quants.dequantize(extra[f"rope_factors_{k}.weight"].data,
+                                             extra[f"rope_factors_{k}.weight"].tensor_type).ravel().tolist()
+                   for k in ("long", "short")}
+        orig = int(a("rope.scaling.original_context_length", 0) or a("context_length", 4096))
+        scaling = {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+                   "original_max_position_embeddings": orig,
+                   "factor": int(a("context_length", orig)) / orig}
+        if a("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(a("rope.scaling.attn_factor"))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     cfg = ModelConfig(
         hidden_size=hidden,
@@ -98,6 +114,9 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         arch=arch,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(e) for e in eos if e is not None}),
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
+        rotary_dim=int(a("rope.dimension_count", 0) or 0),
+        sliding_window=int(a("attention.sliding_window", 0) or 0) if arch == "phi3" else 0,
     )
     permuted = arch in ("llama", "mistral")
 
