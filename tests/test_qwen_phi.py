@@ -295,3 +295,37 @@ class TestTritonRmsNorm:
         assert float((out.float() - ref).abs().max() / ref.abs().max()) <= tol
         flat = K.rms_norm(qkv[:, :24], w, 1e-6)  # [T, D] works too
         assert torch.allclose(flat.float(), K.rms_norm_ref(qkv[:, :24].float(), w.float(), 1e-6), atol=tol * 10)
+
+
+# ----------------------------------------------------------------------------- backend choice
+def test_auto_backend_sends_foreign_gguf_architectures_to_llamacpp(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from localrun.backends import select
+    from localrun.backends.select import GPU, choose, model_architecture
+    from localrun.errors import BackendError
+
+    monkeypatch.setattr(select, "native_import_error", lambda: None)
+    h100 = GPU("NVIDIA H100 80GB HBM3", (9, 0), 78 * 2**30, 80 * 2**30)
+
+    def facts(arch):
+        return SimpleNamespace(architecture=arch, file_type="BF16", parameter_count=int(1e9), tensor_bytes=int(2e9))
+
+    for arch in ("qwen3", "phi3", "llama"):
+        assert choose("auto", "gguf", h100, facts(arch), llamacpp_gpu=True).backend == "native"
+    c = choose("auto", "gguf", h100, facts("deepseek2"), llamacpp_gpu=True)
+    assert c.backend == "llamacpp" and "'deepseek2'" in c.reason and "qwen3" in c.reason  # says what it runs
+    assert choose("auto", "gguf", None, facts("deepseek2")).backend == "llamacpp"
+    assert choose("llamacpp", "gguf", h100, facts("deepseek2")).backend == "llamacpp"
+    with pytest.raises(BackendError, match="LOCALRUN_BACKEND=native.*'deepseek2'.*llama.cpp"):
+        choose("native", "gguf", h100, facts("deepseek2"))
+    # safetensors: the architecture comes from config.json; one the engine does not run is an error
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    arch = model_architecture("safetensors", tmp_path, None)
+    assert arch == "qwen3_moe"
+    with pytest.raises(BackendError, match="Qwen3-MoE.*import a GGUF"):
+        choose("auto", "safetensors", h100, None, arch=arch)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    assert choose("auto", "safetensors", None, None, arch=model_architecture("safetensors", tmp_path)).backend == \
+        "native"
+    assert model_architecture("gguf", tmp_path, None) is None  # a GGUF's comes from its header facts only
