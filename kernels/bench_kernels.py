@@ -190,6 +190,12 @@ def run(bench: Bench) -> None:
     bench.record("rope", f"T={t}", "GB/s", 2 * t * (hq + hkv) * d * elt,
                  lambda: K.apply_rope(qr, kr, pos, cache), lambda: K.apply_rope_ref(qr, kr, pos, cache),
                  lambda: _rel_err(K.apply_rope(qr, kr, pos, cache)[0], K.apply_rope_ref(qr, kr, pos, cache)[0]))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dt, device=dev)
+    qn, wn = qkv[:, :hq * d].view(t, hq, d), torch.randn(d, dtype=dt, device=dev)  # Qwen3's q norm, on the qkv view
+    bench.record("qk_norm", f"q heads T={t}", "GB/s", 2 * t * hq * d * elt,
+                 lambda: K.rms_norm(qn, wn, 1e-6), lambda: K.rms_norm_ref(qn, wn, 1e-6),
+                 lambda: _rel_err(K.rms_norm(qn, wn, 1e-6), K.rms_norm_ref(qn, wn, 1e-6)))
+    del qkv
     kc, vc, _, _ = _paged([t], hkv, d, s["page"], dt, dev)
     slots = torch.randperm(kc.shape[0] * kc.shape[1], device=dev)[:t]
     bench.record("store_kv", f"T={t}", "GB/s", 4 * t * hkv * d * elt,

@@ -225,6 +225,8 @@ def hf_config_for(cfg) -> Any:
         kw["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.arch == "llama":
         kw["attention_bias"] = cfg.attention_bias
+    if cfg.rotary_dim and cfg.rotary_dim != cfg.head_dim:  # Phi-4-mini: partial rotary
+        kw["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     return AutoConfig.for_model(cfg.arch, **kw)
 
 
