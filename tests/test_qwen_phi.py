@@ -231,6 +231,13 @@ def test_sliding_window_phi3_is_refused_past_the_window(tmp_path):
         LLMEngine.from_safetensors(tmp_path, cfg)
     eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=16))
     assert eng.model_config.sliding_window == 16
+    from localrun.backends.base import LoadSpec
+    from localrun.backends.native import estimate_memory
+    from localrun.errors import InvalidRequest
+
+    spec = LoadSpec(name="phi", weights=tmp_path, format="safetensors", num_ctx=64, extra={"native_device": "cpu"})
+    with pytest.raises(InvalidRequest, match="sliding window of 16 tokens"):  # a 4xx before anything loads
+        estimate_memory(spec)
 
 
 @pytest.mark.parametrize("model_type,arch,words", [
