@@ -336,3 +336,24 @@ def test_auto_backend_sends_foreign_gguf_architectures_to_llamacpp(monkeypatch, 
     assert choose("auto", "safetensors", None, None, arch=model_architecture("safetensors", tmp_path)).backend == \
         "native"
     assert model_architecture("gguf", tmp_path, None) is None  # a GGUF's comes from its header facts only
+
+
+@pytest.mark.parametrize("kind", ["phi3", "qwen3"])
+def test_two_ranks_match_one(kind, tmp_path):
+    """tensor_parallel 2 (gloo, a process per rank) from the checkpoint: Phi-3's fused qkv_proj /
+    gate_up_proj read as row shards, Qwen3's q/k norms whole on every rank; same greedy tokens."""
+    hf = hf_model(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    prompts = [[(7 * i + 3) % 300 for i in range(n)] for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, want_logprobs=True)
+    outs = []
+    for tp in (1, 2):
+        eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=128,
+                                                                kv_cache_tokens=512, tensor_parallel=tp))
+        try:
+            outs.append(eng.generate(prompts, params))
+        finally:
+            eng.shutdown()
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert [lp for _, lp, _ in b.logprobs] == pytest.approx([lp for _, lp, _ in a.logprobs], abs=1e-4)
