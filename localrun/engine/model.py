@@ -36,6 +36,7 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
         self.scale = d ** -0.5
+        self.window = cfg.layer_window(layer_id)  # sliding window (Mistral, Qwen2); 0: global
 
         def e(*shape):
             return torch.empty(*shape, dtype=dtype)
@@ -55,7 +56,8 @@ class DecoderLayer(nn.Module):
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
-        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
+        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale,
+                         **({"window": self.window} if self.window else {}))
         x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
         x = self.tp.all_reduce(quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
@@ -63,6 +65,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = DecoderLayer  # a subclass's own decoder layer (gemma.py)
+
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__()
@@ -73,7 +77,7 @@ class LlamaModel(nn.Module):
         self.vocab_start, self.vocab_rows, vocab = self.tp.vocab_shard(cfg.vocab_size)  # vocab-parallel rows
         with torch.device("meta"):  # shapes only: the weights are allocated once, below
             self.embed_tokens = w(vocab, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device, self.tp)
+            self.layers = nn.ModuleList(self.layer_cls(cfg, i, dtype, weight_dtype, device, self.tp)
                                         for i in range(cfg.num_layers))
             self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
             self.lm_head = None if cfg.tie_word_embeddings else w(vocab, cfg.hidden_size)
@@ -218,3 +222,12 @@ class LlamaModel(nn.Module):
         if leaf in ("o_proj", "down_proj"):  # row-parallel: this rank's input columns
             return (rows, cols * w), [(0, rows, 0)], (r * cols, cols)
         raise ValueError(f"no tensor-parallel layout for weight {name}")
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    """The model class for a config: Gemma 2 / 3 (gemma.py) or the Llama family."""
+    if cfg.is_gemma:
+        from localrun.engine.gemma import GemmaModel
+
+        return GemmaModel
+    return LlamaModel
