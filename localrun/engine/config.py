@@ -147,8 +147,8 @@ def _gemma_from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
             raise ValueError("this gemma3 config.json has no text_config with the language model's shape; "
                              "use the llama.cpp backend for it")
         text.setdefault("model_type", "gemma3_text")
-        for k in ("eos_token_id", "bos_token_id"):
-            if text.get(k) is None and cfg.get(k) is not None:
+        for k in ("eos_token_id", "bos_token_id"):  # the whole model's ids (what generation stops on) win
+            if cfg.get(k) is not None:
                 text[k] = cfg[k]
         cfg = text
         model_type = "gemma3_text"

@@ -171,17 +171,22 @@ def read_safetensors(directory: str | Path, device: str | None = None
         for k in h.keys():
             where[k] = h
 
+    rename = _language_model_names(set(where))  # a multimodal Gemma 3: its language model's weights
+    for ours, theirs in rename.items():
+        where[ours] = where[theirs]
+
     def get(name: str) -> torch.Tensor:
         h = where.get(name)
         if h is None:
             raise KeyError(f"safetensors weights lack tensor {name}")
-        return h.get_tensor(name)
+        return h.get_tensor(rename.get(name, name))
 
     def part(name: str, dim: int, start: int, n: int) -> torch.Tensor:
+        name_in_file = rename.get(name, name)
         h = where.get(name)
         if h is None:
             raise KeyError(f"safetensors weights lack tensor {name}")
-        sl = h.get_slice(name)  # reads only the rows / columns asked for
+        sl = h.get_slice(name_in_file)  # reads only the rows / columns asked for
         return sl[start:start + n] if dim == 0 else sl[:, start:start + n]
 
     get.part = part  # type: ignore[attr-defined]
@@ -191,3 +196,20 @@ def read_safetensors(directory: str | Path, device: str | None = None
         where.clear()
 
     return cfg, get, set(where), close
+
+
+# a multimodal checkpoint's language model, under either transformers layout: the model's name -> the file's
+_LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                            ("lm_head.", "language_model.lm_head."))
+
+
+def _language_model_names(names: set[str]) -> dict[str, str]:
+    """For a vision-language checkpoint (Gemma3ForConditionalGeneration), the text decoder's tensors
+    under the plain names the model loads (model.layers..., model.embed_tokens..., lm_head...); the
+    vision tower and projector are left out. Empty for a text-only checkpoint."""
+    out: dict[str, str] = {}
+    for ours, theirs in _LANGUAGE_MODEL_PREFIXES:
+        for n in names:
+            if n.startswith(theirs):
+                out.setdefault(ours + n[len(theirs):], n)
+    return out
