@@ -132,3 +132,71 @@ def test_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
                                                             max_num_batched_tokens=32, page_size=4))
     assert eng.model_config.arch == "gemma3"
     _check_parity(hf, eng, _prompts()[:2], max_tokens=4)
+
+
+def _write_gguf_like_llama_cpp(hf, path, arch: str):
+    """A GGUF file written from a transformers model the way llama.cpp's convert_hf_to_gguf.py does
+    for Gemma 2 / 3: gguf's own tensor-name map, norm weights stored as 1 + w, no Q/K permutation,
+    no lm_head (tied), and the metadata keys the converter writes."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2 if arch == "gemma2" else gguf.MODEL_ARCH.GEMMA3,
+                                     cfg.num_hidden_layers)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        t = t.detach().float()
+        if name.endswith("norm.weight"):
+            t = t + 1
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_matches_transformers(arch, tmp_path):
+    pytest.importorskip("gguf")
+    from localrun.engine.loader import read_gguf
+
+    torch.manual_seed(0)
+    if arch == "gemma2":  # llama.cpp's defaults: scale by head_dim, layers alternate sliding / global
+        cfg = transformers.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=16,
+                                        attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+        hf = transformers.Gemma2ForCausalLM(cfg)
+    else:  # llama.cpp's Gemma 3: 5 sliding : 1 global, sliding layers at RoPE base 10000
+        cfg = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 7}, sliding_window=8,
+                                            query_pre_attn_scalar=16, rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
+        hf = transformers.Gemma3ForCausalLM(cfg)
+    _randomize_norms(hf)
+    hf = hf.float().eval()
+    path = _write_gguf_like_llama_cpp(hf, tmp_path / f"{arch}.gguf", arch)
+    mcfg, get, names, _ = read_gguf(path)
+    assert mcfg.arch == arch and mcfg.tie_word_embeddings
+    expect = cfg.layer_types
+    assert [("sliding_attention" if mcfg.layer_window(i) else "full_attention") for i in range(mcfg.num_layers)] \
+        == expect
+    eng = LLMEngine.from_hf_state(mcfg, get, names, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                                                 max_num_batched_tokens=32, page_size=4))
+    _check_parity(hf, eng, _prompts()[1:], max_tokens=6)

@@ -30,13 +30,18 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+# Gemma 2 / 3: four norms per layer (llama.cpp's ffn_norm is the pre-feedforward one there) and q/k norms
+_GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GGUF_GEMMA = ("gemma2", "gemma3")
+_GGUF_ARCHS = ("llama", "mistral", "qwen2", *_GGUF_GEMMA)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -67,7 +72,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported by the native engine "
                          f"({', '.join(_GGUF_ARCHS)}); use the llama.cpp backend for it")
-    tensors = {_hf_name(t.name): t for t in reader.tensors}
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in _GGUF_GEMMA else _GGUF_LAYER_NAMES
+    tensors = {_hf_name(t.name, layer_names): t for t in reader.tensors}
     extra = {t.name: t for t in reader.tensors}
     tensors.pop(None, None)
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
@@ -98,10 +104,16 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         arch=arch,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(e) for e in eos if e is not None}),
+        **_gguf_attention_extras(reader, arch, a),
     )
     permuted = arch in ("llama", "mistral")
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w: back to the Hugging Face form
+    # (GemmaModel folds the +1 in again, in float32)
+    norm_shift = 1.0 if arch in _GGUF_GEMMA else 0.0
 
     def unpermute(name: str, w: torch.Tensor) -> torch.Tensor:
+        if norm_shift and name.endswith("norm.weight"):
+            return w - norm_shift
         if permuted and ".q_proj." in name:
             return unpermute_qk(w, cfg.num_heads)
         if permuted and ".k_proj." in name:
@@ -147,6 +159,37 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
             "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
     return cfg, get, set(tensors), meta
+
+
+def _gguf_attention_extras(reader, arch: str, a) -> dict:
+    """Sliding window, soft-capping, attention scale and Gemma 3's local RoPE base from a GGUF
+    file's metadata, with llama.cpp's built-in defaults where the converter writes no key."""
+    if arch not in _GGUF_GEMMA:
+        window = a("attention.sliding_window")  # (llama.cpp's converter writes none for Mistral)
+        return {"sliding_window": int(window)} if window else {}
+    n = int(a("block_count"))
+    heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
+    head_dim = int(a("attention.key_length", 0) or hidden // heads)
+    pattern = a("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True = sliding
+        sliding = [bool(x) for x in pattern]
+    else:  # llama.cpp: Gemma 2 alternates, Gemma 3 has 5 sliding layers to 1 global
+        period = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+        sliding = [i % period < period - 1 for i in range(n)]
+    scale = a("attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    else:  # llama.cpp: the 27B models scale by hidden / heads, the others by head_dim
+        big = (arch == "gemma2" and n == 46) or (arch == "gemma3" and n == 62)
+        scalar = float(hidden // heads if big else head_dim)
+    return {
+        "sliding_window": int(a("attention.sliding_window", 0) or 0) or None,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcap": float(a("attn_logit_softcapping", 0.0) or 0.0),
+        "final_logit_softcap": float(a("final_logit_softcapping", 0.0) or 0.0),
+        "query_pre_attn_scalar": scalar,
+        "rope_local_theta": float(a("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0,
+    }
 
 
 def read_safetensors(directory: str | Path, device: str | None = None
