@@ -200,3 +200,26 @@ def test_gemma_gguf_matches_transformers(arch, tmp_path):
     eng = LLMEngine.from_hf_state(mcfg, get, names, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
                                                                  max_num_batched_tokens=32, page_size=4))
     _check_parity(hf, eng, _prompts()[1:], max_tokens=6)
+
+
+def test_gemma_shapes_and_the_graph_decode_path():
+    """The named shapes describe the real models; a tiny random Gemma 2 decodes the same through the
+    padded static-buffer decode (the CUDA-graph path, run eagerly on CPU) as without it."""
+    from localrun.engine.shapes import get_shape
+
+    g2, g3 = get_shape("gemma-2-2b"), get_shape("gemma-3-1b")
+    assert round(g2.num_params / 1e9, 2) == 2.61 and round(g3.num_params / 1e9, 2) == 1.0
+    assert [g2.layer_window(i) for i in range(4)] == [4096, 0, 4096, 0]
+    assert [g3.layer_window(i) for i in range(6)] == [512] * 5 + [0]
+    tiny = ModelConfig(64, 4, 4, 2, 128, 300, head_dim=16, arch="gemma2", sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"] * 2, attn_logit_softcap=3.0,
+                       final_logit_softcap=5.0, query_pre_attn_scalar=16, tie_word_embeddings=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, want_logprobs=True)
+    outs = []
+    for graphs in (False, True):
+        cfg = EngineConfig(device="cpu", dtype="float32", max_model_len=128, cuda_graphs=graphs, page_size=4,
+                           max_num_seqs=4)
+        outs.append(LLMEngine.from_random(tiny, cfg, seed=2).generate(_prompts()[:2], params))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert [lp for _, lp, _ in a.logprobs] == pytest.approx([lp for _, lp, _ in b.logprobs], abs=1e-5)
