@@ -1,6 +1,6 @@
 """Llama-family decoder in plain torch, over a flat batch of tokens from many sequences.
 
-Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Mistral and
+Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Mistral (sliding window) and
 SmolLM2 (tied embeddings). Weights use fused layouts (q|k|v in one matrix, gate|up in
 one) so a step does few, large matmuls. The model sees only token ids, positions and
 one AttnMetadata object per step; the attention backend it is given (attention.py) does
