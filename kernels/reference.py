@@ -114,7 +114,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    sc = (k_scale, v_scale, window, softcap)
+    sc = (k_scale, v_scale, window, softcap)  # what every group shares
     if lens is None or len(lens) <= group:
         return _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale,
                               seq_lens.tolist() if lens is None else lens, sc)
@@ -128,22 +128,24 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], scales) -> torch.Tensor:
-    """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32."""
+def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], opts) -> torch.Tensor:
+    """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32.
+    opts: (k_scale, v_scale, window, softcap)."""
+    k_scale, v_scale, window, softcap = opts
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = max(lens)
     if max_len == 0:
         return torch.zeros_like(q)
-    k = _gather_pages(k_cache, page_table, max_len, scales[0]).float().transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, page_table, max_len, scales[1]).float().transpose(1, 2)
+    k = _gather_pages(k_cache, page_table, max_len, k_scale).float().transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_pages(v_cache, page_table, max_len, v_scale).float().transpose(1, 2)
     if batch > 1:  # the matmuls would copy these strided views anyway, and more slowly
         k, v = k.contiguous(), v.contiguous()
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = soft_cap(torch.matmul(qg, k.mT) * scale, scales[3])  # [B, Hkv, G, L]
-    if scales[2] > 0:  # sliding window: keys at positions <= seq_len - 1 - window are out of sight
+    scores = soft_cap(torch.matmul(qg, k.mT) * scale, softcap)  # [B, Hkv, G, L]
+    if window > 0:  # sliding window: keys at positions <= seq_len - 1 - window are out of sight
         pos = torch.arange(max_len, device=q.device)[None, :]
-        out_of_window = pos < (seq_lens[:, None].to(q.device) - scales[2])  # [B, L]
+        out_of_window = pos < (seq_lens[:, None].to(q.device) - window)  # [B, L]
         scores.masked_fill_(out_of_window[:, None, None, :], float("-inf"))
     if min(lens) < max_len:  # padding: mask its scores, zero its values (a slot past a sequence's
         for b, n in enumerate(lens):  # end may hold anything, NaN in a fresh pool, and 0 * NaN is NaN)
