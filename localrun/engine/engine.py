@@ -226,7 +226,8 @@ class LLMEngine:
             max_pos = max(config.max_model_len, 1)
             t = time.perf_counter()
             ops = Ops(reference=not use_triton(config.device, config.use_triton))
-            model = model_class(mcfg)(mcfg, max_pos, config.torch_dtype, config.device, ops, weight_dtype=config.weight_dtype, tp=tp)
+            model = model_class(mcfg)(mcfg, max_pos, config.torch_dtype, config.device, ops,
+                                      weight_dtype=config.weight_dtype, tp=tp)
             fill(model)
             if config.is_cuda:
                 torch.cuda.synchronize()
