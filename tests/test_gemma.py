@@ -223,3 +223,20 @@ def test_gemma_shapes_and_the_graph_decode_path():
     for a, b in zip(*outs):
         assert a.token_ids == b.token_ids
         assert [lp for _, lp, _ in a.logprobs] == pytest.approx([lp for _, lp, _ in b.logprobs], abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma3"])
+def test_gemma_two_tensor_parallel_ranks_match_transformers(kind, tmp_path):
+    """Gemma 3 (q/k norms, a second RoPE table, float32 norms) split over 2 ranks (gloo on CPU):
+    heads, KV heads, MLP columns and the vocabulary sharded, the embedding scale and the norms
+    replicated; still token for token transformers'."""
+    hf = _hf_model(kind).float().eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                                            max_num_batched_tokens=32, page_size=4,
+                                                            kv_cache_tokens=1024, tensor_parallel=2))
+    try:
+        assert eng.stats()["tensor_parallel"] == 2
+        _check_parity(hf, eng, _prompts()[1:], max_tokens=6)
+    finally:
+        eng.shutdown()
