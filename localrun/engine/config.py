@@ -71,6 +71,8 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * h * i + 2 * h
+        if self.is_gemma:  # pre/post-feedforward norms; Gemma 3's q/k norms
+            per_layer += 2 * h + (2 * d if self.arch == "gemma3" else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
