@@ -2,12 +2,12 @@
 machines without torch, to route other GGUFs to llama.cpp before anything is loaded).
 
 Names are Hugging Face ``model_type`` values, which are also llama.cpp's GGUF
-``general.architecture`` names for these families.
+``general.architecture`` names for these families (gemma3_text: the HF name only).
 """
 
 from __future__ import annotations
 
-NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text")
 
 # Families close to one we run that the engine still refuses, with the reason users see.
 _NOT_YET = {

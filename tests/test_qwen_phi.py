@@ -222,22 +222,15 @@ def test_phi3_with_fused_weights_splits_over_tensor_parallel_ranks(tmp_path):
         assert models[0].layers[0].qkv_proj.shape[0] == (q + 2 * kv) // 2
 
 
-def test_sliding_window_phi3_is_refused_past_the_window(tmp_path):
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_phi3_sliding_window_matches_transformers(fmt, tmp_path):
+    """Phi-3-mini-4k's sliding window (2047 there; 8 here, prompts past it, chunked): the window
+    comes from config.json's sliding_window or the GGUF's phi3.attention.sliding_window."""
     hf = hf_model("phi3")
-    hf.config.sliding_window = 16
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    cfg = EngineConfig(device="cpu", dtype="float32", max_model_len=64)
-    with pytest.raises(ValueError, match="sliding window of 16 tokens.*at most 16"):
-        LLMEngine.from_safetensors(tmp_path, cfg)
-    eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=16))
-    assert eng.model_config.sliding_window == 16
-    from localrun.backends.base import LoadSpec
-    from localrun.backends.native import estimate_memory
-    from localrun.errors import InvalidRequest
-
-    spec = LoadSpec(name="phi", weights=tmp_path, format="safetensors", num_ctx=64, extra={"native_device": "cpu"})
-    with pytest.raises(InvalidRequest, match="sliding window of 16 tokens"):  # a 4xx before anything loads
-        estimate_memory(spec)
+    hf.config.sliding_window = 8
+    eng = engine(hf, fmt, tmp_path, ORIG)
+    assert eng.model_config.sliding_window == 8 and eng.model_config.layer_window(1) == 8
+    assert_matches_transformers(eng, hf, (3, 12, 23))
 
 
 @pytest.mark.parametrize("model_type,arch,words", [

@@ -1,8 +1,9 @@
 """Llama-family decoder in plain torch, over a flat batch of tokens from many sequences.
 
 Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Qwen3 (per-head
-q/k RMSNorm before RoPE), Mistral, SmolLM2 (tied embeddings) and Phi-3 / Phi-4 (checkpoints
-with fused qkv_proj / gate_up_proj, "longrope" scaling, partial rotary). Weights use fused layouts (q|k|v in one matrix, gate|up in
+q/k RMSNorm before RoPE), Mistral (sliding window), SmolLM2 (tied embeddings) and Phi-3 / Phi-4
+(checkpoints with fused qkv_proj / gate_up_proj, "longrope" scaling, partial rotary, sliding
+window). Weights use fused layouts (q|k|v in one matrix, gate|up in
 one) so a step does few, large matmuls. The model sees only token ids, positions and
 one AttnMetadata object per step; the attention backend it is given (attention.py) does
 everything paged. It is built on the meta device and its weights are allocated once, on
@@ -37,6 +38,7 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
         self.scale = d ** -0.5
+        self.window = cfg.layer_window(layer_id)  # sliding window (Mistral, Qwen2); 0: global
 
         def e(*shape):
             return torch.empty(*shape, dtype=dtype)
@@ -61,7 +63,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = ops.rms_norm(q, self.q_norm, self.eps), ops.rms_norm(k, self.k_norm, self.eps)
         q, k = ops.apply_rope(q, k, positions, cos_sin)
-        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
+        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale,
+                         **({"window": self.window} if self.window else {}))
         x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
         x = self.tp.all_reduce(quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
@@ -69,6 +72,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = DecoderLayer  # a subclass's own decoder layer (gemma.py)
+
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__()
@@ -79,7 +84,7 @@ class LlamaModel(nn.Module):
         self.vocab_start, self.vocab_rows, vocab = self.tp.vocab_shard(cfg.vocab_size)  # vocab-parallel rows
         with torch.device("meta"):  # shapes only: the weights are allocated once, below
             self.embed_tokens = w(vocab, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device, self.tp)
+            self.layers = nn.ModuleList(self.layer_cls(cfg, i, dtype, weight_dtype, device, self.tp)
                                         for i in range(cfg.num_layers))
             self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
             self.lm_head = None if cfg.tie_word_embeddings else w(vocab, cfg.hidden_size)
@@ -250,3 +255,12 @@ class LlamaModel(nn.Module):
         if leaf in ("o_proj", "down_proj"):  # row-parallel: this rank's input columns
             return (rows, cols * w), [(0, rows, 0)], (r * cols, cols)
         raise ValueError(f"no tensor-parallel layout for weight {name}")
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    """The model class for a config: Gemma 2 / 3 (gemma.py) or the Llama family."""
+    if cfg.is_gemma:
+        from localrun.engine.gemma import GemmaModel
+
+        return GemmaModel
+    return LlamaModel
