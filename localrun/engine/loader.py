@@ -121,7 +121,8 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(e) for e in eos if e is not None}),
         qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
-        rotary_dim=int(a("rope.dimension_count", 0) or 0),
+        rotary_dim=_partial_rotary(int(a("rope.dimension_count", 0) or 0),
+                                   int(a("attention.key_length", 0) or 0) or hidden // heads),
         **_gguf_attention_extras(reader, arch, a),
     )
     permuted = arch in ("llama", "mistral")
@@ -177,6 +178,12 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
             "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
     return cfg, get, set(tensors), meta
+
+
+def _partial_rotary(rope_dims: int, head_dim: int) -> int:
+    """ModelConfig.rotary_dim from a GGUF's rope.dimension_count: fewer dims than head_dim rotate
+    (Phi-4-mini); 0 (all of them) when it is absent, equal, or not meaningful."""
+    return rope_dims if 0 < rope_dims < head_dim and rope_dims % 2 == 0 else 0
 
 
 def _gguf_attention_extras(reader, arch: str, a) -> dict:
