@@ -48,9 +48,10 @@ def _shapes() -> dict[str, ModelConfig]:
         "qwen3-0.6b": ModelConfig(1024, 28, 16, 8, 3072, 151936, head_dim=128, rms_norm_eps=1e-6,
                                   rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
                                   arch="qwen3", qk_norm=True),
-        # Phi-3/Phi-4: throughput shapes only; the 4k model's 2047-token sliding window and the 128k
-        # models' longrope factor lists are left out (they change the numbers, not the cost)
-        "phi-3-mini": ModelConfig(3072, 32, 32, 32, 8192, 32064, max_position_embeddings=4096, arch="phi3"),
+        # Phi-3-mini-4k (its 2047-token sliding window) and Phi-4-mini (partial rotary); the 128k models'
+        # longrope factor lists are left out (they change the numbers, not the cost)
+        "phi-3-mini": ModelConfig(3072, 32, 32, 32, 8192, 32064, max_position_embeddings=4096, arch="phi3",
+                                  sliding_window=2047),
         "phi-4-mini": ModelConfig(3072, 32, 24, 8, 8192, 200064, head_dim=128, rotary_dim=96,
                                   max_position_embeddings=131072, tie_word_embeddings=True, arch="phi3"),
     }
