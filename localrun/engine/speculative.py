@@ -224,7 +224,7 @@ def draft_recipe(spec) -> tuple:
 def load_draft_model(recipe: tuple, config, triton: bool):
     """The draft's LlamaModel (one rank, the engine's dtype and device)."""
     from localrun.engine.attention import Ops
-    from localrun.engine.model import LlamaModel
+    from localrun.engine.model import model_class
 
     kind = recipe[0]
     close = None
@@ -246,7 +246,7 @@ def load_draft_model(recipe: tuple, config, triton: bool):
     else:
         raise ValueError(f"unknown draft model recipe {kind!r}")
     try:
-        model = LlamaModel(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device,
+        model = model_class(mcfg)(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device,
                            Ops(reference=not triton), weight_dtype=config.weight_dtype)
         fill(model)
     finally:
