@@ -216,7 +216,8 @@ def test_usage_reports_drafts_per_request():
 
 def test_drafts_fit_the_step_when_new_sequences_are_admitted():
     """max_num_seqs 4: two sequences decode with drafts, then two more arrive and are admitted in
-    the same step; the step's sampled rows (sequences + draft tokens) must fit the 4-row buffers."""
+    the same step; the step samples more rows (sequences + draft tokens) than max_num_seqs, and
+    the step buffers must hold them (they are sized by the token budget when speculation is on)."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [PROMPTS[0], PROMPTS[1], [5, 6] * 6, [3, 1, 3, 1, 3]]
     base = _engine("off", max_num_seqs=4).generate(prompts, greedy)

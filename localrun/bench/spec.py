@@ -97,7 +97,8 @@ def run_spec(src: ModelSource, requests: int = 4, batch: int = 32, max_tokens: i
         raise ValueError("spec benchmark sizes must all be >= 1")
     args = {k: v for k, v in (engine_args or {}).items() if v is not None}
     args["overlap"] = False  # the plain engine serial too: the comparison is speculation alone
-    args.setdefault("max_num_seqs", max(batch, 1))
+    if args.get("max_num_seqs") is not None and args["max_num_seqs"] < batch:
+        raise ValueError(f"--max-num-seqs {args['max_num_seqs']} is below --batch {batch}")
     plain = load_engine(src, engine_config({**args, "speculative": "off"}))
     spec = load_engine(src, engine_config({**args, "speculative": mode, "num_speculative_tokens": spec_tokens,
                                            "draft_model": draft_model}))

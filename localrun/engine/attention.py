@@ -89,11 +89,14 @@ class StepBuffers:
     a fixed offset. On CUDA the host side is two pinned arrays used in turn (the CPU fills one
     while the previous step's upload may still read the other); on CPU host and device are one."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, device, separate: bool | None = None) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, device, separate: bool | None = None,
+                 max_samples: int | None = None) -> None:
         self.device = torch.device(device)
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.max_samples = max_samples or max_seqs  # sampled positions per step (more with speculative decoding)
         sizes = {"input_ids": max_tokens, "prev_idx": max_tokens, "positions": max_tokens, "slots": max_tokens,
-                 "seq_lens": max_seqs, "cu_seqlens_q": max_seqs + 1, "rows": max_seqs, "sample_idx": max_seqs}
+                 "seq_lens": max_seqs, "cu_seqlens_q": max_seqs + 1, "rows": max_seqs,
+                 "sample_idx": self.max_samples}
         self.offsets, total = {}, 0
         for name, n in sizes.items():
             self.offsets[name] = (total, n)
@@ -111,9 +114,11 @@ class StepBuffers:
 
     def write(self, step: HostStep) -> None:
         """Fill the host array with the step and upload it (one copy, in stream order)."""
-        if step.num_tokens > self.max_tokens or len(step.seq_lens) > self.max_seqs:
-            raise ValueError(f"a step of {step.num_tokens} tokens / {len(step.seq_lens)} sequences exceeds the "
-                             f"buffers ({self.max_tokens} / {self.max_seqs})")
+        if step.num_tokens > self.max_tokens or len(step.seq_lens) > self.max_seqs \
+                or len(step.sample_idx) > self.max_samples:
+            raise ValueError(f"a step of {step.num_tokens} tokens / {len(step.seq_lens)} sequences / "
+                             f"{len(step.sample_idx)} sampled positions exceeds the buffers ({self.max_tokens} / "
+                             f"{self.max_seqs} / {self.max_samples})")
         self._turn = (self._turn + 1) % len(self._hosts)
         host, event = self._hosts[self._turn], self._events[self._turn]
         if event is not None:

@@ -99,7 +99,9 @@ class ModelRunner:
         if self.tp.world > 1 and self.tp.rank == 0:
             self.table.journal = []  # page-table writes, sent to the other ranks with each step
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.device)
+        # speculative decoding samples every drafted position: up to a step's tokens
+        samples = max_tokens if getattr(config, "speculative", "off") != "off" else None
+        self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.device, max_samples=samples)
         self.attn = make_backend(triton, pool, self.table, self.buffers)
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)

@@ -87,9 +87,9 @@ class SpecDecoder:
 
     def propose(self) -> None:
         cands = self._candidates()
-        # the step's sampled rows live in buffers of max_num_seqs entries: the drafts share what
-        # the running sequences leave free
-        left = self.engine.config.max_num_seqs - len(self.engine.scheduler.running)
+        # every draft token is a sampled row of the step (its buffers hold max_samples): the
+        # drafts share what the running sequences leave free
+        left = self.engine.runner.buffers.max_samples - len(self.engine.scheduler.running)
         if self.drafter is not None:
             capped = []
             for seq, room in cands:
@@ -126,25 +126,10 @@ class SpecDecoder:
                 handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
                 eng._handle(handle)
                 return
-            self._fit_rows(batch)
             self._verify(batch)
         finally:
             for seq in sched.running:
                 seq.draft = []
-
-    def _fit_rows(self, batch) -> None:
-        """Every draft token is a sampled row, and a step samples at most max_num_seqs rows (its
-        buffers): trim the last drafts when sequences admitted this step took the room."""
-        nd, ns = batch.num_decodes, batch.num_spec
-        over = len(batch.seqs) + sum(n - 1 for n in batch.num_tokens[nd:nd + ns]) - self.engine.config.max_num_seqs
-        for i in range(nd + ns - 1, nd - 1, -1):
-            if over <= 0:
-                break
-            seq = batch.seqs[i]
-            cut = min(over, len(seq.draft))
-            del seq.draft[len(seq.draft) - cut:]
-            batch.num_tokens[i] -= cut
-            over -= cut
 
     def _verify(self, batch) -> None:
         eng, runner = self.engine, self.engine.runner
