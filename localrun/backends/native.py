@@ -209,6 +209,7 @@ class NativeBackend:
             size_bytes=size, size_vram_bytes=size if cuda else 0,
             supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
             max_token_bytes=self.tokenizer.max_token_bytes(),
+            supports_groups=tp == 1,  # tensor parallelism: the engine runs group members on their own
         )
         engine.start()
 
@@ -233,7 +234,8 @@ class NativeBackend:
             self.fatal = self.engine.fatal
             raise BackendError(self.engine.fatal)
         try:
-            stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}")
+            stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}",
+                                             group=request.group)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         try:
