@@ -25,6 +25,7 @@ def _prompt(n: int, salt: int = 0) -> list[int]:
 
 
 def _all_free(eng: LLMEngine) -> bool:
+    eng.step()  # an overlap engine may still hold the last launched step: handle it
     eng.clear_prefix_cache()
     return eng.pool.num_free == eng.pool.num_pages
 
@@ -84,6 +85,31 @@ def test_two_prompts_each_a_group_in_one_batch(eng):
     ref = [o.token_ids for o in eng.generate([a, b], GREEDY)]
     outs = eng.generate([a, b], GREEDY, n=2)
     assert [o.token_ids for o in outs] == [ref[0], ref[0], ref[1], ref[1]]
+    assert _all_free(eng)
+
+
+OVERLAP_PROMPTS = [_prompt(21, salt=9), _prompt(40, salt=10)]
+OVERLAP_PARAMS = [SamplingParams(temperature=0 if k % 3 == 0 else 0.8, seed=k, max_tokens=20, ignore_eos=True,
+                                 presence_penalty=0.5 if k % 2 else 0.0) for k in range(6)]
+SMALL_POOL = dict(kv_cache_tokens=160, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def serial_separate():
+    eng = _engine(overlap=False, cuda_graphs=False, **SMALL_POOL)
+    return [o.token_ids for o in eng.generate(OVERLAP_PROMPTS, OVERLAP_PARAMS, n=3, share_prefill=False)]
+
+
+@pytest.mark.parametrize("overlap,graphs", [(True, False), (False, True), (True, True)])
+def test_groups_under_overlap_and_padded_decode_equal_separate_serial_requests(overlap, graphs, serial_separate):
+    """The CUDA paths, run on CPU: a fork launched while the step before is still in flight,
+    followers' first decodes read their tokens from the device, in padded decode batches; a
+    small pool preempts members too."""
+    eng = _engine(overlap=overlap, cuda_graphs=graphs, **SMALL_POOL)
+    outs = eng.generate(OVERLAP_PROMPTS, OVERLAP_PARAMS, n=3)
+    assert [o.token_ids for o in outs] == serial_separate
+    s = eng.stats()
+    assert s["forked_seqs"] >= 2 and s["preemptions"] > 0, s
     assert _all_free(eng)
 
 
