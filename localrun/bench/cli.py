@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("kv-quant", help="fp8 / int8 KV cache vs unquantized: greedy agreement and perplexity")
     kv_quant.add_arguments(q)
 
+    from localrun.bench import fork  # stdlib only at module level
+
+    f = sub.add_parser("fork", help="n choices of one prompt: one shared prefill (a group) vs separate requests")
+    fork.add_arguments(f)
+
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
     add_soak_parser(sub, _add_common)
@@ -419,6 +424,12 @@ def _cmd_weight_quant(a: argparse.Namespace) -> int:
     return weight_quant.run(a)
 
 
+def _cmd_fork(a: argparse.Namespace) -> int:
+    from localrun.bench import fork
+
+    return fork.run(a)
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -427,7 +438,8 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant}
+            "soak": _cmd_soak, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
+            "fork": _cmd_fork}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,6 +171,7 @@ class LLMEngine:
         self._inbox: list[tuple[str, object]] = []
         self._inflight: StepHandle | None = None  # launched, its tokens not yet handled
         self._groups: dict[str, _Group] = {}  # groups (n > 1) whose members are still arriving
+        self._group_deadline: float | None = None  # the earliest deadline of a waiting group (for the loop)
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
@@ -391,6 +392,8 @@ class LLMEngine:
                 self._drain_inbox()
             finally:
                 self._lock.release()
+            with self._cv:  # the loop may have looked while this drained (a group may have started)
+                self._cv.notify()
 
     def _drain_inbox(self) -> None:
         with self._cv:
@@ -440,6 +443,8 @@ class LLMEngine:
                 self._start_group(g)  # late members will run on their own
             if g.started and now >= g.deadline + 60 * GROUP_WAIT_S:
                 del self._groups[gid]  # members that never came: forget the group
+        waits = [g.deadline for g in self._groups.values() if not g.started]
+        self._group_deadline = min(waits) if waits else None
 
     def _start_group(self, g: _Group) -> None:
         g.started = True
@@ -455,9 +460,10 @@ class LLMEngine:
                 self.scheduler.add(r.seq)
 
     def _group_wait(self) -> float | None:
-        """Seconds until the next waiting group must start (None: no group waits)."""
-        waits = [g.deadline for g in self._groups.values() if not g.started]
-        return max(0.0, min(waits) - time.perf_counter()) if waits else None
+        """Seconds until the next waiting group must start (None: no group waits); read by the
+        loop without the step lock, so from one attribute set under it."""
+        deadline = self._group_deadline
+        return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
@@ -653,6 +659,7 @@ class LLMEngine:
             self._inflight = None  # its tokens belong to the requests failed below
             self._drain_inbox()
             self._groups.clear()
+            self._group_deadline = None
             for req in list(self._requests.values()):
                 self.scheduler.abort(req.seq.id)
                 self._requests.pop(req.seq.id, None)
