@@ -82,7 +82,10 @@ def run(a: argparse.Namespace) -> int:
     for k, prompt in enumerate(prompts):
         order = MODES if k % 2 == 0 else MODES[::-1]
         for mode in order:
-            res[mode].append(run_mode(engine, mode, prompt, a.n, a.max_tokens))
+            r = run_mode(engine, mode, prompt, a.n, a.max_tokens)
+            res[mode].append(r)
+            print(f"round {k} {mode}: prefill tokens {r['prefill_tokens']}, TTFT first {r['ttft_first_ms']:.0f} ms, "
+                  f"last {r['ttft_last_ms']:.0f} ms, wall {r['wall_s']:.2f} s", flush=True)
         same = all(r[-1]["tokens"] == res["group"][-1]["tokens"] for r in res.values())
         print(f"round {k}: outputs identical across modes: {same}", flush=True)
     print("mode | prefill tokens | TTFT first choice ms | TTFT last choice ms | wall s (median of rounds)")
