@@ -228,3 +228,13 @@ def test_bad_groups_are_refused(eng):
         eng.generate([[1, 2]], GREEDY, n=0)
     with pytest.raises(ValueError, match="one per choice"):
         eng.generate([[1, 2]], [GREEDY] * 3, n=2)
+
+
+def test_bench_fork_modes_agree_and_count_prefill(eng):
+    from localrun.bench.fork import MODES, run_mode
+
+    p = _prompt(45, salt=11)
+    res = {m: run_mode(eng, m, p, 4, 4) for m in MODES}
+    assert res["group"]["tokens"] == res["separate"]["tokens"] == res["one by one"]["tokens"]
+    assert [res[m]["prefill_tokens"] for m in MODES] == [45, 45 + 3 * 13, 45 + 3 * 13]
+    assert res["group"]["ttft_last_ms"] <= res["one by one"]["ttft_last_ms"]
