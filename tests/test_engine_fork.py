@@ -52,6 +52,17 @@ def test_greedy_group_gives_n_copies_of_the_single_answer(kv, length):
     assert _all_free(eng)
 
 
+def test_greedy_group_with_a_sliding_window_layer():
+    from dataclasses import replace
+
+    cfg = replace(TINY, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    e = LLMEngine.from_random(cfg, EngineConfig(device="cpu", max_model_len=256), seed=3)
+    p = _prompt(37, salt=12)
+    one = e.generate([p], GREEDY)[0].token_ids
+    assert [o.token_ids for o in e.generate([p], GREEDY, n=3)] == [one] * 3
+    assert e.stats()["forked_seqs"] == 2 and _all_free(e)
+
+
 def test_seeded_choices_equal_the_same_seeds_run_as_separate_requests(eng):
     p = _prompt(37, salt=1)
     params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, ignore_eos=True, seed=100 + i,
