@@ -54,6 +54,8 @@ class Sequence:
         self.num_pending = 0  # PENDING placeholders at the end of token_ids
         self.pending_row: int | None = None  # the last placeholder's row in its step's sampled tokens
         self.last_step = -1  # the step that last scheduled this sequence
+        # grammar-constrained: its own matcher (copy a request's state with matcher.fork())
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
 
     def __lt__(self, other: "Sequence") -> bool:  # arrival order (bisect)
         return self.arrival < other.arrival
