@@ -44,7 +44,7 @@ async def test_estimate_and_info(backend, spec):
     assert est.weights_bytes > 100e6 and est.kv_bytes == 512 * 4 * 30 * 2 * 3 * 64 * 4
     assert isinstance(backend, Backend)
     assert backend.info.name == "native" and backend.info.device == "CPU" and backend.info.context_length == 512
-    assert backend.info.slots >= 2 and not backend.info.supports_json_schema
+    assert backend.info.slots >= 2 and backend.info.supports_json_schema
     assert await backend.detokenize(await backend.tokenize("Hello there")) == "Hello there"
 
 

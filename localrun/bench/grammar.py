@@ -200,6 +200,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--libs", default="llguidance,xgrammar,outlines-core", help="comma-separated libraries to measure")
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     p.add_argument("--tokens", type=int, default=100, help="generation length the per-token cost is measured over")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
 
 
 def _default_gguf() -> Path:
@@ -257,7 +258,6 @@ def run(a: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
-    p.add_argument("--json", action="store_true")
     return run(p.parse_args())
 
 
