@@ -250,9 +250,46 @@ def run(a: argparse.Namespace) -> int:
             rows.append(row)
             print(f"{schema_name:7s} {lib.name:14s} compile {row['compile_ms']:9.1f} ms   mask+accept "
                   f"{row['mask_us_per_token']:8.1f} us/token over {len(ids)} tokens")
+    rows += _engine_path(tok, vocab, a)
     if getattr(a, "json", False):
         print(json.dumps(rows))
     return 0
+
+
+def _engine_path(tok, vocab: int, a: argparse.Namespace) -> list[dict]:
+    """The engine's own per-step cost (localrun.engine.grammar, llguidance): a batch of 8 grammar
+    rows (the nested schema) filling their masks on the host and masking [8, vocab] logits."""
+    import torch
+
+    from localrun.engine.grammar import GrammarCompiler, apply_token_mask, fill_masks
+
+    try:
+        comp = GrammarCompiler(tok, vocab, tok.eos_token_ids)
+        g = comp.json_schema(SCHEMAS["nested"])
+    except ValueError as exc:
+        print(f"engine path: {exc}")
+        return []
+    ids = tok.encode(_instance_text("nested", a.tokens, tok))[: a.tokens]
+    B = 8
+    matchers = [g.matcher() for _ in range(B)]
+    logits = torch.randn(B, vocab)
+    rows = torch.arange(B)
+    fill_s, apply_s = [], []
+    for t in ids:
+        t0 = time.perf_counter()
+        mask = fill_masks(matchers, vocab, torch.device("cpu"))
+        t1 = time.perf_counter()
+        apply_token_mask(logits, rows, mask)
+        t2 = time.perf_counter()
+        fill_s.append(t1 - t0)
+        apply_s.append(t2 - t1)
+        for m in matchers:
+            m.consume(t)
+    row = {"library": "engine", "schema": "nested", "batch": B, "tokens": len(ids),
+           "fill_us_per_step": 1e6 * statistics.median(fill_s), "apply_us_per_step_cpu": 1e6 * statistics.median(apply_s)}
+    print(f"engine path, {B} grammar rows: fill masks {row['fill_us_per_step']:.0f} us/step, apply on CPU "
+          f"{row['apply_us_per_step_cpu']:.0f} us/step (median over {len(ids)} steps)")
+    return [row]
 
 
 def main() -> int:
