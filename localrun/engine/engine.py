@@ -142,6 +142,7 @@ class LLMEngine:
         self.host_pool = self._host_pool() if config.enable_prefix_cache else None
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
+        self.runner.defer_grammar = True  # grammar masks are filled in _launch, after the previous step's tokens
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
         graphs = config.cuda_graphs
@@ -411,7 +412,7 @@ class LLMEngine:
             self._finish(self._requests[seq.id], seq.finish_reason, release=False)
         if batch is None:
             return None
-        handle = self.runner.launch(batch, defer_grammar=True)
+        handle = self.runner.launch(batch)
         self.scheduler.update(batch)
         handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
         if handle.deferred is not None:  # grammar rows: forward launched, the masks need their last tokens

@@ -103,14 +103,13 @@ class GrammarCompiler:
             if g is not None:
                 self._cache.move_to_end(key)
                 return g
+            tokenizer = self._tokenizer()
             import llguidance
 
             try:
                 text = llguidance.LLMatcher.grammar_from_json_schema(key, defaults=JSON_OPTIONS)
-                m = llguidance.LLMatcher(self._tokenizer(), text)
-            except ValueError:
-                raise
-            except Exception as exc:  # llguidance reports bad schemas as plain exceptions
+                m = llguidance.LLMatcher(tokenizer, text)
+            except Exception as exc:  # llguidance reports some bad schemas by raising
                 raise ValueError(f"cannot build a grammar for the JSON schema: {exc}") from None
             if m.is_error():
                 raise ValueError(f"cannot build a grammar for the JSON schema: {m.get_error()}")

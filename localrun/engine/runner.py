@@ -105,6 +105,7 @@ class ModelRunner:
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        self.defer_grammar = False  # the engine sets it: see launch()
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def setup_graphs(self, capture: bool) -> float:
@@ -148,10 +149,10 @@ class ModelRunner:
         return step, [seqs[i] for i in sampling], bs
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, defer_grammar: bool = False) -> StepHandle:
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
         """Run the model on the step and sample, without waiting for the device. With
-        defer_grammar and a sampling row that has a grammar, only the forward is launched: the
-        caller brings the matchers up to date and calls sample_with_masks()."""
+        defer_grammar set and a sampling row that has a grammar, only the forward is launched
+        (handle.deferred): the caller brings the matchers up to date, then sample_with_masks()."""
         step, sample_seqs, bs = self.host_step(batch)
         if self.tp.world > 1:  # the other ranks run the same forward
             self.tp.send_step(step, bs, self.table.journal)
@@ -163,7 +164,7 @@ class ModelRunner:
         inputs = ids.index_select(0, self.buffers.view("sample_idx", S)) if sb.penalties is not None else None
         handle = StepHandle(sample_seqs, None, sb)
         if any(s.params.grammar is not None for s in sample_seqs):
-            if defer_grammar:
+            if self.defer_grammar:
                 handle.deferred = (logits, inputs)
                 return handle
             self._grammar_masks(handle)
