@@ -30,8 +30,11 @@ from .reference import (
     dequantize_kv_ref,
     extend_attention_ref,
     fused_add_rmsnorm_ref,
+    gelu_tanh_and_mul_ref,
+    longrope_inv_freq,
     paged_decode_attention_ref,
     quantize_kv_ref,
+    rms_norm_ref,
     rope_cos_sin_cache,
     rope_inv_freq,
     silu_and_mul_ref,
@@ -41,7 +44,8 @@ from .reference import (
 __all__ = [
     "store_kv", "paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "apply_rope", "silu_and_mul",
     "store_kv_ref", "paged_decode_attention_ref", "extend_attention_ref", "fused_add_rmsnorm_ref",
-    "apply_rope_ref", "silu_and_mul_ref", "rope_cos_sin_cache", "rope_inv_freq",
+    "apply_rope_ref", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
+    "rope_cos_sin_cache", "rope_inv_freq", "longrope_inv_freq", "rms_norm", "rms_norm_ref",
     "triton_available", "uses_triton", "KV_QMAX", "KV_SCALE_DTYPE", "quantize_kv_ref", "dequantize_kv_ref",
 ]
 
@@ -90,5 +94,7 @@ store_kv = _dispatch("kv_store", store_kv_ref)
 paged_decode_attention = _dispatch("decode_attention", paged_decode_attention_ref, ("lens", "group"))
 extend_attention = _dispatch("extend_attn", extend_attention_ref, ("lens",))
 fused_add_rmsnorm = _dispatch("rmsnorm", fused_add_rmsnorm_ref)
+rms_norm = _dispatch("head_rmsnorm", rms_norm_ref)
 apply_rope = _dispatch("rope", apply_rope_ref)
 silu_and_mul = _dispatch("activation", silu_and_mul_ref)
+gelu_tanh_and_mul = _dispatch("activation", gelu_tanh_and_mul_ref)

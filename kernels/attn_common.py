@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
+
+
+def scale_and_cap(scale: float, softcap: float) -> tuple[float, float]:
+    """(scale_log2, softcap_log2) for attend_kv_block: without soft-capping the score scale in
+    base 2; with it, the pre-tanh scale (scale / cap) and cap * log2(e)."""
+    if softcap > 0:
+        return scale / softcap, softcap * math.log2(math.e)
+    return scale * math.log2(math.e), 0.0
 
 
 @triton.jit
@@ -28,6 +38,7 @@ def attend_kv_block(
     offs_d, mask_d, KScale, VScale, stride_ks_slot, stride_vs_slot,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
     BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr,
+    win_start=None, softcap_log2=0.0, SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     """One online-softmax step over cache positions [n0, n0 + BLOCK_N), read through the page table.
 
@@ -38,6 +49,10 @@ def attend_kv_block(
     cast (exactly) to q's dtype for the dots, and the scales applied outside them: a key's scale
     multiplies its score column, a value's scale its probability column (l_i sums the unscaled
     probabilities), so no dequantized K/V tile is ever built.
+    SLIDING: mask positions < win_start [M] (the row's first key inside its window); a row may then
+    see no key of this block, so the running max is guarded against -inf - -inf.
+    SOFTCAP: logit soft-capping; the caller passes scale_log2 = scale / cap and softcap_log2 =
+    cap * log2(e), so the score becomes tanh(q.k * scale / cap) * cap in base 2.
     """
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BOUNDED:
@@ -59,13 +74,21 @@ def attend_kv_block(
         else:
             k_scale = tl.load(KScale + slot * stride_ks_slot + kv_head)
         qk = qk * k_scale[None, :]
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp2 overflows to inf -> 1)
+        qk = (1.0 - 2.0 / (tl.exp2(qk * 2.8853900817779268) + 1.0)) * softcap_log2
     if BOUNDED:
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
     if CAUSAL:
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if SLIDING:
+        qk = tl.where(offs_n[None, :] >= win_start[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if SLIDING:  # a row with no visible key yet: keep its state at zero, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                 mask=kv_mask, other=0.0)

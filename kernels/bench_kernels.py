@@ -7,7 +7,10 @@ On a CUDA GPU it measures, at Llama-3.1-8B shapes in bf16:
   * paged decode attention: achieved GB/s (K/V bytes read / time) for Triton vs the reference;
   * extend (prefill) attention: achieved TFLOP/s (causal FLOPs / time) for Triton vs the
     reference, and vs torch's dense scaled_dot_product_attention where the batch has no prefix;
-  * store_kv, add+RMSNorm, RoPE, SiLU-and-mul: GB/s for Triton vs the reference.
+  * sliding-window attention at Gemma 3 1B's attention shape (window 512, plus Gemma 2's soft-cap):
+    decode GB/s and extend TFLOP/s over the keys inside the window, with the same kernel attending
+    globally as the baseline (same amount: its figure shows what skipping the out-of-window pages saves);
+  * store_kv, add+RMSNorm, RoPE, SiLU-and-mul, GELU-tanh-and-mul: GB/s for Triton vs the reference.
 Each Triton result is also checked against the reference (max relative error printed).
 Times are means over repetitions: Triton kernels replayed from a CUDA graph
 (triton.testing.do_bench_cudagraph, no CPU launch cost), the references and ceilings with
@@ -92,11 +95,15 @@ class Bench:
 def _shapes(tiny: bool) -> dict:
     if tiny:
         return dict(hq=4, hkv=2, d=16, page=4, hidden=48, inter=40, mm=64, copy_mb=1,
-                    decode=[(2, 19)], extend=[[(0, 7), (5, 9)], [(0, 8)] * 2], tokens=9, max_pos=64)
+                    decode=[(2, 19)], extend=[[(0, 7), (5, 9)], [(0, 8)] * 2], tokens=9, max_pos=64,
+                    window=dict(hq=4, hkv=1, d=16, window=5, decode=[(2, 19)], extend=[[(0, 12)]]))
     return dict(hq=32, hkv=8, d=128, page=16, hidden=4096, inter=14336, mm=8192, copy_mb=1024,
                 decode=[(1, 1024), (1, 8192), (8, 2048), (32, 2048), (64, 1024), (128, 4096)],
                 extend=[[(0, 2048)], [(0, 512)] * 4, [(2048, 512)] * 2, [(0, 1000), (3000, 100), (0, 1)]],
-                tokens=8192, max_pos=131072)
+                tokens=8192, max_pos=131072,
+                # Gemma 3 1B's attention (4 query heads, 1 KV head, head_dim 256) and its 512-token window
+                window=dict(hq=4, hkv=1, d=256, window=512, decode=[(32, 4096), (128, 8192)],
+                            extend=[[(0, 4096)], [(4096, 1024)] * 4]))
 
 
 def _paged(seq_lens, hkv, d, page, dtype, device):
@@ -172,6 +179,8 @@ def run(bench: Bench) -> None:
                      lambda: _rel_err(K.extend_attention(*args), K.extend_attention_ref(*args)), baseline)
         del kc, vc
 
+    _window(bench, s, dt, elt)
+
     # Pointwise ops at a prefill-sized batch of tokens: bytes read + written.
     t, h, inter = s["tokens"], s["hidden"], s["inter"]
     x, r, w = (torch.randn(t, h, dtype=dt, device=dev), torch.randn(t, h, dtype=dt, device=dev),
@@ -183,6 +192,9 @@ def run(bench: Bench) -> None:
     bench.record("silu_mul", f"T={t} I={inter}", "GB/s", 3 * t * inter * elt,
                  lambda: K.silu_and_mul(gu), lambda: K.silu_and_mul_ref(gu),
                  lambda: _rel_err(K.silu_and_mul(gu), K.silu_and_mul_ref(gu)))
+    bench.record("gelu_mul", f"T={t} I={inter}", "GB/s", 3 * t * inter * elt,
+                 lambda: K.gelu_tanh_and_mul(gu), lambda: K.gelu_tanh_and_mul_ref(gu),
+                 lambda: _rel_err(K.gelu_tanh_and_mul(gu), K.gelu_tanh_and_mul_ref(gu)))
     del gu
     cache = K.rope_cos_sin_cache(d, s["max_pos"], 500000.0, {"rope_type": "llama3", "factor": 8.0}, device=dev)
     pos = torch.randint(0, s["max_pos"], (t,), device=dev)
@@ -190,10 +202,50 @@ def run(bench: Bench) -> None:
     bench.record("rope", f"T={t}", "GB/s", 2 * t * (hq + hkv) * d * elt,
                  lambda: K.apply_rope(qr, kr, pos, cache), lambda: K.apply_rope_ref(qr, kr, pos, cache),
                  lambda: _rel_err(K.apply_rope(qr, kr, pos, cache)[0], K.apply_rope_ref(qr, kr, pos, cache)[0]))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, dtype=dt, device=dev)
+    qn, wn = qkv[:, :hq * d].view(t, hq, d), torch.randn(d, dtype=dt, device=dev)  # Qwen3's q norm, on the qkv view
+    bench.record("qk_norm", f"q heads T={t}", "GB/s", 2 * t * hq * d * elt,
+                 lambda: K.rms_norm(qn, wn, 1e-6), lambda: K.rms_norm_ref(qn, wn, 1e-6),
+                 lambda: _rel_err(K.rms_norm(qn, wn, 1e-6), K.rms_norm_ref(qn, wn, 1e-6)))
+    del qkv
     kc, vc, _, _ = _paged([t], hkv, d, s["page"], dt, dev)
     slots = torch.randperm(kc.shape[0] * kc.shape[1], device=dev)[:t]
     bench.record("store_kv", f"T={t}", "GB/s", 4 * t * hkv * d * elt,
                  lambda: K.store_kv(kr, kr, kc, vc, slots), lambda: K.store_kv_ref(kr, kr, kc, vc, slots))
+
+
+def _window(bench: Bench, s: dict, dt, elt: int) -> None:
+    """Sliding-window decode and extend (with a soft-cap) vs the same kernel attending globally.
+    The amount is what the window needs (its K/V bytes; the FLOPs over visible keys), so the
+    baseline's figure is the window's work at the global kernel's speed."""
+    g, dev = s["window"], bench.device
+    hq, hkv, d, win = g["hq"], g["hkv"], g["d"], g["window"]
+    scale, cap = d ** -0.5, 50.0
+    for batch, seq_len in g["decode"]:
+        kc, vc, table, lens = _paged([seq_len] * batch, hkv, d, s["page"], dt, dev)
+        q = torch.randn(batch, hq, d, dtype=dt, device=dev)
+        args = (q, kc, vc, table, lens, scale)
+        amount = (2 * batch * min(win, seq_len) * hkv * d + 2 * batch * hq * d) * elt
+        bench.record("window", f"decode B={batch} L={seq_len} W={win} cap", "GB/s", amount,
+                     lambda: K.paged_decode_attention(*args, window=win, softcap=cap), None,
+                     lambda: _rel_err(K.paged_decode_attention(*args, window=win, softcap=cap),
+                                      K.paged_decode_attention_ref(*args, window=win, softcap=cap)),
+                     ("global", lambda: K.paged_decode_attention(*args)))
+        del kc, vc
+    for spans in g["extend"]:
+        kc, vc, table, lens = _paged([p + m for p, m in spans], hkv, d, s["page"], dt, dev)
+        q_lens = [m for _, m in spans]
+        cu = torch.tensor([0] + q_lens, device=dev).cumsum(0).to(torch.int32)
+        q = torch.randn(sum(q_lens), hq, d, dtype=dt, device=dev)
+        args = (q, kc, vc, table, cu, lens, scale)
+        visible = sum(min(win, pos + 1) for p, m in spans for pos in range(p, p + m))
+        label = "+".join(f"{p}/{m}" for p, m in spans[:2]) + ("..." if len(spans) > 2 else "")
+        bench.record("window", f"extend {label} W={win} cap", "TFLOP/s", 4 * d * hq * visible,
+                     lambda: K.extend_attention(*args, max_q_len=max(q_lens), window=win, softcap=cap), None,
+                     lambda: _rel_err(K.extend_attention(*args, window=win, softcap=cap),
+                                      K.extend_attention_ref(*args, window=win, softcap=cap)),
+                     ("global", lambda: K.extend_attention(*args, max_q_len=max(q_lens))))
+        del kc, vc
 
 
 def _versions() -> dict:

@@ -20,16 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_common import attend_kv_block
+from .attn_common import attend_kv_block, scale_and_cap
 from ._common import check_cache, kv_quant, dot_precision, inner_contiguous, interpreting, next_pow2, num_sms
 
 MAX_KV_SPLITS = 16
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     Q, K, V, KScale, VScale, PageTable, SeqLens, MidO, MidLse,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window, softcap_log2,
     stride_qb, stride_qh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_ks_slot, stride_vs_slot,
     stride_pt,
@@ -37,14 +37,18 @@ def _decode_split_kernel(
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if SLIDING:  # the splits share only the window's blocks: pages wholly before it are never read
+        lo = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -60,12 +64,14 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     page_row = PageTable + b * stride_pt
+    win_start = tl.zeros([BLOCK_H], tl.int32) + (seq_len - window)  # the query sits at seq_len - 1
     for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, offs_h, n0, end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
             KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
-            BOUNDED=True, CAUSAL=False, QUANT=QUANT)
+            BOUNDED=True, CAUSAL=False, QUANT=QUANT, win_start=win_start, softcap_log2=softcap_log2,
+            SLIDING=SLIDING, SOFTCAP=SOFTCAP)
 
     has_keys = l_i > 0.0  # False for an empty split (short sequence, many splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -113,10 +119,14 @@ def default_num_kv_splits(batch: int, num_kv_heads: int, device_tensor: torch.Te
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_kv_splits: int | None = None, *, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D].
 
     k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
+    window > 0: sliding window, the query sees its last `window` keys only; the splits then cover
+    only the window's KV blocks (pages before it are kept but never read). softcap > 0: scores
+    are soft-capped, softcap * tanh(score / softcap).
 
     The split count is a runtime argument and the partial-result buffers always have
     MAX_KV_SPLITS slots, so every batch size and split count runs the same compiled kernels
@@ -141,9 +151,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, next_pow2(head_dim))
     block_n = 16 if interpreting() else 32  # SGLang's grouped decode tile
 
+    window, softcap = max(0, int(window or 0)), float(softcap or 0.0)
+    scale_log2, softcap_log2 = scale_and_cap(scale, softcap)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, k_scale, v_scale, page_table, seq_lens, mid_o, mid_lse,
-        scale * math.log2(math.e), splits,
+        scale_log2, splits, window, softcap_log2,
         q.stride(0), q.stride(1),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), k_scale.stride(1),
         v_scale.stride(1),
@@ -152,6 +164,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype), QUANT=quant,
+        SLIDING=window > 0, SOFTCAP=softcap > 0,
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

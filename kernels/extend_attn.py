@@ -13,27 +13,25 @@ Same math as reference.extend_attention_ref.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .attn_common import attend_kv_block
+from .attn_common import attend_kv_block, scale_and_cap
 from ._common import check_cache, kv_quant, dot_precision, inner_contiguous, interpreting, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _extend_kernel(
     Q, K, V, KScale, VScale, O, PageTable, CuSeqlensQ, SeqLens,
-    scale_log2,
+    scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_ks_slot, stride_vs_slot,
     stride_ot, stride_oh,
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -60,14 +58,20 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     page_row = PageTable + b * stride_pt
-    # Keys before the block's first query position are visible to every row: no masks.
+    # Keys before the block's first query position are visible to every row: no masks (with a
+    # sliding window: only the window mask, from the block holding the first row's first key).
     full_end = (prefix_len + m_block * BLOCK_M) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    win_start = q_pos - window + 1  # each row's first visible key (used when SLIDING)
+    for n0 in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_block(
             acc, m_i, l_i, q, q_pos, n0, full_end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
             KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
-            BOUNDED=False, CAUSAL=False, QUANT=QUANT)
+            BOUNDED=False, CAUSAL=False, QUANT=QUANT, win_start=win_start, softcap_log2=softcap_log2,
+            SLIDING=SLIDING, SOFTCAP=SOFTCAP)
     # The diagonal, causally masked. Its first key (full_end) is <= every row's position, so
     # no row's softmax is ever empty; keys past the block's last query are never read.
     kv_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
@@ -76,7 +80,8 @@ def _extend_kernel(
             acc, m_i, l_i, q, q_pos, n0, kv_end, K, V, page_row, kv_head,
             stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, scale_log2, offs_d, mask_d,
             KScale, VScale, stride_ks_slot, stride_vs_slot, BLOCK_N, PAGE_SIZE, PRECISION,
-            BOUNDED=True, CAUSAL=True, QUANT=QUANT)
+            BOUNDED=True, CAUSAL=True, QUANT=QUANT, win_start=win_start, softcap_log2=softcap_log2,
+            SLIDING=SLIDING, SOFTCAP=SOFTCAP)
 
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -105,13 +110,16 @@ def _default_config(capability: tuple[int, int] | None, head_dim: int) -> tuple[
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      max_q_len: int | None = None, *, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """q [T, Hq, D] (new tokens of all sequences, concatenated) -> o [T, Hq, D].
 
     max_q_len (the longest q_len in the batch) sizes the grid; pass it when the caller knows
     it. Without it the grid assumes the bound T (no device-to-host sync): query blocks past a
     sequence's q_len exit at once, which costs little next to the attention work.
     k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
+    window > 0: sliding window (a query at position p sees keys p - window < j <= p; key blocks
+    wholly before a query block's window are skipped); softcap > 0: soft-capped scores.
     """
     check_cache(k_cache, v_cache)
     quant, k_scale, v_scale = kv_quant(k_cache, v_cache, k_scale, v_scale)
@@ -133,11 +141,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and not interpreting() else None
         config = _default_config(capability, head_dim)
     block_m, block_n, warps, stages = config
+    window, softcap = max(0, int(window or 0)), float(softcap or 0.0)
+    scale_log2, softcap_log2 = scale_and_cap(scale, softcap)
     while True:
         try:
             _extend_kernel[(batch, num_q_heads, triton.cdiv(max_q_len, block_m))](
                 q, k_cache, v_cache, k_scale, v_scale, out, page_table, cu_seqlens_q, seq_lens,
-                scale * math.log2(math.e),
+                scale_log2, window, softcap_log2,
                 q.stride(0), q.stride(1),
                 k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
                 k_scale.stride(1), v_scale.stride(1),
@@ -145,7 +155,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 page_table.stride(0),
                 GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
                 BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
-                QUANT=quant, num_warps=warps, num_stages=stages,
+                QUANT=quant, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
             )
             break
         except triton.OutOfResources:  # shared memory of a smaller GPU: halve the tiles and retry

@@ -100,7 +100,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                num_kv_splits: int | None = None, *, lens: list[int] | None = None,
                                group: int = 8, k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
     """One query token per sequence attending to all seq_lens[b] cached tokens: q [B, Hq, D] -> [B, Hq, D].
 
     lens (seq_lens as a host list; spares a device sync) runs the batch in groups of `group`
@@ -108,10 +109,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     less memory traffic. Without it the whole batch is padded to the longest sequence.
     num_kv_splits (a Triton tuning knob) is accepted for signature parity and unused.
     k_scale / v_scale: a quantized cache's scales (see the module docstring).
+    window > 0 (sliding-window attention): the query (at position seq_len - 1) sees only the last
+    `window` keys; softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2).
     """
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    sc = (k_scale, v_scale)
+    sc = (k_scale, v_scale, window, softcap)  # what every group shares
     if lens is None or len(lens) <= group:
         return _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale,
                               seq_lens.tolist() if lens is None else lens, sc)
@@ -125,19 +128,25 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], scales) -> torch.Tensor:
-    """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32."""
+def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], opts) -> torch.Tensor:
+    """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32.
+    opts: (k_scale, v_scale, window, softcap)."""
+    k_scale, v_scale, window, softcap = opts
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = max(lens)
     if max_len == 0:
         return torch.zeros_like(q)
-    k = _gather_pages(k_cache, page_table, max_len, scales[0]).float().transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_pages(v_cache, page_table, max_len, scales[1]).float().transpose(1, 2)
+    k = _gather_pages(k_cache, page_table, max_len, k_scale).float().transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_pages(v_cache, page_table, max_len, v_scale).float().transpose(1, 2)
     if batch > 1:  # the matmuls would copy these strided views anyway, and more slowly
         k, v = k.contiguous(), v.contiguous()
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k.mT) * scale  # [B, Hkv, G, L]
+    scores = soft_cap(torch.matmul(qg, k.mT) * scale, softcap)  # [B, Hkv, G, L]
+    if window > 0:  # sliding window: keys at positions <= seq_len - 1 - window are out of sight
+        pos = torch.arange(max_len, device=q.device)[None, :]
+        out_of_window = pos < (seq_lens[:, None].to(q.device) - window)  # [B, L]
+        scores.masked_fill_(out_of_window[:, None, None, :], float("-inf"))
     if min(lens) < max_len:  # padding: mask its scores, zero its values (a slot past a sequence's
         for b, n in enumerate(lens):  # end may hold anything, NaN in a fresh pool, and 0 * NaN is NaN)
             if n < max_len:
@@ -150,12 +159,40 @@ def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[
     return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """Logit soft-capping (Gemma 2): cap * tanh(scores / cap); cap <= 0 leaves scores as they are."""
+    return scores if not cap or cap <= 0 else torch.tanh(scores / cap) * cap
+
+
+def window_mask(q_pos: torch.Tensor, kv_len: int, window: int = 0) -> torch.Tensor:
+    """[M, kv_len] bool, True where query position q_pos[m] sees key position j: j <= q_pos[m]
+    and, with a sliding window W > 0, j > q_pos[m] - W (the last W positions, itself included;
+    transformers' sliding_window_overlay for Mistral, Gemma 2 and Gemma 3)."""
+    j = torch.arange(kv_len, device=q_pos.device)[None, :]
+    mask = j <= q_pos[:, None]
+    if window > 0:
+        mask &= j > q_pos[:, None] - window
+    return mask
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """q [M, Hq, D] over k/v [L, Hkv, D] (GQA) -> [M, Hq, D] in q's dtype, computed in fp32.
 
-    Without mask, plain causal attention (M == L); else mask [M, L] (True: attend).
+    Without mask, plain causal attention (M == L; with window > 0 a sliding-window causal mask);
+    else mask [M, L] (True: attend). softcap > 0: scores are soft-capped before the softmax.
     """
+    if mask is None and window > 0:
+        mask = window_mask(torch.arange(q.shape[0], device=q.device), k.shape[0], window)
+    if softcap and softcap > 0:  # SDPA cannot cap its scores: the plain computation
+        qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
+        rep = qf.shape[0] // kf.shape[0]
+        kf, vf = kf.repeat_interleave(rep, 0), vf.repeat_interleave(rep, 0)
+        scores = soft_cap(torch.matmul(qf, kf.mT) * scale, softcap)  # [Hq, M, L]
+        if mask is None:
+            mask = window_mask(torch.arange(q.shape[0], device=q.device), k.shape[0])
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), vf).transpose(0, 1).to(q.dtype)
     o = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
@@ -165,14 +202,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          max_q_len: int | None = None, *, lens: list[int] | None = None,
-                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix + themselves: q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V are already in the cache. Query i of sequence b (rows
     cu_seqlens_q[b]..cu_seqlens_q[b+1]) sits at position seq_lens[b] - q_len_b + i and sees
     cache positions <= its own. lens (seq_lens as a host list) spares a device sync.
     max_q_len is accepted for signature parity and unused. k_scale / v_scale: a quantized
-    cache's scales (see the module docstring).
+    cache's scales (see the module docstring). window > 0: sliding window (a query at position p
+    sees keys at positions p - window < j <= p); softcap > 0: soft-capped scores (see soft_cap).
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -184,10 +223,9 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k = _gather_pages(k_cache, page_table[b], kv_len, k_scale)  # [L, Hkv, D]
         v = _gather_pages(v_cache, page_table[b], kv_len, v_scale)
         mask = None  # a whole sequence (no cached prefix): SDPA's own causal mask
-        if e - s != kv_len:
-            q_pos = torch.arange(kv_len - (e - s), kv_len, device=q.device)
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        out[s:e] = causal_attention(q[s:e], k, v, scale, mask)
+        if e - s != kv_len or window > 0:
+            mask = window_mask(torch.arange(kv_len - (e - s), kv_len, device=q.device), kv_len, window)
+        out[s:e] = causal_attention(q[s:e], k, v, scale, mask, softcap)
     return out
 
 
@@ -201,6 +239,13 @@ def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight
     h = new_residual.float()
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return out.to(x.dtype), new_residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight over the last dim (x [..., D], weight [D]): Qwen3's per-head q/k norm.
+    Computed in fp32, rounded to x's dtype once."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
@@ -234,8 +279,36 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r}: localrun supports default, linear, llama3 "
-                     "and freq_factors")
+    if kind == "longrope":
+        raise ValueError("longrope frequencies depend on the cache length: build the table with rope_cos_sin_cache "
+                         "(or longrope_inv_freq)")
+    raise ValueError(f"unsupported rope scaling type {kind!r}: localrun supports default, linear, llama3, "
+                     "longrope and freq_factors")
+
+
+def longrope_inv_freq(rotary_dim: int, base: float, scaling: dict, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Phi-3 LongRoPE: (inverse frequencies [rotary_dim // 2], attention factor) for a cache of
+    max_pos positions.
+
+    scaling: {"short_factor": [...], "long_factor": [...], "original_max_position_embeddings": n,
+    "factor": s, optional "attention_factor"} (ModelConfig.from_hf_config completes it). The long
+    factors serve the whole table when max_pos > n, else the short ones: one choice per engine
+    (as vLLM and llama.cpp choose by context size), where transformers switches per forward
+    pass on the sequence length; both agree for every sequence whose length is on the same
+    side of n as max_pos. The attention factor (default sqrt(1 + ln(s) / ln(n)), 1 when s <= 1)
+    multiplies cos and sin, so q.k scales by its square, as in transformers.
+    """
+    orig = int(scaling["original_max_position_embeddings"])
+    factors = scaling["long_factor"] if max_pos > orig else scaling["short_factor"]
+    ext = torch.tensor(factors, dtype=torch.float64).reshape(-1)
+    if ext.numel() != rotary_dim // 2:
+        raise ValueError(f"longrope: {ext.numel()} factors for {rotary_dim // 2} frequencies (rotary_dim {rotary_dim})")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        factor = float(scaling.get("factor") or 1.0)
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return inv_freq, float(attention)
 
 
 def rope_cos_sin_cache(head_dim: int, max_pos: int, base: float, scaling: dict | None = None,
@@ -244,10 +317,15 @@ def rope_cos_sin_cache(head_dim: int, max_pos: int, base: float, scaling: dict |
     """The [max_pos, rotary_dim] table apply_rope reads: cos in the first half, sin in the second.
 
     rotary_dim defaults to head_dim (partial rotary: only the first rotary_dim dims rotate).
+    A "longrope" scaling picks its factors by max_pos and scales the table (longrope_inv_freq).
     """
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), rope_inv_freq(rotary_dim, base, scaling))
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=dtype)
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "longrope":
+        inv_freq, mscale = longrope_inv_freq(rotary_dim, base, scaling, max_pos)
+    else:
+        inv_freq, mscale = rope_inv_freq(rotary_dim, base, scaling), 1.0
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale).to(device=device, dtype=dtype)
 
 
 def _rope_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -270,6 +348,13 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     half = cs.shape[-1] // 2
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     return _rope_one(q, cos, sin), _rope_one(k, cos, sin)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:] ([T, I]), computed in fp32 (GeGLU: Gemma's MLP,
+    transformers' "gelu_pytorch_tanh")."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

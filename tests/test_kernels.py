@@ -16,6 +16,7 @@ oracle is the fp32 reference run on the same (bf16-rounded) inputs.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -84,15 +85,20 @@ def make_paged_batch(seq_lens, num_kv_heads, head_dim, page_size, dtype, device,
                       torch.tensor(seq_lens, dtype=torch.int32, device=device), slots_t)
 
 
-def dense_attention(q, k, v, q_positions, scale):
-    """Naive float64 attention of q [M, Hq, D] at q_positions over k/v [L, Hkv, D] (keys <= position)."""
+def dense_attention(q, k, v, q_positions, scale, window=0, softcap=0.0):
+    """Naive float64 attention of q [M, Hq, D] at q_positions over k/v [L, Hkv, D] (keys <= position;
+    with window W > 0 only keys > position - W; softcap c > 0: scores c * tanh(s / c))."""
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i, pos in enumerate(q_positions):
+        lo = max(0, pos - window + 1) if window else 0
         for h in range(q.shape[1]):
-            keys = k[: pos + 1, h // group].double()
-            w = torch.softmax(keys @ q[i, h].double() * scale, dim=0)
-            out[i, h] = w @ v[: pos + 1, h // group].double()
+            keys = k[lo: pos + 1, h // group].double()
+            s = keys @ q[i, h].double() * scale
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            w = torch.softmax(s, dim=0)
+            out[i, h] = w @ v[lo: pos + 1, h // group].double()
     return out
 
 
@@ -155,6 +161,47 @@ def test_extend_ref_matches_dense_and_decode():
     assert rel_err(out[cu[1:] - 1], decode) <= 1e-6
 
 
+WINDOW_CAP = [(5, 0.0), (0, 2.0), (7, 1.5), (64, 0.0)]  # (sliding window, soft-cap): 64 covers every sequence
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_CAP)
+def test_decode_and_extend_ref_window_softcap_match_dense(window, softcap):
+    head_dim, scale = 16, 0.3
+    seq_lens = [1, 7, 19, 37]
+    batch = make_paged_batch(seq_lens, 2, head_dim, 4, torch.float32, "cpu")
+    q = torch.randn(len(seq_lens), 4, head_dim)
+    out = K.paged_decode_attention_ref(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, scale,
+                                       window=window, softcap=softcap)
+    for b, n in enumerate(seq_lens):
+        dense = dense_attention(q[b:b + 1], batch.k[b], batch.v[b], [n - 1], scale, window, softcap)
+        assert rel_err(out[b:b + 1], dense) <= 1e-5
+    spans = [(0, 7), (12, 7), (3, 1), (0, 19), (9, 30)]
+    batch, q, cu = extend_inputs(spans, 4, 2, head_dim, 4, torch.float32, "cpu")
+    out = K.extend_attention_ref(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, scale,
+                                 window=window, softcap=softcap)
+    for b, (prefix, new) in enumerate(spans):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        dense = dense_attention(q[rows], batch.k[b], batch.v[b], range(prefix, prefix + new), scale, window, softcap)
+        assert rel_err(out[rows], dense) <= 1e-5
+    # no cache (embeddings): the same masks
+    k, v = batch.k[3], batch.v[3]
+    rows = slice(int(cu[3]), int(cu[4]))
+    out = K.reference.causal_attention(q[rows], k, v, scale, softcap=softcap, window=window)
+    assert rel_err(out, dense_attention(q[rows], k, v, range(19), scale, window, softcap)) <= 1e-5
+
+
+def test_window_mask_is_transformers_sliding_window():
+    """Key j is visible from query p when p - W < j <= p: transformers' sliding_window_overlay
+    (the mask of Mistral, Qwen2, Gemma 2 and Gemma 3 sliding layers)."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+    fn = and_masks(sliding_window_overlay(5), causal_mask_function)
+    ours = K.reference.window_mask(torch.arange(12), 12, 5)
+    t = lambda i: torch.tensor(i)  # noqa: E731 - the mask functions take index tensors
+    theirs = torch.tensor([[bool(fn(t(0), t(0), t(i), t(j))) for j in range(12)] for i in range(12)])
+    assert torch.equal(ours, theirs) and int(ours[11].sum()) == 5
+
+
 def test_rmsnorm_ref_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -206,6 +253,13 @@ def test_silu_and_mul_ref_matches_formula():
     assert rel_err(K.silu_and_mul_ref(x), gate * torch.sigmoid(gate) * up) <= 1e-6
 
 
+def test_gelu_tanh_and_mul_ref_matches_transformers():
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(6, 80) * 4
+    assert rel_err(K.gelu_tanh_and_mul_ref(x), ACT2FN["gelu_pytorch_tanh"](x[:, :40]) * x[:, 40:]) <= 1e-6
+
+
 # --------------------------------------------------------------------------- Triton, tiny shapes
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -246,22 +300,32 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
     meta = _compile_for_gpu(
         decode_attention._decode_split_kernel, h100,
         {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "PageTable": "*i32", "SeqLens": "*i32",
-         "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32"},
-        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32", QUANT=0),
+         "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32", "softcap_log2": "fp32"},
+        dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32", QUANT=0,
+             SLIDING=False, SOFTCAP=False),
         num_warps=4, num_stages=2)
     assert meta.shared > 0
+    # Gemma 2's attention (head_dim 256, 2 query heads per KV head): sliding window + soft-capping
+    _compile_for_gpu(
+        decode_attention._decode_split_kernel, h100,
+        {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "PageTable": "*i32", "SeqLens": "*i32",
+         "MidO": "*fp32", "MidLse": "*fp32", "scale_log2": "fp32", "num_splits": "i32", "softcap_log2": "fp32"},
+        dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32", QUANT=0,
+             SLIDING=True, SOFTCAP=True),
+        num_warps=4, num_stages=2)
     _compile_for_gpu(decode_attention._decode_merge_kernel, h100,
                      {"MidO": "*fp32", "MidLse": "*fp32", "O": bf, "num_splits": "i32"},
                      dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=decode_attention.MAX_KV_SPLITS), num_warps=4)
-    for capability, shared_limit in ((h100, 227 * 1024), ((8, 9), 99 * 1024)):
-        block_m, block_n, warps, stages = extend_attn._default_config(capability, 128)
+    for (capability, shared_limit), (head_dim, gemma) in itertools.product(
+            ((h100, 227 * 1024), ((8, 9), 99 * 1024)), ((128, False), (256, True))):  # Llama; Gemma 2
+        block_m, block_n, warps, stages = extend_attn._default_config(capability, head_dim)
         meta = _compile_for_gpu(
             extend_attn._extend_kernel, capability,
             {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
-             "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32"},
-            dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16,
-                 PRECISION="tf32", QUANT=0), num_warps=warps, num_stages=stages)
-        assert 0 < meta.shared <= shared_limit, (capability, meta.shared)
+             "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32", "softcap_log2": "fp32"},
+            dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16,
+                 PRECISION="tf32", QUANT=0, SLIDING=gemma, SOFTCAP=gemma), num_warps=warps, num_stages=stages)
+        assert 0 < meta.shared <= shared_limit, (capability, head_dim, gemma, meta.shared)
     _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": bf, "VCache": bf,
                                                        "KScale": "*fp32", "VScale": "*fp32", "SlotMapping": "*i64"},
                      dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANT=0, INTERP_FP8=False), num_warps=4)
@@ -274,6 +338,8 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                           BLOCK_HALF=64, BLOCK_PASS=0), num_warps=4)
     _compile_for_gpu(activation._silu_and_mul_kernel, h100, {"X": bf, "Out": bf}, dict(INTER=14336, BLOCK=1024),
                      num_warps=4)
+    _compile_for_gpu(activation._gelu_tanh_and_mul_kernel, h100, {"X": bf, "Out": bf},
+                     dict(INTER=9216, BLOCK=1024), num_warps=4)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -284,8 +350,11 @@ def test_decode_split_count_is_a_runtime_argument():
     from localrun.kernels import decode_attention
 
     for kernel in (decode_attention._decode_split_kernel, decode_attention._decode_merge_kernel):
-        assert [p.name for p in kernel.params if p.do_not_specialize] == ["num_splits"]
+        assert [p.name for p in kernel.params if p.do_not_specialize and p.name != "window"] == ["num_splits"]
         assert "NUM_SPLITS" not in kernel.arg_names
+    # the sliding window is a runtime value too (one variant for every window size)
+    assert [p.name for p in decode_attention._decode_split_kernel.params if p.do_not_specialize] == \
+        ["num_splits", "window"]
 
 
 needs_triton_here = pytest.mark.skipif(
@@ -344,6 +413,33 @@ class TestTriton:
         assert_close(out, oracle, dtype)
 
     @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("window,softcap", WINDOW_CAP)
+    def test_paged_decode_attention_window_softcap(self, dtype, window, softcap):
+        """Sliding window (the splits cover only the window's blocks) and soft-capping, against the
+        reference; 3 splits, so some splits of a long sequence start past a page boundary."""
+        seq_lens, head_dim = [1, 7, 19, 37, 0], 16
+        batch = make_paged_batch(seq_lens, 2, head_dim, 4, dtype, DEVICE, write=K.store_kv)
+        q = torch.randn(len(seq_lens), 4, head_dim).to(dtype=dtype, device=DEVICE)
+        out = K.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.page_table, batch.seq_lens, 0.3,
+                                       num_kv_splits=3, window=window, softcap=softcap)
+        oracle = K.paged_decode_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table,
+                                              batch.seq_lens, 0.3, window=window, softcap=softcap)
+        assert_close(out, oracle, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("window,softcap", WINDOW_CAP)
+    def test_extend_attention_window_softcap(self, dtype, window, softcap):
+        """Chunks with and without a cached prefix, longer than the window and than a query block
+        (rows of one block whose windows start in different key blocks)."""
+        spans = [(0, 7), (12, 7), (3, 1), (0, 19), (40, 5), (9, 30)]
+        batch, q, cu = extend_inputs(spans, 4, 2, 16, 4, dtype, DEVICE)
+        out = K.extend_attention(q, batch.k_cache, batch.v_cache, batch.page_table, cu, batch.seq_lens, 0.25,
+                                 window=window, softcap=softcap)
+        oracle = K.extend_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table, cu,
+                                        batch.seq_lens, 0.25, window=window, softcap=softcap)
+        assert_close(out, oracle, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES)
     @pytest.mark.parametrize("with_residual", [True, False])
     def test_fused_add_rmsnorm(self, dtype, with_residual):
         x = torch.randn(5, 48).to(dtype=dtype, device=DEVICE)
@@ -378,6 +474,11 @@ class TestTriton:
         x = torch.randn(5, 2 * 100).to(dtype=dtype, device=DEVICE) * 3
         assert_close(K.silu_and_mul(x), K.silu_and_mul_ref(x.float()), dtype)
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_gelu_tanh_and_mul(self, dtype):
+        x = torch.randn(5, 2 * 100).to(dtype=dtype, device=DEVICE) * 6  # far into both tails of tanh
+        assert_close(K.gelu_tanh_and_mul(x), K.gelu_tanh_and_mul_ref(x.float()), dtype)
+
 
     @pytest.mark.skipif(not INTERPRETED, reason="on a GPU, run the benchmark itself (it takes minutes)")
     def test_bench_kernels_smoke(self, capsys):
@@ -385,7 +486,7 @@ class TestTriton:
 
         assert bench_kernels.main(["--tiny"]) == 0
         out = capsys.readouterr().out
-        for group in ("ceiling", "decode", "extend", "rmsnorm", "silu_mul", "rope", "store_kv"):
+        for group in ("ceiling", "decode", "extend", "window", "rmsnorm", "silu_mul", "gelu_mul", "rope", "store_kv"):
             assert f"{group} " in out, out
 
 

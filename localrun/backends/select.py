@@ -7,14 +7,17 @@ the native engine (llama.cpp runs GGUF only). A quantized GGUF (Q4_K_M, Q8_0, ..
 exception on such a GPU: the native engine would dequantize it to bfloat16 (an 8B Q4_K_M
 file of 4.9 GB becomes ~16 GB), so it goes to llama.cpp when that would not fit the GPU's
 free memory, or when llama.cpp's build can offload to the GPU (it then decodes from the
-quantized weights, ~3x fewer bytes per token than bfloat16). The reason is a sentence
-users see in ``localrun ps`` / ``/api/ps`` and in the log.
+quantized weights, ~3x fewer bytes per token than bfloat16). A GGUF of an architecture the
+native engine does not run (localrun.archs) goes to llama.cpp; a safetensors model of one is
+refused with a clear error. The reason is a sentence users see in ``localrun ps`` /
+``/api/ps`` and in the log.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import logging
 import platform
 import shutil
@@ -22,8 +25,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from types import ModuleType
 
+from localrun.archs import NATIVE_ARCHS, is_native, unsupported_message
 from localrun.errors import BackendError
 
 log = logging.getLogger("localrun.select")
@@ -126,13 +131,35 @@ def native_import_error() -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def model_architecture(fmt: str, weights: str | Path | None, info=None) -> str | None:
+    """The model's architecture name (GGUF general.architecture, or a safetensors model's
+    config.json model_type), None when unknown. Reads no weights."""
+    arch = getattr(info, "architecture", None)
+    if arch or fmt == "gguf" or weights is None:
+        return str(arch) if arch else None
+    try:
+        cfg = json.loads((Path(weights) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    arch = cfg.get("model_type") or text.get("model_type")
+    return str(arch) if arch else None
+
+
 def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
-           llamacpp_gpu: bool | None = None) -> Choice:
+           llamacpp_gpu: bool | None = None, arch: str | None = None) -> Choice:
     """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
 
     info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
-    tensor_bytes) of a GGUF model; without them a GGUF on a capable GPU goes to the native
-    engine. llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it)."""
+    tensor_bytes, architecture) of a GGUF model; without them a GGUF on a capable GPU goes to
+    the native engine. arch: the model's architecture (default: info's; see
+    model_architecture). llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it)."""
+    arch = arch or getattr(info, "architecture", None)
+    foreign = bool(arch) and not is_native(arch)  # an architecture the native engine does not run
+    if setting == "native" and foreign:
+        raise BackendError(f"LOCALRUN_BACKEND=native: {unsupported_message(arch, 'architecture')}"
+                           + ("" if fmt == "gguf" else "; a safetensors model needs the native engine: import a "
+                              "GGUF of it instead"))
     if setting == "native":
         err = native_import_error()
         if err:
@@ -146,12 +173,18 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
                                "(set LOCALRUN_BACKEND=auto or native)")
         return Choice("llamacpp", "llama.cpp: LOCALRUN_BACKEND=llamacpp")
     # auto (the native engine is imported only where it could be chosen: it pulls in torch)
+    if fmt != "gguf" and foreign:
+        raise BackendError(f"{unsupported_message(arch, 'architecture')}; safetensors models run only on the "
+                           "native engine, so import a GGUF of this model for llama.cpp")
     if fmt != "gguf":
         err = native_import_error()
         if err:
             raise BackendError(f"safetensors models need the native engine, which cannot be imported ({err}); "
                                "install localrun[native] or import a GGUF instead")
         return Choice("native", "native engine: safetensors models run only on the native engine")
+    if gpu is not None and gpu.capability >= (8, 0) and foreign:
+        return Choice("llamacpp", f"llama.cpp: the native engine does not run architecture {arch!r} "
+                                  f"(it runs {', '.join(NATIVE_ARCHS)})")
     if gpu is not None and gpu.capability >= (8, 0):
         quantized = _quantized_gguf_choice(gpu, info, llamacpp_gpu) if info is not None else None
         if quantized is not None:
@@ -181,4 +214,4 @@ def backend_module(name: str) -> ModuleType:
     raise BackendError(f"unknown backend {name!r}")
 
 
-__all__ = ["GPU", "Choice", "choose", "cuda_gpu", "backend_module", "is_apple_silicon", "native_import_error"]
+__all__ = ["GPU", "Choice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon", "native_import_error"]

@@ -225,7 +225,19 @@ def hf_config_for(cfg) -> Any:
         kw["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.arch == "llama":
         kw["attention_bias"] = cfg.attention_bias
-    return AutoConfig.for_model(cfg.arch, **kw)
+    if cfg.rotary_dim and cfg.rotary_dim != cfg.head_dim:  # Phi-4-mini: partial rotary
+        kw["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.arch != "llama":  # (transformers' Mistral defaults to a 4096 window: say there is none)
+        kw["sliding_window"] = cfg.sliding_window or None
+    if cfg.sliding_window and cfg.layer_types:
+        kw["layer_types"] = cfg.layer_types
+    if cfg.is_gemma:
+        kw.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+                  attn_logit_softcapping=cfg.attn_logit_softcap or None,
+                  final_logit_softcapping=cfg.final_logit_softcap or None)
+        if cfg.rope_local_theta:
+            kw["rope_local_base_freq"] = cfg.rope_local_theta
+    return AutoConfig.for_model("gemma3_text" if cfg.arch == "gemma3" else cfg.arch, **kw)
 
 
 def load_hf_model(src: ModelSource, model_config, dtype, device: str):

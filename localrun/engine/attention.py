@@ -14,7 +14,7 @@ buffers replays any later step of its batch size. An `AttentionBackend` turns a 
 (store this step's K/V, then attend through the page table), and has the capture/replay
 hooks the decode graphs use. Two backends: `TritonAttention` (localrun.kernels' Triton
 kernels, CUDA) and `TorchAttention` (their torch references: the CPU path and the oracle).
-`Ops` holds the pointwise ops (norm, RoPE, SiLU), Triton or reference alike.
+`Ops` holds the pointwise ops (norm, RoPE, SiLU / GELU-tanh gates), Triton or reference alike.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from localrun.kernels.reference import causal_attention
 
 log = logging.getLogger("localrun.engine")
 
-_POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul")
+_POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 
 
 @dataclass
@@ -171,38 +171,47 @@ class AttentionBackend:
                             cu_seqlens_q=b.view("cu_seqlens_q", B + 1), num_decodes=step.num_decodes,
                             max_q_len=max_q, seq_lens_list=lens, q_lens_list=q_lens)
 
-    def forward(self, q, k, v, layer: int, meta: AttnMetadata, scale: float) -> torch.Tensor:
-        """Store this step's K/V into the pages, then attend through the page table."""
+    def forward(self, q, k, v, layer: int, meta: AttnMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
+        """Store this step's K/V into the pages, then attend through the page table.
+
+        window > 0: the layer's sliding window (a query at position p sees keys p - window < j <= p;
+        every page is kept, the kernels skip those wholly outside it); softcap > 0: attention logit
+        soft-capping (Gemma 2). Both are per-layer constants (nothing to sync: CUDA-graph safe)."""
+        ws = {"window": window, "softcap": softcap} if window or softcap else {}
         if meta.slot_mapping is None:  # no cache (embeddings): plain causal attention per sequence
-            return self._no_cache_attention(q, k, v, meta, scale)
+            return self._no_cache_attention(q, k, v, meta, scale, **ws)
         kv = self.pool.layers[layer]  # (k_cache, v_cache, k_scale, v_scale); scales None unless quantized
         self.store_kv(k, v, kv, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.is_decode_only:
-            return self.decode(q, kv, meta, 0, nd, scale)
+            return self.decode(q, kv, meta, 0, nd, scale, **ws)
         if nd == 0:
-            return self.extend(q, kv, meta, 0, meta.num_seqs, scale)
+            return self.extend(q, kv, meta, 0, meta.num_seqs, scale, **ws)
         out = torch.empty_like(q)
-        out[:nd] = self.decode(q[:nd], kv, meta, 0, nd, scale)
-        out[nd:] = self.extend(q[nd:], kv, meta, nd, meta.num_seqs, scale)
+        out[:nd] = self.decode(q[:nd], kv, meta, 0, nd, scale, **ws)
+        out[nd:] = self.extend(q[nd:], kv, meta, nd, meta.num_seqs, scale, **ws)
         return out
 
-    # the three primitives a backend implements (kv: one layer's KVPool.layers entry; sequences [a, b))
+    # the three primitives a backend implements (kv: one layer's KVPool.layers entry; sequences [a, b);
+    # window / softcap: see forward)
     def store_kv(self, k, v, kv, slots) -> None:
         raise NotImplementedError
 
-    def decode(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
+    def decode(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         raise NotImplementedError
 
-    def extend(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float) -> torch.Tensor:
+    def extend(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         raise NotImplementedError
 
     @staticmethod
-    def _no_cache_attention(q, k, v, meta, scale):
+    def _no_cache_attention(q, k, v, meta, scale, window: int = 0, softcap: float = 0.0):
         out = torch.empty_like(q)
         starts = meta.cu_seqlens_q.tolist()
         for s, e in zip(starts[:-1], starts[1:]):
-            out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale)
+            out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, softcap=softcap, window=window)
         return out
 
 
@@ -213,16 +222,18 @@ class TorchAttention(AttentionBackend):
     def store_kv(self, k, v, kv, slots) -> None:
         kernels.store_kv_ref(k, v, kv[0], kv[1], slots, kv[2], kv[3])
 
-    def decode(self, q, kv, meta, a, b, scale):
+    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
         lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
         return kernels.paged_decode_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
-                                                  lens=lens, k_scale=kv[2], v_scale=kv[3])
+                                                  lens=lens, k_scale=kv[2], v_scale=kv[3], window=window,
+                                                  softcap=softcap)
 
-    def extend(self, q, kv, meta, a, b, scale):
+    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
         lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
         cu = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a] if a else meta.cu_seqlens_q
         return kernels.extend_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], cu, meta.seq_lens[a:b],
-                                            scale, lens=lens, k_scale=kv[2], v_scale=kv[3])
+                                            scale, lens=lens, k_scale=kv[2], v_scale=kv[3], window=window,
+                                            softcap=softcap)
 
 
 class TritonAttention(AttentionBackend):
@@ -234,16 +245,17 @@ class TritonAttention(AttentionBackend):
     def store_kv(self, k, v, kv, slots) -> None:
         kernels.store_kv(k, v, kv[0], kv[1], slots, kv[2], kv[3])
 
-    def decode(self, q, kv, meta, a, b, scale):
+    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
         return kernels.paged_decode_attention(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
-                                              k_scale=kv[2], v_scale=kv[3])
+                                              k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap)
 
-    def extend(self, q, kv, meta, a, b, scale):
+    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
         cu, seq_lens = meta.cu_seqlens_q, meta.seq_lens
         if a:  # fresh (aligned) tensors: an offset view would make Triton compile another variant
             cu, seq_lens = cu[a:b + 1] - cu[a], seq_lens[a:b].clone()
         return kernels.extend_attention(q, kv[0], kv[1], meta.page_table[a:b], cu, seq_lens, scale,
-                                        max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3])
+                                        max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3], window=window,
+                                        softcap=softcap)
 
 
 class Ops:

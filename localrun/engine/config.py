@@ -10,7 +10,9 @@ import torch
 
 @dataclass
 class ModelConfig:
-    """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Mistral, SmolLM2."""
+    """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm), Mistral,
+    SmolLM2, Phi-3 / Phi-4 (longrope, partial rotary, sliding window); and Gemma 2 / 3 (arch "gemma2" /
+    "gemma3": gemma.py)."""
 
     hidden_size: int
     num_layers: int
@@ -28,18 +30,56 @@ class ModelConfig:
     arch: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # sliding-window attention (Mistral, Qwen2 with use_sliding_window, Gemma 2/3): a query at position p
+    # sees keys p - sliding_window < j <= p on the layers layer_types marks "sliding_attention"
+    # (layer_types None: every layer, when sliding_window is set); 0 / None: global attention
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "sliding_attention" | "full_attention"
+    attn_logit_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: off
+    final_logit_softcap: float = 0.0  # Gemma 2: logits -> cap * tanh(logits / cap); 0: off
+    query_pre_attn_scalar: float = 0.0  # Gemma: attention scale query_pre_attn_scalar ** -0.5 (0: head_dim)
+    rope_local_theta: float = 0.0  # Gemma 3: the RoPE base of sliding layers (no scaling there); 0: rope_theta
+    qk_norm: bool = False  # per-head RMSNorm (weight [head_dim]) on q and k before RoPE (Qwen3)
+    rotary_dim: int = 0  # dims of each head RoPE rotates (0: head_dim; Phi-4-mini: 3/4 of it, the rest pass)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_heads
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 0):
+            raise ValueError(f"sliding_window must be a whole number >= 0 (0 or None: global attention), "
+                             f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ValueError(f"layer_types must list {self.num_layers} entries, each 'sliding_attention' or "
+                                 f"'full_attention'; got {len(self.layer_types)} entries"
+                                 + (f" with {', '.join(map(repr, bad))}" if bad else ""))
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of a layer (0: global attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return int(self.sliding_window)
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch in ("gemma2", "gemma3")
 
     @property
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         per_layer = attn + 3 * h * i + 2 * h
+        if self.is_gemma:  # pre/post-feedforward norms; Gemma 3's q/k norms
+            per_layer += 2 * h + (2 * d if self.arch == "gemma3" else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -53,17 +93,23 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face config.json dict (old `rope_scaling` or new `rope_parameters`)."""
+        from localrun.archs import is_native, unsupported_message
+
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(
-                f"model_type {model_type!r} ({', '.join(archs) or 'unknown architecture'}) is not supported by the "
-                "native engine (Llama, Mistral, Qwen2 families); use the llama.cpp backend for it"
-            )
+        if model_type in GEMMA_MODEL_TYPES:
+            return _gemma_from_hf(cls, cfg)
+        if not is_native(model_type):
+            raise ValueError(unsupported_message(model_type, "model_type" + (f" of {'/'.join(archs)}" if archs else "")))
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         eos = cfg.get("eos_token_id")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        if scaling:
+            scaling = _longrope_scaling(dict(scaling), cfg) if (scaling.get("rope_type") or scaling.get("type")) in (
+                "longrope", "su") or (model_type == "phi3" and scaling.get("rope_type") == "yarn") else dict(scaling)
         return cls(
             hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
@@ -74,14 +120,123 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or 0,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=dict(scaling) if scaling else None,
+            rope_scaling=scaling or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             arch=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+            qk_norm=model_type == "qwen3",
+            rotary_dim=int(head_dim * partial),
+            **_hf_sliding_window(cfg, model_type),
         )
+
+
+def _longrope_scaling(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Phi-3 "longrope" rope scaling ("su" and Phi-3's "yarn" are read as longrope, as
+    transformers does), completed as transformers 5 completes it: original_max_position_embeddings
+    from the config's top level first (Phi-3's default 4096), and factor, when absent,
+    max_position_embeddings / original_max_position_embeddings (it sets the attention factor
+    sqrt(1 + ln(factor) / ln(original)); see kernels.reference.longrope_inv_freq)."""
+    scaling["rope_type"] = "longrope"
+    scaling.pop("type", None)
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or (
+        4096 if cfg.get("model_type") == "phi3" else max_pos)
+    scaling["original_max_position_embeddings"] = int(orig)
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_pos / int(orig)
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"longrope rope scaling needs a {key} list in config.json")
+    return scaling
+
+
+def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """sliding_window / layer_types for a Llama-family config.json: Mistral's sliding_window (every
+    layer), Qwen2's use_sliding_window (layers from max_window_layers on, as transformers does);
+    an explicit layer_types list wins."""
+    window = cfg.get("sliding_window") or None
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
+    if model_type == "llama" or not window:
+        return {}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None and model_type in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", n)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return {"sliding_window": int(window), "layer_types": list(types) if types else None}
+
+
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3")
+
+
+def _gemma_from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    """Gemma 2 / Gemma 3 (text; the multimodal "gemma3" config's text_config) from config.json."""
+    model_type = cfg["model_type"]
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: the language model's config
+        text = dict(cfg.get("text_config") or {})
+        if not text.get("hidden_size"):
+            raise ValueError("this gemma3 config.json has no text_config with the language model's shape; "
+                             "use the llama.cpp backend for it")
+        text.setdefault("model_type", "gemma3_text")
+        for k in ("eos_token_id", "bos_token_id"):  # the whole model's ids (what generation stops on) win
+            if cfg.get(k) is not None:
+                text[k] = cfg[k]
+        cfg = text
+        model_type = "gemma3_text"
+    arch = "gemma2" if model_type == "gemma2" else "gemma3"
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{model_type} with hidden_activation {cfg.get('hidden_activation')!r} is not supported "
+                         "(the native engine's Gemma MLP is GELU-tanh); use the llama.cpp backend for it")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with use_bidirectional_attention (an embedding model) is not supported by the "
+                         "native engine")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # what transformers derives: Gemma 2 alternates, Gemma 3 has 5 local : 1 global
+        pattern = 2 if arch == "gemma2" else int(cfg.get("sliding_window_pattern", 6) or 1)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    # RoPE: transformers 5 writes rope_parameters per layer type; older configs rope_theta,
+    # rope_scaling (global layers) and rope_local_base_freq (sliding layers)
+    rp = cfg.get("rope_parameters") or {}
+    full = rp.get("full_attention", rp) if isinstance(rp, dict) else {}
+    local = rp.get("sliding_attention", {}) if isinstance(rp, dict) else {}
+    theta = float(full.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"{model_type}: RoPE scaling on sliding layers ({local.get('rope_type')}) is not supported")
+    local_theta = 0.0
+    if arch == "gemma3":
+        local_theta = float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+    eos = cfg.get("eos_token_id")
+    head_dim = cfg.get("head_dim") or 256
+    return cls(
+        hidden_size=cfg["hidden_size"],
+        num_layers=n,
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=dict(scaling) if scaling else None,
+        max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        arch=arch,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+        sliding_window=cfg.get("sliding_window") or None,
+        layer_types=list(types),
+        attn_logit_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
+        rope_local_theta=local_theta,
+    )
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

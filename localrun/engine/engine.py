@@ -25,7 +25,7 @@ from localrun.engine.attention import Ops, check_kv_dtype, use_triton
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.host_cache import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv_pool import KVPool
-from localrun.engine.model import LlamaModel
+from localrun.engine.model import LlamaModel, model_class
 from localrun.engine.quant import weight_bytes
 from localrun.engine.parallel import TPGroup, check_shapes
 from localrun.engine.radix_cache import RadixCache
@@ -231,7 +231,8 @@ class LLMEngine:
             max_pos = max(config.max_model_len, 1)
             t = time.perf_counter()
             ops = Ops(reference=not use_triton(config.device, config.use_triton))
-            model = LlamaModel(mcfg, max_pos, config.torch_dtype, config.device, ops, weight_dtype=config.weight_dtype, tp=tp)
+            model = model_class(mcfg)(mcfg, max_pos, config.torch_dtype, config.device, ops,
+                                      weight_dtype=config.weight_dtype, tp=tp)
             fill(model)
             if config.is_cuda:
                 torch.cuda.synchronize()

@@ -28,15 +28,22 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q|k|v fused (its ffn_up holds gate|up: see read_gguf)
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_ARCHS = ("llama", "mistral", "qwen2")
+# Gemma 2 / 3: four norms per layer (llama.cpp's ffn_norm is the pre-feedforward one there) and q/k norms
+_GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GGUF_GEMMA = ("gemma2", "gemma3")
+_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", *_GGUF_GEMMA)  # = localrun.archs.NATIVE_ARCHS
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GGUF_TOP_NAMES:
         return f"{_GGUF_TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -65,11 +72,16 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
     arch = _field(reader, "general.architecture", "?")
     if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported by the native engine "
-                         f"({', '.join(_GGUF_ARCHS)}); use the llama.cpp backend for it")
-    tensors = {_hf_name(t.name): t for t in reader.tensors}
+        from localrun.archs import unsupported_message
+
+        raise ValueError(unsupported_message(arch, "GGUF architecture"))
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in _GGUF_GEMMA else _GGUF_LAYER_NAMES
+    tensors = {_hf_name(t.name, layer_names): t for t in reader.tensors}
     extra = {t.name: t for t in reader.tensors}
     tensors.pop(None, None)
+    if arch == "phi3":  # llama.cpp stores Phi-3's fused gate|up as ffn_up (and no ffn_gate)
+        tensors = {n.replace(".mlp.up_proj.", ".mlp.gate_up_proj.") if ".mlp.up_proj." in n
+                   and n.replace(".up_proj.", ".gate_proj.") not in tensors else n: t for n, t in tensors.items()}
     a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
@@ -80,6 +92,16 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
                                                      extra["rope_freqs.weight"].tensor_type).ravel().tolist()}
     elif _field(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    elif "rope_factors_long.weight" in extra:  # Phi-3 longrope: both factor lists, as tensors
+        factors = {k: gguf.quants.dequantize(extra[f"rope_factors_{k}.weight"].data,
+                                             extra[f"rope_factors_{k}.weight"].tensor_type).ravel().tolist()
+                   for k in ("long", "short")}
+        orig = int(a("rope.scaling.original_context_length", 0) or a("context_length", 4096))
+        scaling = {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+                   "original_max_position_embeddings": orig,
+                   "factor": int(a("context_length", orig)) / orig}
+        if a("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(a("rope.scaling.attn_factor"))
     eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     cfg = ModelConfig(
         hidden_size=hidden,
@@ -98,10 +120,19 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         arch=arch,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(e) for e in eos if e is not None}),
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
+        rotary_dim=_partial_rotary(int(a("rope.dimension_count", 0) or 0),
+                                   int(a("attention.key_length", 0) or 0) or hidden // heads),
+        **_gguf_attention_extras(reader, arch, a),
     )
     permuted = arch in ("llama", "mistral")
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w: back to the Hugging Face form
+    # (GemmaModel folds the +1 in again, in float32)
+    norm_shift = 1.0 if arch in _GGUF_GEMMA else 0.0
 
     def unpermute(name: str, w: torch.Tensor) -> torch.Tensor:
+        if norm_shift and name.endswith("norm.weight"):
+            return w - norm_shift
         if permuted and ".q_proj." in name:
             return unpermute_qk(w, cfg.num_heads)
         if permuted and ".k_proj." in name:
@@ -149,6 +180,43 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
     return cfg, get, set(tensors), meta
 
 
+def _partial_rotary(rope_dims: int, head_dim: int) -> int:
+    """ModelConfig.rotary_dim from a GGUF's rope.dimension_count: fewer dims than head_dim rotate
+    (Phi-4-mini); 0 (all of them) when it is absent, equal, or not meaningful."""
+    return rope_dims if 0 < rope_dims < head_dim and rope_dims % 2 == 0 else 0
+
+
+def _gguf_attention_extras(reader, arch: str, a) -> dict:
+    """Sliding window, soft-capping, attention scale and Gemma 3's local RoPE base from a GGUF
+    file's metadata, with llama.cpp's built-in defaults where the converter writes no key."""
+    if arch not in _GGUF_GEMMA:
+        window = a("attention.sliding_window")  # (llama.cpp's converter writes none for Mistral)
+        return {"sliding_window": int(window)} if window else {}
+    n = int(a("block_count"))
+    heads, hidden = int(a("attention.head_count")), int(a("embedding_length"))
+    head_dim = int(a("attention.key_length", 0) or hidden // heads)
+    pattern = a("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True = sliding
+        sliding = [bool(x) for x in pattern]
+    else:  # llama.cpp: Gemma 2 alternates, Gemma 3 has 5 sliding layers to 1 global
+        period = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+        sliding = [i % period < period - 1 for i in range(n)]
+    scale = a("attention.scale")
+    if scale:
+        scalar = float(scale) ** -2
+    else:  # llama.cpp: the 27B models scale by hidden / heads, the others by head_dim
+        big = (arch == "gemma2" and n == 46) or (arch == "gemma3" and n == 62)
+        scalar = float(hidden // heads if big else head_dim)
+    return {
+        "sliding_window": int(a("attention.sliding_window", 0) or 0) or None,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcap": float(a("attn_logit_softcapping", 0.0) or 0.0),
+        "final_logit_softcap": float(a("final_logit_softcapping", 0.0) or 0.0),
+        "query_pre_attn_scalar": scalar,
+        "rope_local_theta": float(a("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0,
+    }
+
+
 def read_safetensors(directory: str | Path, device: str | None = None
                      ) -> tuple[ModelConfig, Getter, set[str], Callable[[], None]]:
     """(config, getter, names, close) for a Hugging Face model directory. With a CUDA device the
@@ -171,17 +239,22 @@ def read_safetensors(directory: str | Path, device: str | None = None
         for k in h.keys():
             where[k] = h
 
+    rename = _language_model_names(set(where))  # a multimodal Gemma 3: its language model's weights
+    for ours, theirs in rename.items():
+        where[ours] = where[theirs]
+
     def get(name: str) -> torch.Tensor:
         h = where.get(name)
         if h is None:
             raise KeyError(f"safetensors weights lack tensor {name}")
-        return h.get_tensor(name)
+        return h.get_tensor(rename.get(name, name))
 
     def part(name: str, dim: int, start: int, n: int) -> torch.Tensor:
+        name_in_file = rename.get(name, name)
         h = where.get(name)
         if h is None:
             raise KeyError(f"safetensors weights lack tensor {name}")
-        sl = h.get_slice(name)  # reads only the rows / columns asked for
+        sl = h.get_slice(name_in_file)  # reads only the rows / columns asked for
         return sl[start:start + n] if dim == 0 else sl[:, start:start + n]
 
     get.part = part  # type: ignore[attr-defined]
@@ -191,3 +264,20 @@ def read_safetensors(directory: str | Path, device: str | None = None
         where.clear()
 
     return cfg, get, set(where), close
+
+
+# a multimodal checkpoint's language model, under either transformers layout: the model's name -> the file's
+_LANGUAGE_MODEL_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                            ("lm_head.", "language_model.lm_head."))
+
+
+def _language_model_names(names: set[str]) -> dict[str, str]:
+    """For a vision-language checkpoint (Gemma3ForConditionalGeneration), the text decoder's tensors
+    under the plain names the model loads (model.layers..., model.embed_tokens..., lm_head...); the
+    vision tower and projector are left out. Empty for a text-only checkpoint."""
+    out: dict[str, str] = {}
+    for ours, theirs in _LANGUAGE_MODEL_PREFIXES:
+        for n in names:
+            if n.startswith(theirs):
+                out.setdefault(ours + n[len(theirs):], n)
+    return out

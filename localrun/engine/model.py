@@ -1,7 +1,9 @@
 """Llama-family decoder in plain torch, over a flat batch of tokens from many sequences.
 
-Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Mistral and
-SmolLM2 (tied embeddings). Weights use fused layouts (q|k|v in one matrix, gate|up in
+Covers Llama 2 / 3.x ("llama3" rope scaling), Qwen2 / 2.5 (q/k/v bias), Qwen3 (per-head
+q/k RMSNorm before RoPE), Mistral (sliding window), SmolLM2 (tied embeddings) and Phi-3 / Phi-4
+(checkpoints with fused qkv_proj / gate_up_proj, "longrope" scaling, partial rotary, sliding
+window). Weights use fused layouts (q|k|v in one matrix, gate|up in
 one) so a step does few, large matmuls. The model sees only token ids, positions and
 one AttnMetadata object per step; the attention backend it is given (attention.py) does
 everything paged. It is built on the meta device and its weights are allocated once, on
@@ -36,6 +38,7 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size // world
         self.eps = cfg.rms_norm_eps
         self.scale = d ** -0.5
+        self.window = cfg.layer_window(layer_id)  # sliding window (Mistral, Qwen2); 0: global
 
         def e(*shape):
             return torch.empty(*shape, dtype=dtype)
@@ -45,6 +48,8 @@ class DecoderLayer(nn.Module):
         w = lambda n, k: quant.make_weight(n, k, dtype, weight_dtype, device)  # noqa: E731 - float or int8/fp8
         self.qkv_proj = w((self.nq + 2 * self.nkv) * d, h)
         self.qkv_bias = nn.Parameter(e((self.nq + 2 * self.nkv) * d), requires_grad=False) if cfg.attention_bias else None
+        self.q_norm = nn.Parameter(e(d), requires_grad=False) if cfg.qk_norm else None  # Qwen3: per head, pre-RoPE
+        self.k_norm = nn.Parameter(e(d), requires_grad=False) if cfg.qk_norm else None
         self.o_proj = w(h, self.nq * d)
         self.gate_up_proj = w(2 * inter, h)
         self.down_proj = w(h, inter)
@@ -54,8 +59,12 @@ class DecoderLayer(nn.Module):
         qkv = quant.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q, k = ops.apply_rope(q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d), positions, cos_sin)
-        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale)
+        q, k = q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d)
+        if self.q_norm is not None:
+            q, k = ops.rms_norm(q, self.q_norm, self.eps), ops.rms_norm(k, self.k_norm, self.eps)
+        q, k = ops.apply_rope(q, k, positions, cos_sin)
+        o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale,
+                         **({"window": self.window} if self.window else {}))
         x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
         x = self.tp.all_reduce(quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
@@ -63,6 +72,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = DecoderLayer  # a subclass's own decoder layer (gemma.py)
+
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__()
@@ -73,7 +84,7 @@ class LlamaModel(nn.Module):
         self.vocab_start, self.vocab_rows, vocab = self.tp.vocab_shard(cfg.vocab_size)  # vocab-parallel rows
         with torch.device("meta"):  # shapes only: the weights are allocated once, below
             self.embed_tokens = w(vocab, cfg.hidden_size)
-            self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, weight_dtype, device, self.tp)
+            self.layers = nn.ModuleList(self.layer_cls(cfg, i, dtype, weight_dtype, device, self.tp)
                                         for i in range(cfg.num_layers))
             self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
             self.lm_head = None if cfg.tie_word_embeddings else w(vocab, cfg.hidden_size)
@@ -82,8 +93,9 @@ class LlamaModel(nn.Module):
             for w in (self.embed_tokens, self.lm_head):
                 if w is not None:
                     w.data[self.vocab_rows:].zero_()
-        # [max_pos, head_dim]: cos | sin (NeoX half-split), with the config's rope scaling
-        cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype)
+        # [max_pos, rotary_dim]: cos | sin (NeoX half-split), with the config's rope scaling
+        cos_sin = rope_cos_sin_cache(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling, device=device, dtype=dtype,
+                                     rotary_dim=cfg.rotary_dim)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     @torch.inference_mode()
@@ -145,6 +157,18 @@ class LlamaModel(nn.Module):
                 put(dst, name, start, n, *((0, r * n, n) if self.tp.world > 1 else ()))
                 start += n
 
+        def put_rows(dst: torch.Tensor, name: str, segments: list[tuple[int, int]]) -> None:
+            """A checkpoint tensor fused as `dst` is: this rank's row ranges (first row, rows) of it,
+            stacked (all of it when unsharded)."""
+            if isinstance(dst, quant.QuantizedWeight):  # one rank only: the whole tensor
+                return dst.load(get, [(name, dst.shape[0])])
+            if self.tp.world == 1:
+                return put(dst, name)
+            start = 0
+            for at, n in segments:
+                put(dst, name, start, n, 0, at, n)
+                start += n
+
         def put_cols(dst: torch.Tensor, name: str) -> None:  # row-parallel: this rank's input columns
             n = dst.shape[1]
             put(dst, name, *((None, None, 1, r * n, n) if self.tp.world > 1 else ()))
@@ -152,6 +176,7 @@ class LlamaModel(nn.Module):
         def put_vocab(dst: torch.Tensor, name: str) -> None:
             put(dst, name, *((None, None, 0, self.vocab_start, self.vocab_rows) if self.tp.world > 1 else ()))
 
+        q_rows, kv_rows = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         with torch.no_grad():
             put_vocab(self.embed_tokens, "model.embed_tokens.weight")
             put(self.norm, "model.norm.weight")
@@ -162,12 +187,24 @@ class LlamaModel(nn.Module):
                 put(layer.input_layernorm, p + "input_layernorm.weight")
                 put(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
                 widths = [layer.nq * layer.d, layer.nkv * layer.d, layer.nkv * layer.d]
-                put_fused(layer.qkv_proj, [(p + f"self_attn.{n}_proj.weight", w) for n, w in zip("qkv", widths)])
+                if p + "self_attn.qkv_proj.weight" in names:  # Phi-3: the checkpoint is fused already
+                    put_rows(layer.qkv_proj, p + "self_attn.qkv_proj.weight", [
+                        (r * widths[0], widths[0]), (q_rows + r * widths[1], widths[1]),
+                        (q_rows + kv_rows + r * widths[2], widths[2])])
+                else:
+                    put_fused(layer.qkv_proj, [(p + f"self_attn.{n}_proj.weight", w) for n, w in zip("qkv", widths)])
+                if layer.q_norm is not None:
+                    put(layer.q_norm, p + "self_attn.q_norm.weight")
+                    put(layer.k_norm, p + "self_attn.k_norm.weight")
                 if layer.qkv_bias is not None:
                     put_fused(layer.qkv_bias, [(p + f"self_attn.{n}_proj.bias", w) for n, w in zip("qkv", widths)])
                 put_cols(layer.o_proj, p + "self_attn.o_proj.weight")
                 inter = layer.down_proj.shape[1]
-                put_fused(layer.gate_up_proj, [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
+                if p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate | up fused in the checkpoint
+                    put_rows(layer.gate_up_proj, p + "mlp.gate_up_proj.weight",
+                             [(r * inter, inter), (self.cfg.intermediate_size + r * inter, inter)])
+                else:
+                    put_fused(layer.gate_up_proj, [(p + "mlp.gate_proj.weight", inter), (p + "mlp.up_proj.weight", inter)])
                 put_cols(layer.down_proj, p + "mlp.down_proj.weight")
 
     def init_random(self, seed: int = 0) -> None:
@@ -180,7 +217,7 @@ class LlamaModel(nn.Module):
                 if isinstance(p, quant.QuantizedWeight):
                     p.allocate()
                 elif p.dim() == 1:
-                    p.fill_(1.0) if "layernorm" in name or name == "norm" else p.zero_()
+                    p.fill_(1.0) if name.rsplit(".", 1)[-1].endswith("norm") else p.zero_()  # norms: 1, biases: 0
                     continue
                 (full_rows, full_cols), segments, (c0, nc) = self._shard_layout(name, p)
                 std = 1.0 / math.sqrt(full_cols)
@@ -218,3 +255,12 @@ class LlamaModel(nn.Module):
         if leaf in ("o_proj", "down_proj"):  # row-parallel: this rank's input columns
             return (rows, cols * w), [(0, rows, 0)], (r * cols, cols)
         raise ValueError(f"no tensor-parallel layout for weight {name}")
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaModel]:
+    """The model class for a config: Gemma 2 / 3 (gemma.py) or the Llama family."""
+    if cfg.is_gemma:
+        from localrun.engine.gemma import GemmaModel
+
+        return GemmaModel
+    return LlamaModel

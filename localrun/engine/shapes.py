@@ -8,6 +8,11 @@ _LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_fac
                    "original_max_position_embeddings": 8192}
 
 
+def _every(n: int, period: int) -> list[str]:
+    """Gemma's layer pattern: period - 1 sliding-window layers, then one global layer."""
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+
+
 def _shapes() -> dict[str, ModelConfig]:
     return {
         # a toy Llama for smoke tests (`bench gpu-check --tiny`); its vocabulary covers the bundled prompts
@@ -30,8 +35,25 @@ def _shapes() -> dict[str, ModelConfig]:
         "qwen2.5-0.5b": ModelConfig(896, 24, 14, 2, 4864, 151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                     max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True,
                                     arch="qwen2"),
+        "gemma-2-2b": ModelConfig(2304, 26, 8, 4, 9216, 256000, head_dim=256, rms_norm_eps=1e-6,
+                                  max_position_embeddings=8192, tie_word_embeddings=True, arch="gemma2",
+                                  sliding_window=4096, layer_types=_every(26, 2), attn_logit_softcap=50.0,
+                                  final_logit_softcap=30.0, query_pre_attn_scalar=256),
+        "gemma-3-1b": ModelConfig(1152, 26, 4, 1, 6912, 262144, head_dim=256, rms_norm_eps=1e-6,
+                                  rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+                                  arch="gemma3", sliding_window=512, layer_types=_every(26, 6),
+                                  query_pre_attn_scalar=256, rope_local_theta=10000.0),
         "qwen2.5-7b": ModelConfig(3584, 28, 28, 4, 18944, 152064, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                   max_position_embeddings=32768, attention_bias=True, arch="qwen2"),
+        "qwen3-0.6b": ModelConfig(1024, 28, 16, 8, 3072, 151936, head_dim=128, rms_norm_eps=1e-6,
+                                  rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+                                  arch="qwen3", qk_norm=True),
+        # Phi-3-mini-4k (its 2047-token sliding window) and Phi-4-mini (partial rotary); the 128k models'
+        # longrope factor lists are left out (they change the numbers, not the cost)
+        "phi-3-mini": ModelConfig(3072, 32, 32, 32, 8192, 32064, max_position_embeddings=4096, arch="phi3",
+                                  sliding_window=2047),
+        "phi-4-mini": ModelConfig(3072, 32, 24, 8, 8192, 200064, head_dim=128, rotary_dim=96,
+                                  max_position_embeddings=131072, tie_word_embeddings=True, arch="phi3"),
     }
 
 

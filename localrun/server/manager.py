@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Backend, LoadSpec
 from localrun.backends.process import RunnerDied, describe_exit, likely_cause
-from localrun.backends.select import Choice, backend_module, choose, cuda_gpu, is_apple_silicon
+from localrun.backends.select import Choice, backend_module, choose, cuda_gpu, is_apple_silicon, model_architecture
 from localrun.config import Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
 from localrun.server.memory import Plan, free_ram, plan_load
@@ -338,7 +338,8 @@ class ModelManager:
     async def _load(self, resolved: Any, num_ctx: int) -> Runner:
         key = resolved.name
         gpu = await asyncio.to_thread(_maybe_cuda)
-        choice = choose(self.settings.backend, resolved.format, gpu)
+        choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
+                        arch=model_architecture(resolved.format, resolved.weights, resolved.info))
         module = backend_module(choice.backend)
         spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
                         num_parallel=self.settings.num_parallel, extra={"gguf_info": resolved.info})
