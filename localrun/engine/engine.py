@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,6 +34,9 @@ from localrun.engine.sampler import SamplingParams
 from localrun.engine.scheduler import Scheduler, Sequence
 from localrun.engine.tokenizer import Detokenizer, Tokenizer
 from localrun.stop_strings import held_back
+
+if TYPE_CHECKING:
+    from localrun.engine.grammar import Grammar
 
 log = logging.getLogger("localrun.engine")
 
@@ -153,6 +156,7 @@ class LLMEngine:
         self.host_pool = self._host_pool() if config.enable_prefix_cache else None
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
+        self.runner.defer_grammar = True  # grammar masks are filled in _launch, after the previous step's tokens
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
         graphs = config.cuda_graphs
@@ -172,6 +176,7 @@ class LLMEngine:
         self._inflight: StepHandle | None = None  # launched, its tokens not yet handled
         self._groups: dict[str, _Group] = {}  # groups (n > 1) whose members are still arriving
         self._group_deadline: float | None = None  # the earliest deadline of a waiting group (for the loop)
+        self._grammars = None  # grammar.GrammarCompiler, made at the first structured request
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
@@ -358,6 +363,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.grammar is not None and not hasattr(params.grammar, "matcher"):
+            raise ValueError("SamplingParams.grammar must be a grammar from LLMEngine.compile_grammar()")
         seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         return _Request(seq, detok)
@@ -492,6 +499,11 @@ class LLMEngine:
         handle = self.runner.launch(batch)
         self.scheduler.update(batch)
         handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
+        if handle.deferred is not None:  # grammar rows: forward launched, the masks need their last tokens
+            if self._inflight is not None:  # overlap: step N's tokens reach the matchers first
+                prev, self._inflight = self._inflight, None
+                self._handle(prev)
+            self.runner.sample_with_masks(handle)
         return handle
 
     def _handle(self, handle: StepHandle) -> None:
@@ -520,6 +532,8 @@ class LLMEngine:
                 req.text += req.detok.add(tok)
                 if p.stop:
                     finish = self._cut_stop(req)
+            if seq.matcher is not None and finish is None:
+                finish = self._grammar_token(seq, tok)
         if finish is None and (req.num_tokens >= p.max_tokens
                                or seq.prompt_len + req.num_tokens >= self.config.max_model_len):
             finish = "length"
@@ -528,6 +542,28 @@ class LLMEngine:
         elif req.stream is not None:
             hold = held_back(req.text[req.sent:], p.stop) if p.stop else 0  # only a possible stop's start
             self._emit(req, max(req.sent, len(req.text) - hold))
+
+    @staticmethod
+    def _grammar_token(seq: Sequence, tok: int) -> str | None:
+        """Advance the request's grammar; "stop" once the grammar is complete (nothing may follow)."""
+        if not seq.matcher.consume(tok):  # the mask allowed it, so this is a bug: end the request cleanly
+            log.warning("request %s: the grammar rejected sampled token %d (%s)", seq.id, tok, seq.matcher.error)
+            return "stop"
+        return "stop" if seq.matcher.is_stopped else None
+
+    def compile_grammar(self, json_schema: dict | None) -> "Grammar":
+        """The grammar for JSON valid under `json_schema` (None: any JSON object), for
+        SamplingParams.grammar. Cached per schema; call it off the engine thread (a new schema
+        takes milliseconds, the first one also indexes the vocabulary: ~1.5 s). ValueError when
+        the schema cannot be compiled."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this engine has none")
+        with self._cv:
+            if self._grammars is None:
+                from localrun.engine.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+        return self._grammars.json_schema(json_schema)
 
     @staticmethod
     def _cut_stop(req: _Request) -> str | None:

@@ -32,6 +32,7 @@ class StepHandle:
     out: SampleOutput | None
     sampling: SamplingBatch | None
     positions: list[int] = field(default_factory=list)  # where each sampled token goes in its token_ids
+    deferred: tuple | None = None  # (logits, inputs): launched, sampling waits for grammar masks
 
     def result(self) -> tuple[list[int], list]:
         if self.out is None:
@@ -104,6 +105,7 @@ class ModelRunner:
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        self.defer_grammar = False  # the engine sets it: see launch()
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def setup_graphs(self, capture: bool) -> float:
@@ -148,7 +150,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
-        """Run the model on the step and sample, without waiting for the device."""
+        """Run the model on the step and sample, without waiting for the device. With
+        defer_grammar set and a sampling row that has a grammar, only the forward is launched
+        (handle.deferred): the caller brings the matchers up to date, then sample_with_masks()."""
         step, sample_seqs, bs = self.host_step(batch)
         if self.tp.world > 1:  # the other ranks run the same forward
             self.tp.send_step(step, bs, self.table.journal)
@@ -164,11 +168,39 @@ class ModelRunner:
             S = len(sample_seqs)
         sb = self.sampling_batch(sample_seqs, step)
         inputs = ids.index_select(0, sample_idx) if sb.penalties is not None else None
-        out = sample(logits, sb, inputs)
+        handle = StepHandle(sample_seqs, None, sb)
+        if any(s.params.grammar is not None for s in sample_seqs):
+            if self.defer_grammar:
+                handle.deferred = (logits, inputs)
+                return handle
+            self._grammar_masks(handle)
+        self._sample(handle, logits, inputs)
+        return handle
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, inputs: torch.Tensor | None) -> None:
+        S = len(handle.seqs)
+        out = sample(logits, handle.sampling, inputs)
         self.last_tokens[:S].copy_(out.tokens)
         self.tp.broadcast(self.last_tokens[:S])  # a follower's next decode may read them
         out.start_copy()
-        return StepHandle(sample_seqs, out, sb)
+        handle.out = out
+
+    def _grammar_masks(self, handle: StepHandle) -> None:
+        """Fill the grammar rows' bitmasks from their matchers (host) and attach them (device)."""
+        from localrun.engine.grammar import fill_masks
+
+        rows = [i for i, s in enumerate(handle.seqs) if s.matcher is not None]
+        sb = handle.sampling
+        sb.mask_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sb.token_mask = fill_masks([handle.seqs[i].matcher for i in rows], self.model.cfg.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def sample_with_masks(self, handle: StepHandle) -> None:
+        """Finish a deferred launch: grammar masks from the matchers as they are now, then sample."""
+        logits, inputs = handle.deferred
+        handle.deferred = None
+        self._grammar_masks(handle)
+        self._sample(handle, logits, inputs)
 
     def _forward(self, step: HostStep, bs: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Logits of the sampling tokens (None when none samples, or on a tensor-parallel

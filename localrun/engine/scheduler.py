@@ -59,6 +59,8 @@ class Sequence:
         # step that computes the prompt's last token, then fork from it (see Scheduler._fork)
         self.followers: list[Sequence] = []
         self.leader: Sequence | None = None  # while HELD
+        # grammar-constrained: its own matcher (copy a request's state with matcher.fork())
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
 
     def __lt__(self, other: "Sequence") -> bool:  # arrival order (bisect)
         return self.arrival < other.arrival
