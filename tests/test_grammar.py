@@ -111,3 +111,18 @@ def test_compile_cache_errors_and_fork(engine):
     for t in tok.encode('ice", "age": 77}'):  # the parent goes on from where the fork was taken
         assert m.consume(t)
     assert m.is_stopped
+
+
+def test_group_choices_with_a_grammar_each_validate(engine, tokenizer):
+    """n > 1 with a grammar: the forked choices get their own matchers (fresh at the fork) and
+    sample their first token under the mask; each choice equals the same seed run alone."""
+    g = engine.compile_grammar(SCHEMAS[0])
+    params = [SamplingParams(temperature=1.0, seed=11 + i, max_tokens=60, grammar=g) for i in range(3)]
+    prompt = _prompts(tokenizer, 1)
+    shared = engine.generate(prompt, params, n=3)
+    alone = engine.generate(prompt, params, n=3, share_prefill=False)
+    assert engine.stats()["forked_seqs"] >= 2
+    for o, a in zip(shared, alone):
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMAS[0])
+        assert o.token_ids == a.token_ids
