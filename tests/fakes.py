@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, Usage
-from localrun.errors import BackendError
+from localrun.errors import BackendError, InvalidRequest
 from localrun.stop_strings import StopScanner
 
 DEFAULT_REPLY = "Hello from the fake model."
@@ -72,6 +72,8 @@ class FakeModel:
     token_delay: float = 0.0
     slots: int = 1
     supports_json_schema: bool = True
+    supports_groups: bool = False  # n > 1 arrives as one group (GenerationRequest.group), all started at once
+    fail_first: set[int] = field(default_factory=set)  # choice indexes (of a group) refused before any token
     fail_with: str | None = None  # a backend error raised mid-stream after 3 tokens
     loads: list[str] = field(default_factory=list)
     closes: list[str] = field(default_factory=list)
@@ -79,6 +81,8 @@ class FakeModel:
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     cached: dict[str, list[int]] = field(default_factory=dict)  # model -> the last prompt (a one-slot prefix cache)
+    running_at_start: list[int] = field(default_factory=list)  # requests already running when each started
+    running: int = 0
 
     def reply(self, prompt: str) -> str:
         for key, text in self.rules.items():
@@ -96,7 +100,8 @@ class FakeBackend:
         self.model, self.spec = model, spec
         self.info = BackendInfo(name="fake", device="CPU", processor="100% CPU", reason="a fake backend for tests",
                                 context_length=spec.num_ctx, slots=model.slots, size_bytes=1000,
-                                supports_json_schema=model.supports_json_schema)
+                                supports_json_schema=model.supports_json_schema,
+                                supports_groups=model.supports_groups)
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return [ord(c) for c in text]
@@ -107,6 +112,9 @@ class FakeBackend:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         m, o = self.model, request.options
         m.requests.append(request)
+        m.running_at_start.append(m.running)
+        if request.group is not None and request.group[2] in m.fail_first:
+            raise InvalidRequest(f"choice {request.group[2]} refused")
         ids = request.prompt_token_ids or await self.tokenize(request.prompt)
         last = m.cached.get(self.spec.name, [])
         cached = 0
@@ -122,6 +130,7 @@ class FakeBackend:
         stops = StopScanner(o.stop)
         n, finish = 0, "stop"
         t0 = time.perf_counter()
+        m.running += 1
         try:
             for ch in text:
                 if n >= limit:
@@ -149,6 +158,7 @@ class FakeBackend:
                         usage=Usage(prompt_tokens=len(ids), completion_tokens=n, cached_tokens=cached,
                                     eval_seconds=time.perf_counter() - t0))
         finally:  # closed early (the client left): an abort
+            m.running -= 1
             if request.request_id not in m.finished and request.request_id not in m.aborted:
                 m.aborted.append(request.request_id)
 

@@ -11,7 +11,7 @@ import pytest
 
 from localrun.backends.base import Backend, GenerationRequest, LoadSpec, SamplingOptions
 from localrun.chat_template import render_chat
-from localrun.errors import BackendError, InvalidRequest
+from localrun.errors import InvalidRequest
 
 native = pytest.importorskip("localrun.backends.native")
 
@@ -44,7 +44,7 @@ async def test_estimate_and_info(backend, spec):
     assert est.weights_bytes > 100e6 and est.kv_bytes == 512 * 4 * 30 * 2 * 3 * 64 * 4
     assert isinstance(backend, Backend)
     assert backend.info.name == "native" and backend.info.device == "CPU" and backend.info.context_length == 512
-    assert backend.info.slots >= 2 and not backend.info.supports_json_schema
+    assert backend.info.slots >= 2 and backend.info.supports_json_schema
     assert await backend.detokenize(await backend.tokenize("Hello there")) == "Hello there"
 
 
@@ -100,11 +100,31 @@ async def test_embeddings(backend):
     assert dot(a, b) > dot(a, c)
 
 
+async def test_json_schema_output(backend):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "big": {"type": "boolean"}}, "required": ["city", "big"]}
+    opts = SamplingOptions(temperature=0, max_tokens=30, json_schema=schema)
+    text, chunks = await _collect(backend, GenerationRequest(_chat(backend, "Name a big city as JSON."), opts))
+    assert chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    text, _ = await _collect(backend, GenerationRequest(_chat(backend, "A JSON object, please."),
+                                                        SamplingOptions(temperature=0, max_tokens=40, json_mode=True)))
+    assert isinstance(json.loads(text), dict)
+
+
 async def test_bad_requests(backend):
     with pytest.raises(InvalidRequest, match="context"):
         await _collect(backend, GenerationRequest("word " * 600, SamplingOptions(max_tokens=4)))
-    with pytest.raises(BackendError, match="JSON"):
-        await _collect(backend, GenerationRequest("hi", SamplingOptions(json_mode=True)))
+    with pytest.raises(InvalidRequest, match="JSON schema"):  # llguidance cannot resolve the $ref
+        await _collect(backend, GenerationRequest("hi", SamplingOptions(json_schema={
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}})))
+    with pytest.raises(InvalidRequest, match="maxLength"):  # llama.cpp's bounds apply here too
+        await _collect(backend, GenerationRequest("hi", SamplingOptions(json_schema={
+            "type": "object", "properties": {"a": {"type": "string", "maxLength": 10**6}}})))
     with pytest.raises(InvalidRequest):
         await _collect(backend, GenerationRequest("hi", SamplingOptions(top_p=0)))
     with pytest.raises(InvalidRequest):

@@ -55,6 +55,9 @@ class GenerationRequest:
     request_id: str = ""
     add_special: bool = False  # add BOS etc. when tokenizing (rendered templates carry their own)
     prompt_token_ids: list[int] | None = None  # when set, used instead of tokenizing `prompt`
+    # n > 1 on a backend with info.supports_groups: (group id, n, choice index). The n requests of
+    # a group share the prompt's prefill (the native engine computes it once and forks).
+    group: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -105,6 +108,9 @@ class BackendInfo:
     # the longest text (in bytes) one token stands for; prompts longer than this x the window
     # are refused before tokenizing (0: unknown, no such check)
     max_token_bytes: int = 0
+    # n > 1: the backend runs a request's choices as one group sharing the prompt's prefill
+    # (GenerationRequest.group); the daemon then starts all n streams at once
+    supports_groups: bool = False
 
 
 @dataclass

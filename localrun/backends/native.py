@@ -154,10 +154,7 @@ def _host_tier_bytes(kv_bytes: int, tp: int) -> int:
     return max(int(budget), 0)
 
 
-def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams:
-    if o.json_schema is not None or o.json_mode:
-        raise BackendError("the native engine cannot constrain output to JSON yet; use the llama.cpp backend "
-                           "(LOCALRUN_BACKEND=llamacpp) for format/response_format requests")
+def _params(o: SamplingOptions, prompt_len: int, max_len: int, grammar=None) -> SamplingParams:
     room = max_len - prompt_len
     if room < 1:
         raise InvalidRequest(f"the prompt ({prompt_len} tokens) fills the context window ({max_len}); "
@@ -170,7 +167,7 @@ def _params(o: SamplingOptions, prompt_len: int, max_len: int) -> SamplingParams
             max_tokens=min(o.max_tokens, room) if o.max_tokens else room,
             stop=list(o.stop), stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos,
             logprobs=o.top_logprobs if o.logprobs else 0, want_logprobs=o.logprobs,
-            penalty_window=o.repeat_last_n if o.repeat_last_n != 0 else -1,
+            penalty_window=o.repeat_last_n if o.repeat_last_n != 0 else -1, grammar=grammar,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
@@ -218,8 +215,9 @@ class NativeBackend:
             reason=reason,
             context_length=engine.config.max_model_len, slots=engine.config.max_num_seqs,
             size_bytes=size, size_vram_bytes=size if cuda else 0,
-            supports_embeddings=True, supports_logprobs=True, supports_json_schema=False,
+            supports_embeddings=True, supports_logprobs=True, supports_json_schema=True,
             max_token_bytes=self.tokenizer.max_token_bytes(),
+            supports_groups=tp == 1,  # tensor parallelism: the engine runs group members on their own
         )
         engine.start()
 
@@ -228,6 +226,21 @@ class NativeBackend:
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
+
+    async def _grammar(self, o: SamplingOptions):
+        """The compiled grammar of a structured request (None otherwise): the llama.cpp backend's
+        bounds on the schema, then a cached compile on a worker thread (never the event loop or
+        the engine's loop thread); InvalidRequest (400) when the schema cannot be used."""
+        if o.json_schema is None and not o.json_mode:
+            return None
+        from localrun.backends.llamacpp import check_schema_bounds
+
+        if o.json_schema is not None:
+            check_schema_bounds(o.json_schema)
+        try:
+            return await asyncio.to_thread(self.engine.compile_grammar, o.json_schema)
+        except ValueError as exc:
+            raise InvalidRequest(f"{exc}; fix or simplify the schema") from None
 
     def _logprobs(self, items) -> list[TokenLogprob]:
         s = self.tokenizer.token_str
@@ -239,12 +252,13 @@ class NativeBackend:
             ids = await self.tokenize(request.prompt, add_special=request.add_special)
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        params = _params(request.options, len(ids), self.engine.config.max_model_len)
+        params = _params(request.options, len(ids), self.engine.config.max_model_len, await self._grammar(request.options))
         if self.engine.fatal:  # a tensor-parallel rank died: this runner must restart
             self.fatal = self.engine.fatal
             raise BackendError(self.engine.fatal)
         try:
-            stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}")
+            stream = self.engine.add_request(ids, params, f"{request.request_id or 'req'}-{uuid.uuid4().hex[:8]}",
+                                             group=request.group)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         try:

@@ -67,12 +67,14 @@ class Channel:
 # -- requests -------------------------------------------------------------------------------
 def request_to_wire(r: GenerationRequest) -> dict:
     return {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
-            "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids}
+            "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids,
+            "group": list(r.group) if r.group is not None else None}
 
 
 def request_from_wire(d: dict) -> GenerationRequest:
     return GenerationRequest(prompt=d["prompt"], options=SamplingOptions(**d["options"]), request_id=d["request_id"],
-                             add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"])
+                             add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
+                             group=tuple(d["group"]) if d.get("group") else None)
 
 
 # -- chunks ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--out results/] [--tiny]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
+    localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -215,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("kv-quant", help="fp8 / int8 KV cache vs unquantized: greedy agreement and perplexity")
     kv_quant.add_arguments(q)
+
+    from localrun.bench import fork  # stdlib only at module level
+
+    f = sub.add_parser("fork", help="n choices of one prompt: one shared prefill (a group) vs separate requests")
+    fork.add_arguments(f)
+
+    from localrun.bench import grammar  # stdlib-only at import
+
+    gr = sub.add_parser("grammar", help="JSON-schema grammar libraries: compile time and mask time per token")
+    grammar.add_arguments(gr)
 
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
@@ -466,10 +477,22 @@ def _cmd_kv_quant(a: argparse.Namespace) -> int:
     from localrun.bench import kv_quant
 
     return kv_quant.run(a)
+def _cmd_grammar(a: argparse.Namespace) -> int:
+    from localrun.bench import grammar
+
+    return grammar.run(a)
+
+
 def _cmd_weight_quant(a: argparse.Namespace) -> int:
     from localrun.bench import weight_quant
 
     return weight_quant.run(a)
+
+
+def _cmd_fork(a: argparse.Namespace) -> int:
+    from localrun.bench import fork
+
+    return fork.run(a)
 
 
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
@@ -480,7 +503,8 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant}
+            "soak": _cmd_soak, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
+            "fork": _cmd_fork, "grammar": _cmd_grammar}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -35,10 +35,15 @@ from localrun.engine.scheduler import Scheduler, Sequence
 from localrun.engine.tokenizer import Detokenizer, Tokenizer
 from localrun.stop_strings import held_back
 
+if TYPE_CHECKING:
+    from localrun.engine.grammar import Grammar
+
 log = logging.getLogger("localrun.engine")
 
 CUDA_RESERVE_BYTES = 1 << 30  # CUDA: decode graphs and their logits buffer, cuBLAS workspaces, allocator slack
 HOST_AUTO_POOL_MULTIPLE = 4  # the default host tier holds at most this many times the device KV pool
+GROUP_WAIT_S = 0.25  # a group (n > 1) waits at most this long for all its members before it starts
+MAX_GROUP = 128  # members of one group (the OpenAI API allows n up to 128)
 
 
 @dataclass
@@ -66,7 +71,7 @@ class StreamDelta:
     stop_sequence: str | None = None  # on the last delta: the stop string that ended the request
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     seq: Sequence
     detok: Detokenizer | None
@@ -81,6 +86,18 @@ class _Request:
     pending_lp: list = field(default_factory=list)
     stop_sequence: str | None = None  # the stop string that ended it
     num_tokens: int = 0  # output tokens handled (the sequence may hold more, still in flight)
+    group: tuple[str, int, int] | None = None  # (group id, size, index): n > 1 sharing one prefill
+
+
+@dataclass
+class _Group:
+    """Members of a group that arrived while it waits for the rest (at most GROUP_WAIT_S)."""
+
+    size: int
+    deadline: float
+    members: list[_Request] = field(default_factory=list)
+    arrived: int = 0  # members seen, including aborted ones
+    started: bool = False  # handed to the scheduler; members arriving later run on their own
 
 
 class RequestStream:
@@ -139,6 +156,7 @@ class LLMEngine:
         self.host_pool = self._host_pool() if config.enable_prefix_cache else None
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
+        self.runner.defer_grammar = True  # grammar masks are filled in _launch, after the previous step's tokens
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
         graphs = config.cuda_graphs
@@ -161,6 +179,9 @@ class LLMEngine:
         self._done: dict[str, _Request] = {}
         self._inbox: list[tuple[str, object]] = []
         self._inflight: StepHandle | None = None  # launched, its tokens not yet handled
+        self._groups: dict[str, _Group] = {}  # groups (n > 1) whose members are still arriving
+        self._group_deadline: float | None = None  # the earliest deadline of a waiting group (for the loop)
+        self._grammars = None  # grammar.GrammarCompiler, made at the first structured request
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
@@ -347,16 +368,25 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.grammar is not None and not hasattr(params.grammar, "matcher"):
+            raise ValueError("SamplingParams.grammar must be a grammar from LLMEngine.compile_grammar()")
         seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         return _Request(seq, detok)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> RequestStream:
-        """Queue a request on the running loop (call from an asyncio loop); returns its stream."""
+                    request_id: str | None = None, group: tuple[str, int, int] | None = None) -> RequestStream:
+        """Queue a request on the running loop (call from an asyncio loop); returns its stream.
+
+        group=(group_id, size, index): one of `size` requests with the same prompt (an API
+        request's n choices), each added with its own call, params and stream. The group
+        starts once all have arrived (or after GROUP_WAIT_S): the first by index prefills the
+        prompt once and the others fork from it, sharing its KV pages and sampling their first
+        token from the same logits. Outputs equal those of separate requests."""
         if self.fatal:
             raise RuntimeError(self.fatal)
         req = self._new_request(list(prompt_token_ids), params or SamplingParams(), request_id)
+        req.group = _check_group(group)
         if req.seq.id in self._requests:
             raise ValueError(f"request id {req.seq.id!r} is already in use")
         req.stream = RequestStream(self, req.seq.id)
@@ -375,6 +405,8 @@ class LLMEngine:
                 self._drain_inbox()
             finally:
                 self._lock.release()
+            with self._cv:  # the loop may have looked while this drained (a group may have started)
+                self._cv.notify()
 
     def _drain_inbox(self) -> None:
         with self._cv:
@@ -382,11 +414,69 @@ class LLMEngine:
         for kind, item in items:
             if kind == "add":
                 self._requests[item.seq.id] = item
-                self.scheduler.add(item.seq)
+                if item.group is None or not self._join_group(item):
+                    self.scheduler.add(item.seq)
             else:
                 req = self._requests.get(item)
-                if req is not None and self.scheduler.abort(item) is not None:
+                if req is not None and (self._leave_group(req) or self.scheduler.abort(item) is not None):
                     self._finish(req, "abort", release=False)
+        self._start_groups(time.perf_counter())
+
+    # -- groups (n > 1) ----------------------------------------------------------------------
+    def _join_group(self, req: _Request) -> bool:
+        """Hold a group member until its group starts; False: run it on its own (a group of
+        one, tensor parallelism, or its group already started)."""
+        gid, size, _ = req.group
+        if size < 2 or self.tp.world > 1:
+            return False
+        g = self._groups.get(gid)
+        if g is None:
+            g = self._groups[gid] = _Group(size, time.perf_counter() + GROUP_WAIT_S)
+        g.arrived += 1
+        if g.arrived >= g.size:
+            del self._groups[gid]  # every member is here: nothing more to wait for
+        if g.started:
+            return False
+        g.members.append(req)
+        if g.arrived >= g.size:
+            self._start_group(g)
+        return True
+
+    def _leave_group(self, req: _Request) -> bool:
+        """An aborted member still waiting for its group: drop it (True)."""
+        g = self._groups.get(req.group[0]) if req.group else None
+        if g is None or g.started or req not in g.members:
+            return False
+        g.members.remove(req)
+        return True
+
+    def _start_groups(self, now: float) -> None:
+        for gid, g in list(self._groups.items()):
+            if not g.started and now >= g.deadline:
+                self._start_group(g)  # late members will run on their own
+            if g.started and now >= g.deadline + 60 * GROUP_WAIT_S:
+                del self._groups[gid]  # members that never came: forget the group
+        waits = [g.deadline for g in self._groups.values() if not g.started]
+        self._group_deadline = min(waits) if waits else None
+
+    def _start_group(self, g: _Group) -> None:
+        g.started = True
+        members = sorted(g.members, key=lambda r: r.group[2])
+        g.members = []
+        if not members:
+            return
+        leader = members[0].seq
+        same = [r.seq for r in members[1:] if r.seq.token_ids == leader.token_ids]
+        self.scheduler.add_group(leader, same)
+        for r in members[1:]:
+            if r.seq.token_ids != leader.token_ids:  # not the same prompt: no sharing
+                self.scheduler.add(r.seq)
+
+    def _group_wait(self) -> float | None:
+        """Seconds until the next waiting group must start (None: no group waits); read by the
+        loop without the step lock, so from one attribute set under it."""
+        deadline = self._group_deadline
+        return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
@@ -417,6 +507,11 @@ class LLMEngine:
         handle = self.runner.launch(batch)
         self.scheduler.update(batch)
         handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
+        if handle.deferred is not None:  # grammar rows: forward launched, the masks need their last tokens
+            if self._inflight is not None:  # overlap: step N's tokens reach the matchers first
+                prev, self._inflight = self._inflight, None
+                self._handle(prev)
+            self.runner.sample_with_masks(handle)
         return handle
 
     def _handle(self, handle: StepHandle) -> None:
@@ -445,6 +540,8 @@ class LLMEngine:
                 req.text += req.detok.add(tok)
                 if p.stop:
                     finish = self._cut_stop(req)
+            if seq.matcher is not None and finish is None:
+                finish = self._grammar_token(seq, tok)
         if finish is None and (req.num_tokens >= p.max_tokens
                                or seq.prompt_len + req.num_tokens >= self.config.max_model_len):
             finish = "length"
@@ -453,6 +550,28 @@ class LLMEngine:
         elif req.stream is not None:
             hold = held_back(req.text[req.sent:], p.stop) if p.stop else 0  # only a possible stop's start
             self._emit(req, max(req.sent, len(req.text) - hold))
+
+    @staticmethod
+    def _grammar_token(seq: Sequence, tok: int) -> str | None:
+        """Advance the request's grammar; "stop" once the grammar is complete (nothing may follow)."""
+        if not seq.matcher.consume(tok):  # the mask allowed it, so this is a bug: end the request cleanly
+            log.warning("request %s: the grammar rejected sampled token %d (%s)", seq.id, tok, seq.matcher.error)
+            return "stop"
+        return "stop" if seq.matcher.is_stopped else None
+
+    def compile_grammar(self, json_schema: dict | None) -> "Grammar":
+        """The grammar for JSON valid under `json_schema` (None: any JSON object), for
+        SamplingParams.grammar. Cached per schema; call it off the engine thread (a new schema
+        takes milliseconds, the first one also indexes the vocabulary: ~1.5 s). ValueError when
+        the schema cannot be compiled."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer; this engine has none")
+        with self._cv:
+            if self._grammars is None:
+                from localrun.engine.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+        return self._grammars.json_schema(json_schema)
 
     @staticmethod
     def _cut_stop(req: _Request) -> str | None:
@@ -504,19 +623,33 @@ class LLMEngine:
 
     # -- offline -----------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> list[GenerationOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+                 progress: Callable[[int, int], None] | None = None, n: int = 1,
+                 share_prefill: bool = True) -> list[GenerationOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order.
+
+        n > 1: n choices per prompt (outputs prompt-major: prompt 0's n, then prompt 1's ...),
+        params one, one per prompt or one per choice; with share_prefill (the default) each
+        prompt's choices are a group that prefills once (see add_request), else separate requests."""
         if self._thread is not None:
             raise RuntimeError("the online loop is running: use add_request(), or shutdown() first")
+        if not 1 <= n <= MAX_GROUP:
+            raise ValueError(f"n must be between 1 and {MAX_GROUP}")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        reqs = [self._new_request(list(p), sp, None) for p, sp in zip(prompts, plist)]
+        if len(plist) == len(prompts) and n > 1:
+            plist = [sp for sp in plist for _ in range(n)]
+        if len(plist) != len(prompts) * n:
+            raise ValueError("give one SamplingParams, one per prompt or one per choice (len(prompts) * n)")
+        reqs = [self._new_request(list(prompts[k // n]), sp, None) for k, sp in enumerate(plist)]
+        if n > 1 and share_prefill:
+            tag = uuid.uuid4().hex
+            for k, r in enumerate(reqs):
+                r.group = (f"offline-{tag}-{k // n}", n, k % n)
         self._done: dict[str, _Request] = {}
         with self._lock:
             for r in reqs:
                 self._requests[r.seq.id] = r
-                self.scheduler.add(r.seq)
+                if r.group is None or not self._join_group(r):
+                    self.scheduler.add(r.seq)
         if self.fatal:
             raise RuntimeError(self.fatal)
         try:
@@ -558,7 +691,10 @@ class LLMEngine:
         while True:
             with self._cv:
                 while not self._stop and not self._inbox and not self.has_work():
-                    self._cv.wait()
+                    wait = self._group_wait()
+                    if wait == 0.0:
+                        break  # a group's wait is over: step() starts it
+                    self._cv.wait(wait)
                 if self._stop:
                     break
             try:
@@ -571,6 +707,8 @@ class LLMEngine:
         with self._lock:
             self._inflight = None  # its tokens belong to the requests failed below
             self._drain_inbox()
+            self._groups.clear()
+            self._group_deadline = None
             for req in list(self._requests.values()):
                 self.scheduler.abort(req.seq.id)
                 self._requests.pop(req.seq.id, None)
@@ -633,6 +771,7 @@ class LLMEngine:
             "weight_dtype": self.config.weight_dtype, "weight_bytes": self.weight_bytes,
             "cached_pages": self.cache.num_pages if self.cache else 0,
             "evictable_pages": self.cache.evictable_pages if self.cache else 0,
+            "prefill_tokens": s.prefill_tokens, "forked_seqs": s.forked_seqs,
             "prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens,
             "prefix_device_hit_tokens": s.prefix_hit_tokens - s.prefix_host_hit_tokens,
             "prefix_host_hit_tokens": s.prefix_host_hit_tokens,
@@ -645,3 +784,17 @@ class LLMEngine:
             "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
             **(self.spec.stats() if self.spec is not None else {"speculative": "off"}),
         }
+
+
+def _check_group(group) -> tuple[str, int, int] | None:
+    if group is None:
+        return None
+    try:
+        gid, size, index = group
+        gid, size, index = str(gid), int(size), int(index)
+    except (TypeError, ValueError):
+        raise ValueError("group must be (group id, size, index)") from None
+    if not 1 <= size <= MAX_GROUP or not 0 <= index < size:
+        raise ValueError(f"a group has 1 to {MAX_GROUP} members and each index is in [0, size); got size {size}, "
+                         f"index {index}")
+    return gid, size, index

@@ -61,6 +61,19 @@ class KVPool:
         scales when quantized. Copying row p of each moves page p in full."""
         return [*self.k_caches, *self.v_caches, *(s for s in self.k_scales + self.v_scales if s is not None)]
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages src[i] -> dst[i] in full (every layer's K and V, and their scales when
+        quantized), queued on the device after the work already launched."""
+        if not src:
+            return
+        device = self.k_caches[0].device
+        s = torch.tensor(src, dtype=torch.int64)
+        d = torch.tensor(dst, dtype=torch.int64)
+        if device.type == "cuda":  # pinned: the copies do not wait for the device
+            s, d = s.pin_memory().to(device, non_blocking=True), d.pin_memory().to(device, non_blocking=True)
+        for t in self.page_tensors():
+            t.index_copy_(0, d, t.index_select(0, s))
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.page_tensors())

@@ -32,6 +32,7 @@ class StepHandle:
     out: SampleOutput | None
     sampling: SamplingBatch | None
     positions: list[int] = field(default_factory=list)  # where each sampled token goes in its token_ids
+    deferred: tuple | None = None  # (logits, inputs): launched, sampling waits for grammar masks
 
     def result(self) -> tuple[list[int], list]:
         if self.out is None:
@@ -106,6 +107,7 @@ class ModelRunner:
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
+        self.defer_grammar = False  # the engine sets it: see launch()
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def setup_graphs(self, capture: bool) -> float:
@@ -160,21 +162,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
-        """Run the model on the step and sample, without waiting for the device."""
+        """Run the model on the step and sample, without waiting for the device. With
+        defer_grammar set and a sampling row that has a grammar, only the forward is launched
+        (handle.deferred): the caller brings the matchers up to date, then sample_with_masks()."""
         step, sample_seqs, bs = self.host_step(batch)
         if self.tp.world > 1:  # the other ranks run the same forward
             self.tp.send_step(step, bs, self.table.journal)
         logits, ids = self._forward(step, bs)
+        if batch.copies:  # group forks: each follower's own copy of the prompt's partial last page
+            self.pool.copy_pages([s for s, _ in batch.copies], [d for _, d in batch.copies])
         S = len(sample_seqs)
         if not S:
             return StepHandle([], None, None)
+        sample_idx = self.buffers.view("sample_idx", S)
+        if batch.forks:  # followers sample from their leader's logits row, each with its own params
+            logits, sample_idx, sample_seqs = _fork_rows(logits, sample_idx, sample_seqs, batch.forks)
+            S = len(sample_seqs)
         sb = self.sampling_batch(sample_seqs, step)
-        inputs = ids.index_select(0, self.buffers.view("sample_idx", S)) if sb.penalties is not None else None
-        out = sample(logits, sb, inputs)
+        inputs = ids.index_select(0, sample_idx) if sb.penalties is not None else None
+        handle = StepHandle(sample_seqs, None, sb)
+        if any(s.params.grammar is not None for s in sample_seqs):
+            if self.defer_grammar:
+                handle.deferred = (logits, inputs)
+                return handle
+            self._grammar_masks(handle)
+        self._sample(handle, logits, inputs)
+        return handle
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, inputs: torch.Tensor | None) -> None:
+        S = len(handle.seqs)
+        out = sample(logits, handle.sampling, inputs)
         self.last_tokens[:S].copy_(out.tokens)
         self.tp.broadcast(self.last_tokens[:S])  # a follower's next decode may read them
         out.start_copy()
-        return StepHandle(sample_seqs, out, sb)
+        handle.out = out
+
+    def _grammar_masks(self, handle: StepHandle) -> None:
+        """Fill the grammar rows' bitmasks from their matchers (host) and attach them (device)."""
+        from localrun.engine.grammar import fill_masks
+
+        rows = [i for i, s in enumerate(handle.seqs) if s.matcher is not None]
+        sb = handle.sampling
+        sb.mask_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sb.token_mask = fill_masks([handle.seqs[i].matcher for i in rows], self.model.cfg.vocab_size, self.device)
+
+    @torch.inference_mode()
+    def sample_with_masks(self, handle: StepHandle) -> None:
+        """Finish a deferred launch: grammar masks from the matchers as they are now, then sample."""
+        logits, inputs = handle.deferred
+        handle.deferred = None
+        self._grammar_masks(handle)
+        self._sample(handle, logits, inputs)
 
     def _forward(self, step: HostStep, bs: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Logits of the sampling tokens (None when none samples, or on a tensor-parallel
@@ -207,8 +245,9 @@ class ModelRunner:
         params = [s.params for s in seqs]
         pen = any(p.has_penalties for p in params)
         hist = [s.token_ids[: len(s.token_ids) - s.num_pending] if s.params.has_penalties else [] for s in seqs]
-        prev = step.prev_idx
-        pending = [pen and bool(prev[int(i)] >= 0) for i in step.sample_idx[: len(seqs)]]
+        prev, idx = step.prev_idx, step.sample_idx
+        # rows past the step's own (group followers) sample after a prefill: nothing pending
+        pending = [pen and j < len(idx) and bool(prev[int(idx[j])] >= 0) for j in range(len(seqs))]
         return SamplingBatch.build(params, hist, [s.prompt_len for s in seqs], [s.num_output for s in seqs],
                                    pending, self.model.cfg.vocab_size, self.device)
 
@@ -229,6 +268,18 @@ class ModelRunner:
         ids = torch.tensor([x for t in token_lists for x in t], dtype=torch.int32, device=dev)
         h = self.model(ids, meta.positions, meta, self.attn)
         return [h[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _fork_rows(logits: torch.Tensor, sample_idx: torch.Tensor, seqs: list[Sequence],
+               forks: list[tuple[Sequence, Sequence]]) -> tuple[torch.Tensor, torch.Tensor, list[Sequence]]:
+    """Append one sampling row per group follower: a copy of its leader's logits row (and
+    token index), so n members draw from the same last-position logits in one sampler call."""
+    at = {id(s): j for j, s in enumerate(seqs)}
+    rows = torch.tensor([at[id(leader)] for leader, _ in forks], dtype=torch.int64)
+    if logits.device.type == "cuda":
+        rows = rows.pin_memory().to(logits.device, non_blocking=True)
+    return (torch.cat([logits, logits.index_select(0, rows)]), torch.cat([sample_idx, sample_idx.index_select(0, rows)]),
+            seqs + [f for _, f in forks])
 
 
 def _pad_decode(step: HostStep, bs: int, dummy_row: int) -> HostStep:

@@ -11,7 +11,7 @@ device's generator, except for seeded requests: their E is a counter-based hash 
 output position, token id), so a seeded request draws the same tokens whatever it is
 batched with, preempted or not. Greedy rows (temperature 0 or top_k 1) take the argmax.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as
-vLLM reports them.
+vLLM reports them. Rows with a grammar first get -inf on the tokens their bitmask disallows.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int = 0  # top-n alternatives per token; <0: none. 0 with want_logprobs: chosen only
     want_logprobs: bool = False  # report the chosen token's logprob even when logprobs == 0
     penalty_window: int = -1  # penalties look at the last N tokens only (-1: all)
+    grammar: object | None = None  # a compiled grammar.Grammar: only tokens it allows are sampled
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -144,6 +145,8 @@ class SamplingBatch:
     logprob_rows: torch.Tensor | None  # int64 [l]
     logprob_rows_list: list[int]
     top_n: list[int]  # per logprob row: alternatives wanted
+    mask_rows: torch.Tensor | None = None  # int64 [g]: rows constrained by a grammar (set after build)
+    token_mask: torch.Tensor | None = None  # int32 [g, ceil(V/32)]: their allowed-token bitmasks
 
     @classmethod
     def build(cls, params: list[SamplingParams], histories: list[list[int]], prompt_lens: list[int],
@@ -297,6 +300,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch, last_tokens: torch.Tensor | N
     out = SampleOutput(tokens=torch.empty(0))
     if b.logprob_rows is not None:
         lp = torch.log_softmax(logits[b.logprob_rows], dim=-1)
+    if b.token_mask is not None:  # grammar rows: disallowed tokens never drawn (logprobs stay raw)
+        from localrun.engine.grammar import apply_token_mask
+
+        logits = apply_token_mask(logits, b.mask_rows, b.token_mask)
     x = logits if b.penalties is None else _apply_penalties(logits, b.penalties, last_tokens)
     if b.all_greedy:
         tokens = x.argmax(dim=-1)

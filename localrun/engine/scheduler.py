@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localrun.engine.config import EngineConfig
 from localrun.engine.kv_pool import KVPool, PageTable
@@ -33,6 +33,7 @@ _arrivals = itertools.count()
 LONG_QUEUE = 128  # beyond this many waiting, skip prefix matching and go FCFS
 PENDING = -1  # a sampled token not yet copied to the host
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+HELD = "held"  # a group member waiting to fork from its leader's prefill (never admitted on its own)
 
 
 class Sequence:
@@ -54,6 +55,12 @@ class Sequence:
         self.num_pending = 0  # PENDING placeholders at the end of token_ids
         self.pending_row: int | None = None  # the last placeholder's row in its step's sampled tokens
         self.last_step = -1  # the step that last scheduled this sequence
+        # n > 1 (a group sharing one prompt): the leader prefills; its followers are HELD until the
+        # step that computes the prompt's last token, then fork from it (see Scheduler._fork)
+        self.followers: list[Sequence] = []
+        self.leader: Sequence | None = None  # while HELD
+        # grammar-constrained: its own matcher (copy a request's state with matcher.fork())
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None
         self.draft: list[int] = []  # speculative decoding: proposed next tokens, verified in the coming step
         self.spec_draft_tokens = 0  # drafted tokens scheduled for verification
         self.spec_accepted_tokens = 0  # of those, accepted
@@ -92,6 +99,11 @@ class ScheduledBatch:
     seqs: list[Sequence]  # decodes first, then speculative verifies, then prefill chunks
     num_tokens: list[int]
     num_decodes: int
+    # group forks this step: (leader, follower) pairs; each follower samples its first token from
+    # its leader's last-position logits. copies: (source page, fresh page) pairs to copy on the
+    # device after the forward (the prompt's partial last page, which each follower gets its own of)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
     num_spec: int = 0  # rows after the decodes: a decode plus its draft (1 + len(draft) tokens, all sampled)
 
     @property
@@ -110,6 +122,9 @@ class Scheduler:
         self.prefix_host_hit_tokens = 0  # of those, tokens whose KV was loaded back from host memory
         self.prefix_query_tokens = 0
         self.num_preemptions = 0
+        self.held: dict[str, Sequence] = {}  # group followers not yet forked, by id
+        self.prefill_tokens = 0  # prompt (and recompute) tokens computed by prefill chunks
+        self.forked_seqs = 0  # group followers that started from their leader's prefill
         self._step = 0
 
     # -- pages -------------------------------------------------------------------------------
@@ -164,7 +179,34 @@ class Scheduler:
         seq.status = WAITING
         bisect.insort(self.waiting, seq)
 
+    def add_group(self, leader: Sequence, followers: list[Sequence]) -> None:
+        """Queue a group sharing one prompt: only the leader is admitted and prefills; the
+        followers fork from it in the step that computes the prompt's last token."""
+        if any(f.token_ids != leader.token_ids for f in followers):
+            raise ValueError("every member of a group must have the same prompt")
+        for f in followers:
+            f.status, f.leader = HELD, leader
+            self.held[f.id] = f
+        leader.followers = list(followers)
+        self.add(leader)
+
+    def _unhold(self, leader: Sequence) -> None:
+        """The leader cannot share its prefill (aborted, or no room to fork): its remaining
+        followers become ordinary waiting sequences (the prefix cache still serves their full pages)."""
+        for f in leader.followers:
+            self.held.pop(f.id, None)
+            f.leader = None
+            self.add(f)
+        leader.followers = []
+
     def abort(self, seq_id: str) -> Sequence | None:
+        held = self.held.pop(seq_id, None)
+        if held is not None:
+            held.leader.followers.remove(held)
+            held.leader = None
+            self.finish(held)
+            held.finish_reason = held.finish_reason or "abort"
+            return held
         for q in (self.running, self.waiting):
             for s in q:
                 if s.id == seq_id and s.status != FINISHED:
@@ -179,6 +221,8 @@ class Scheduler:
             return
         seq.status = FINISHED
         self.release(seq)
+        if seq.followers:
+            self._unhold(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.release(seq)
@@ -243,11 +287,49 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(budget, prefills)
+        forks: list[tuple[Sequence, Sequence]] = []
+        copies: list[tuple[int, int]] = []
+        for seq, n in prefills:
+            if seq.followers and seq.num_computed + n == len(seq.token_ids):
+                self._fork(seq, forks, copies)
         self._compact()
         batch = decodes + specs + prefills
         if not batch:
             return None
-        return ScheduledBatch([s for s, _ in batch], [n for _, n in batch], len(decodes), len(specs))
+        return ScheduledBatch([s for s, _ in batch], [n for _, n in batch], len(decodes), forks, copies,
+                              num_spec=len(specs))
+
+    def _fork(self, leader: Sequence, forks: list, copies: list) -> None:
+        """The leader's chunk this step computes the prompt's last token: each follower gets a
+        page-table row sharing every full prompt page (one more reference each) and a fresh copy
+        of the partial last page (copied on the device after the forward), counts the whole
+        prompt as computed, and samples its first token from the leader's logits this step.
+        Followers that find no row or page become ordinary waiting sequences."""
+        L, P = leader.prompt_len, self.P
+        full, partial = divmod(L, P)
+        num_running = sum(s.status == RUNNING for s in self.running)
+        for f in list(leader.followers):
+            if num_running >= self.cfg.max_num_seqs:
+                break
+            fresh = self._grab(1) if partial else []
+            if fresh is None:
+                break
+            shared = leader.pages[:full]
+            self.pool.incref(shared)
+            f.row = self.table.alloc_row()
+            f.pages = shared + fresh
+            self.table.write(f.row, 0, f.pages)
+            if partial:
+                copies.append((leader.pages[full], fresh[0]))
+            f.num_computed, f.cached_tokens = L, leader.cached_tokens
+            f.status, f.leader, f.last_step = RUNNING, None, self._step
+            del self.held[f.id]
+            leader.followers.remove(f)
+            bisect.insort(self.running, f)
+            forks.append((leader, f))
+            num_running += 1
+            self.forked_seqs += 1
+        self._unhold(leader)
 
     def _room_for_draft(self, seq: Sequence, budget: int) -> bool:
         """Trim seq's draft to the step budget and get pages for it; never preempts for a draft."""
@@ -327,6 +409,7 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """Advance the computed counts once the step is launched; cache prefixes of prefill chunks."""
+        self.prefill_tokens += sum(batch.num_tokens[batch.num_decodes:])
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             if n > 1:

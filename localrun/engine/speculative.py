@@ -77,7 +77,7 @@ class SpecDecoder:
             if seq.status != "running" or seq.num_pending or len(seq.token_ids) - seq.num_computed != 1:
                 continue
             p = seq.params
-            if getattr(p, "grammar", None) is not None:
+            if p.grammar is not None:
                 continue  # constrained rows: the grammar, not the target alone, decides the next token
             room = min(self.k, p.max_tokens - seq.num_output - 1,
                        eng.config.max_model_len - len(seq.token_ids) - 1)
@@ -120,10 +120,12 @@ class SpecDecoder:
                 eng._finish(eng._requests[seq.id], seq.finish_reason, release=False)
             if batch is None:
                 return
-            if not batch.num_spec:  # nothing to verify: the engine's plain step
+            if not batch.num_spec:  # nothing to verify: the engine's plain (serial) step
                 handle = runner.launch(batch)
                 sched.update(batch)
                 handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
+                if handle.deferred is not None:  # grammar rows
+                    runner.sample_with_masks(handle)
                 eng._handle(handle)
                 return
             self._verify(batch)
@@ -133,9 +135,16 @@ class SpecDecoder:
 
     def _verify(self, batch) -> None:
         eng, runner = self.engine, self.engine.runner
+        from localrun.engine.runner import StepHandle, _fork_rows
+
         step, rows, _ = runner.host_step(batch)
         starts = {id(s): s.num_computed for s in batch.seqs}
         logits, _ = runner._forward(step, None)
+        if batch.copies:  # group forks (n > 1): each follower's copy of the prompt's partial last page
+            runner.pool.copy_pages([a for a, _ in batch.copies], [b for _, b in batch.copies])
+        if batch.forks:  # followers sample from their leader's last-position logits
+            idx = runner.buffers.view("sample_idx", len(rows))
+            logits, _, rows = _fork_rows(logits, idx, rows, batch.forks)
         params, hists, plens, positions = [], [], [], []
         j = 0
         for r, seq in enumerate(rows):
@@ -146,6 +155,8 @@ class SpecDecoder:
             positions.append(seq.num_output + j)
         sb = SamplingBatch.build(params, hists, plens, positions, [False] * len(rows), eng.model_config.vocab_size,
                                  eng.device)
+        if any(seq.matcher is not None for seq in rows):  # grammar rows (never drafted): their masks
+            runner._grammar_masks(StepHandle(rows, None, sb))
         out = sample(logits, sb, None)
         eng.scheduler.update(batch)
         tokens, lps = out.to_host(sb)
@@ -154,7 +165,8 @@ class SpecDecoder:
         r = 0
         while r < len(rows):
             seq = rows[r]
-            draft = seq.draft if len(seq.token_ids) - starts[id(seq)] == 1 else []
+            start = starts.get(id(seq))  # None: a group follower forked this step
+            draft = seq.draft if start is not None and len(seq.token_ids) - start == 1 else []
             m = 1 + len(draft)
             toks, lp = tokens[r:r + m], lps[r:r + m]
             r += m

@@ -109,7 +109,7 @@ class Generation:
         self.model = job.resolved.name
         self.prompt_tokens = len(requests[0].prompt_token_ids or [])
         self.usage = Usage(prompt_tokens=self.prompt_tokens)
-        self._first: tuple[AsyncIterator[Chunk], Chunk] | None = None
+        self._first: dict[int, tuple[AsyncIterator[Chunk], Chunk]] = {}  # started choices and their first chunks
         # backend streams not yet closed: release() closes them, so a consumer that vanished
         # without closing its iterator (a cancelled response task) still aborts the work
         self._open: list = []
@@ -122,23 +122,36 @@ class Generation:
         return self.lease.load_seconds
 
     async def _prime(self) -> None:
-        """Start choice 0 and take its first chunk (errors raise here, before any response)."""
-        stream = self.lease.backend.generate(self.requests[0])
-        self._open.append(stream)
+        """Start choice 0 and take its first chunk (errors raise here, before any response).
+        A group (n > 1 on a backend that shares the prefill) starts every choice at once: the
+        backend holds the group until all its members are there."""
+        grouped = len(self.requests) > 1 and self.requests[0].group is not None
+        streams = [self.lease.backend.generate(r) for r in (self.requests if grouped else self.requests[:1])]
+        self._open.extend(streams)
+
+        async def first(stream) -> Chunk:
+            try:
+                return await stream.__anext__()
+            except StopAsyncIteration:
+                return Chunk(finish_reason="stop", usage=Usage(prompt_tokens=self.prompt_tokens))
+
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            first = Chunk(finish_reason="stop", usage=Usage(prompt_tokens=self.prompt_tokens))
+            chunks = await asyncio.gather(*(first(st) for st in streams), return_exceptions=True)
+            failed = next((c for c in chunks if isinstance(c, BaseException)), None)
+            if failed is not None:
+                raise failed
         except BaseException:
-            await stream.aclose()
+            for st in streams:
+                await st.aclose()
+                self._open.remove(st)
             raise
-        self._first = (stream, first)
+        self._first = dict(enumerate(zip(streams, chunks)))
 
     async def release(self) -> None:
         if not self._released:
             self._released = True
             self.service.active.discard(self)
-            self._first = None
+            self._first = {}
             for stream in self._open:
                 try:
                     await stream.aclose()  # the backend aborts whatever it was still generating
@@ -157,9 +170,8 @@ class Generation:
             for i, req in enumerate(self.requests):
                 if self.interrupted is not None:
                     raise self.interrupted
-                if i == 0 and self._first is not None:
-                    stream, pending = self._first
-                    self._first = None
+                if i in self._first:
+                    stream, pending = self._first.pop(i)
                 else:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
@@ -378,9 +390,11 @@ class GenerationService:
         o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
         o.max_tokens = room if o.max_tokens is None else min(o.max_tokens, room)
         out = []
+        gid = uuid.uuid4().hex if job.n > 1 and lease.backend.info.supports_groups else None
         for i in range(job.n):
             oi = replace(o, seed=o.seed + i) if (o.seed is not None and i) else o
-            out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids))
+            out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids,
+                                         group=(gid, job.n, i) if gid else None))
         return out
 
 

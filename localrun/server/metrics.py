@@ -137,6 +137,11 @@ class _Live:
                                       "Share of drafted tokens the model accepted since load", labels=["model"])
         spec_tps = GaugeMetricFamily("localrun_spec_tokens_per_step",
                                      "Tokens a sequence gains per verification step since load (1 = no gain)",
+        prefill = CounterMetricFamily("localrun_prefill_tokens",
+                                      "Tokens the native engine computed in prefill since load (prompts, recomputes); "
+                                      "a request's n choices prefill their prompt once", labels=["model"])
+        forked = CounterMetricFamily("localrun_forked_sequences",
+                                     "Choices (n > 1) that started from another choice's prefill instead of their own",
                                      labels=["model"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
@@ -148,6 +153,9 @@ class _Live:
             if "prefix_host_hit_tokens" in st:
                 hit_tokens.add_metric([r.name, "device"], st["prefix_device_hit_tokens"])
                 hit_tokens.add_metric([r.name, "host"], st["prefix_host_hit_tokens"])
+            if "prefill_tokens" in st:
+                prefill.add_metric([r.name], st["prefill_tokens"])
+                forked.add_metric([r.name], st["forked_seqs"])
             if "host_pages_total" in st:
                 host_used.add_metric([r.name], st["host_pages_used"])
                 host_total.add_metric([r.name], st["host_pages_total"])
@@ -160,8 +168,8 @@ class _Live:
                 hit.add_metric([r.name], st["prefix_hit_tokens"] / st["prefix_query_tokens"])
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
-        yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, spec_tokens, spec_rate,
-                    spec_tps)
+        yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, prefill, forked, spec_tokens,
+                    spec_rate, spec_tps)
 
 
 class MetricsMiddleware:
