@@ -268,3 +268,49 @@ def test_llamacpp_prompt_lookup_same_greedy_text(smollm2_gguf):
     spec, draft = answer({"speculative": "ngram", "num_speculative_tokens": 5})
     assert no_draft is None and type(draft).__name__ == "LlamaPromptLookupDecoding" and draft.num_pred_tokens == 5
     assert spec == plain and "cat sat on the mat" in spec
+
+
+def test_ngram_with_n_choices_and_running_drafts_equals_plain():
+    """n > 1: a group forks (page copies, followers on the leader's logits) in a step that also
+    verifies another sequence's draft; seeded choices equal plain decoding's."""
+    params = [SamplingParams(temperature=0.9, seed=100 + i, max_tokens=12, ignore_eos=True) for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompt = [7, 3, 9, 4, 2, 8, 6, 1, 5, 10, 11]  # not a multiple of the page size: a partial page is copied
+
+    def run(eng):
+        reqs = [eng._new_request(PROMPTS[0], greedy, None)]
+        eng._done = {}
+        eng._requests[reqs[0].seq.id] = reqs[0]
+        eng.scheduler.add(reqs[0].seq)
+        eng.step()
+        eng.step()  # PROMPTS[0] decodes (with drafts when speculative) when the group arrives
+        outs = eng.generate([prompt], params, n=3)
+        while reqs[0].seq.id not in eng._done:
+            eng.step()
+        return [o.token_ids for o in outs], eng._output(reqs[0]).token_ids
+
+    plain = run(_engine("off"))
+    eng = _engine("draft", draft_model=("random", TINY, 0))  # drafts every step
+    assert run(eng) == plain
+    assert eng.stats()["forked_seqs"] == 2 and eng.stats()["spec_accepted_tokens"] > 0
+
+
+def test_grammar_rows_get_no_draft_and_stay_valid(smollm2_gguf):
+    import json
+
+    from localrun.engine.loader import read_gguf
+    from localrun.engine.shapes import get_shape
+    from localrun.engine.tokenizer import Tokenizer
+
+    _, _, _, meta = read_gguf(smollm2_gguf)
+    tok = Tokenizer.from_gguf(smollm2_gguf, meta["eos_token_ids"], meta["chat_template"])
+    cfg = EngineConfig(device="cpu", max_model_len=256, kv_cache_tokens=2048, max_num_seqs=8, speculative="ngram")
+    eng = LLMEngine._make(get_shape("tiny"), cfg, lambda m: m.init_random(0), lambda: tok)
+    g = eng.compile_grammar({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    rep = tok.encode("one two three one two three one two three one two")
+    params = [SamplingParams(temperature=0, max_tokens=60, grammar=g),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    outs = eng.generate([tok.encode("JSON please:"), rep], params)
+    assert isinstance(json.loads(outs[0].text)["a"], int) and outs[0].finish_reason == "stop"
+    eng.spec = None
+    assert eng.generate([rep], params[1:])[0].token_ids == outs[1].token_ids
