@@ -137,6 +137,7 @@ class _Live:
                                       "Share of drafted tokens the model accepted since load", labels=["model"])
         spec_tps = GaugeMetricFamily("localrun_spec_tokens_per_step",
                                      "Tokens a sequence gains per verification step since load (1 = no gain)",
+                                     labels=["model"])
         prefill = CounterMetricFamily("localrun_prefill_tokens",
                                       "Tokens the native engine computed in prefill since load (prompts, recomputes); "
                                       "a request's n choices prefill their prompt once", labels=["model"])
