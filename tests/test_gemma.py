@@ -9,6 +9,7 @@ import torch
 
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
+from gguf_util import add_decoder_metadata
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,13 +143,7 @@ def _write_gguf_like_llama_cpp(hf, path, arch: str):
 
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    add_decoder_metadata(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_sliding_window(cfg.sliding_window)

@@ -19,6 +19,7 @@ import torch
 
 import localrun.kernels as K
 from localrun.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from gguf_util import add_decoder_metadata
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,13 +64,7 @@ def write_gguf(hf, path) -> None:
     c = hf.config
     arch = c.model_type
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    add_decoder_metadata(w, c)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     tensors = {}
