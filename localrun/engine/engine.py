@@ -31,7 +31,7 @@ from localrun.engine.parallel import TPGroup, check_shapes
 from localrun.engine.radix_cache import RadixCache
 from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
-from localrun.engine.scheduler import Scheduler, Sequence
+from localrun.engine.scheduler import ScheduledBatch, Scheduler, Sequence
 from localrun.engine.tokenizer import Detokenizer, Tokenizer
 from localrun.stop_strings import held_back
 
@@ -249,11 +249,8 @@ class LLMEngine:
 
                 tp = parallel.start(config.tensor_parallel, config.device, recipe, config)
         try:
-            max_pos = max(config.max_model_len, 1)
             t = time.perf_counter()
-            ops = Ops(reference=not use_triton(config.device, config.use_triton))
-            model = model_class(mcfg)(mcfg, max_pos, config.torch_dtype, config.device, ops,
-                                      weight_dtype=config.weight_dtype, tp=tp)
+            model = build_model(mcfg, config, tp)
             fill(model)
             if config.is_cuda:
                 torch.cuda.synchronize()
@@ -268,35 +265,9 @@ class LLMEngine:
     def from_recipe(cls, recipe: tuple, config: EngineConfig | None = None, tp: TPGroup | None = None) -> "LLMEngine":
         """("gguf", path) | ("safetensors", directory) | ("random", shape, seed): how every
         tensor-parallel rank builds its shard of the same model."""
-        kind = recipe[0]
-        if kind == "gguf":
-            from localrun.engine.loader import read_gguf
-
-            path = recipe[1]
-            mcfg, get, names, meta = read_gguf(path)
-            return cls._make(mcfg, config, lambda m: m.load_hf_state(get, names),
-                             lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]), recipe, tp)
-        if kind == "safetensors":
-            from localrun.engine.loader import read_safetensors
-
-            directory = recipe[1]
-            config = config or EngineConfig()
-            mcfg, get, names, close = read_safetensors(directory, device=config.device)
-
-            def fill(m: LlamaModel) -> None:
-                try:
-                    m.load_hf_state(get, names)
-                finally:
-                    close()
-
-            return cls._make(mcfg, config, fill, lambda: Tokenizer.from_dir(directory, mcfg.eos_token_ids), recipe, tp)
-        if kind == "random":
-            from localrun.engine.shapes import get_shape
-
-            shape, seed = recipe[1], recipe[2]
-            mcfg = get_shape(shape) if isinstance(shape, str) else shape
-            return cls._make(mcfg, config, lambda m: m.init_random(seed), recipe=recipe, tp=tp)
-        raise ValueError(f"unknown model recipe {kind!r}")
+        config = config or EngineConfig()
+        mcfg, fill, tokenizer = recipe_source(recipe, config)
+        return cls._make(mcfg, config, fill, tokenizer, recipe, tp)
 
     @classmethod
     def from_gguf(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
@@ -497,13 +468,18 @@ class LLMEngine:
         return self._inflight is not None or self.scheduler.has_work()
 
     def _launch(self) -> StepHandle | None:
+        batch = self._schedule()
+        return None if batch is None else self._launch_batch(batch)
+
+    def _schedule(self) -> ScheduledBatch | None:
         batch = self.scheduler.schedule()
         if self.host_pool is not None:
             self.host_pool.flush()  # pages spilled to / loaded from host memory while scheduling
         for seq in self.scheduler.take_finished():  # the pool is too small for it
             self._finish(self._requests[seq.id], seq.finish_reason, release=False)
-        if batch is None:
-            return None
+        return batch
+
+    def _launch_batch(self, batch: ScheduledBatch) -> StepHandle:
         handle = self.runner.launch(batch)
         self.scheduler.update(batch)
         handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
@@ -784,6 +760,47 @@ class LLMEngine:
             "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
             **(self.spec.stats() if self.spec is not None else {"speculative": "off"}),
         }
+
+
+def build_model(mcfg: ModelConfig, config: EngineConfig, tp: TPGroup | None = None) -> LlamaModel:
+    """The model of `mcfg`'s family (this rank's shard), allocated on the device, weights not yet filled."""
+    ops = Ops(reference=not use_triton(config.device, config.use_triton))
+    return model_class(mcfg)(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device, ops,
+                             weight_dtype=config.weight_dtype, tp=tp)
+
+
+def recipe_source(recipe: tuple, config: EngineConfig) -> tuple[ModelConfig, Callable[[LlamaModel], None],
+                                                                 Callable[[], Tokenizer | None]]:
+    """(config, fill(model), tokenizer()) for a recipe: ("gguf", path) | ("safetensors",
+    directory) | ("random", shape, seed). fill copies the weights in (and closes the files)."""
+    kind = recipe[0]
+    if kind == "gguf":
+        from localrun.engine.loader import read_gguf
+
+        path = recipe[1]
+        mcfg, get, names, meta = read_gguf(path)
+        return (mcfg, lambda m: m.load_hf_state(get, names),
+                lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]))
+    if kind == "safetensors":
+        from localrun.engine.loader import read_safetensors
+
+        directory = recipe[1]
+        mcfg, get, names, close = read_safetensors(directory, device=config.device)
+
+        def fill(m: LlamaModel) -> None:
+            try:
+                m.load_hf_state(get, names)
+            finally:
+                close()
+
+        return mcfg, fill, lambda: Tokenizer.from_dir(directory, mcfg.eos_token_ids)
+    if kind == "random":
+        from localrun.engine.shapes import get_shape
+
+        shape, seed = recipe[1], recipe[2]
+        mcfg = get_shape(shape) if isinstance(shape, str) else shape
+        return mcfg, lambda m: m.init_random(seed), lambda: None
+    raise ValueError(f"unknown model recipe {kind!r}")
 
 
 def _check_group(group) -> tuple[str, int, int] | None:

@@ -168,16 +168,9 @@ class ModelRunner:
         step, sample_seqs, bs = self.host_step(batch)
         if self.tp.world > 1:  # the other ranks run the same forward
             self.tp.send_step(step, bs, self.table.journal)
-        logits, ids = self._forward(step, bs)
-        if batch.copies:  # group forks: each follower's own copy of the prompt's partial last page
-            self.pool.copy_pages([s for s, _ in batch.copies], [d for _, d in batch.copies])
-        S = len(sample_seqs)
-        if not S:
+        logits, ids, sample_idx, sample_seqs = self.forward_sampling(batch, step, bs, sample_seqs)
+        if not sample_seqs:
             return StepHandle([], None, None)
-        sample_idx = self.buffers.view("sample_idx", S)
-        if batch.forks:  # followers sample from their leader's logits row, each with its own params
-            logits, sample_idx, sample_seqs = _fork_rows(logits, sample_idx, sample_seqs, batch.forks)
-            S = len(sample_seqs)
         sb = self.sampling_batch(sample_seqs, step)
         inputs = ids.index_select(0, sample_idx) if sb.penalties is not None else None
         handle = StepHandle(sample_seqs, None, sb)
@@ -188,6 +181,18 @@ class ModelRunner:
             self._grammar_masks(handle)
         self._sample(handle, logits, inputs)
         return handle
+
+    def forward_sampling(self, batch: ScheduledBatch, step: HostStep, bs: int | None, sample_seqs: list[Sequence]
+                         ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, list[Sequence]]:
+        """Run the step's forward, copy its group forks' pages, and return (logits, input ids,
+        sample_idx, sampling sequences) with one row per group follower appended."""
+        logits, ids = self._forward(step, bs)
+        if batch.copies:  # group forks: each follower's own copy of the prompt's partial last page
+            self.pool.copy_pages([s for s, _ in batch.copies], [d for _, d in batch.copies])
+        sample_idx = self.buffers.view("sample_idx", len(sample_seqs))
+        if batch.forks:  # followers sample from their leader's logits row, each with its own params
+            logits, sample_idx, sample_seqs = _fork_rows(logits, sample_idx, sample_seqs, batch.forks)
+        return logits, ids, sample_idx, sample_seqs
 
     def _sample(self, handle: StepHandle, logits: torch.Tensor, inputs: torch.Tensor | None) -> None:
         S = len(handle.seqs)

@@ -110,41 +110,26 @@ class SpecDecoder:
     @torch.inference_mode()
     def step(self) -> None:
         eng = self.engine
-        sched, runner = eng.scheduler, eng.runner
         self.propose()
         try:
-            batch = sched.schedule()
-            if eng.host_pool is not None:
-                eng.host_pool.flush()
-            for seq in sched.take_finished():
-                eng._finish(eng._requests[seq.id], seq.finish_reason, release=False)
+            batch = eng._schedule()
             if batch is None:
                 return
             if not batch.num_spec:  # nothing to verify: the engine's plain (serial) step
-                handle = runner.launch(batch)
-                sched.update(batch)
-                handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
-                if handle.deferred is not None:  # grammar rows
-                    runner.sample_with_masks(handle)
-                eng._handle(handle)
+                eng._handle(eng._launch_batch(batch))
                 return
             self._verify(batch)
         finally:
-            for seq in sched.running:
+            for seq in eng.scheduler.running:
                 seq.draft = []
 
     def _verify(self, batch) -> None:
         eng, runner = self.engine, self.engine.runner
-        from localrun.engine.runner import StepHandle, _fork_rows
+        from localrun.engine.runner import StepHandle
 
         step, rows, _ = runner.host_step(batch)
         starts = {id(s): s.num_computed for s in batch.seqs}
-        logits, _ = runner._forward(step, None)
-        if batch.copies:  # group forks (n > 1): each follower's copy of the prompt's partial last page
-            runner.pool.copy_pages([a for a, _ in batch.copies], [b for _, b in batch.copies])
-        if batch.forks:  # followers sample from their leader's last-position logits
-            idx = runner.buffers.view("sample_idx", len(rows))
-            logits, _, rows = _fork_rows(logits, idx, rows, batch.forks)
+        logits, _, _, rows = runner.forward_sampling(batch, step, None, rows)
         params, hists, plens, positions = [], [], [], []
         j = 0
         for r, seq in enumerate(rows):
@@ -218,37 +203,14 @@ def draft_recipe(spec) -> tuple:
     raise ValueError(f"draft_model {text!r} is neither a GGUF file, a safetensors directory nor random:SHAPE[:SEED]")
 
 
-def load_draft_model(recipe: tuple, config, triton: bool):
-    """The draft's LlamaModel (one rank, the engine's dtype and device)."""
-    from localrun.engine.attention import Ops
-    from localrun.engine.model import model_class
+def load_draft_model(recipe: tuple, config):
+    """The draft's model (one rank, the engine's dtype and device), built and filled as the
+    engine builds its own."""
+    from localrun.engine.engine import build_model, recipe_source
 
-    kind = recipe[0]
-    close = None
-    if kind == "gguf":
-        from localrun.engine.loader import read_gguf
-
-        mcfg, get, names, _ = read_gguf(recipe[1])
-        fill = lambda m: m.load_hf_state(get, names)  # noqa: E731
-    elif kind == "safetensors":
-        from localrun.engine.loader import read_safetensors
-
-        mcfg, get, names, close = read_safetensors(recipe[1], device=config.device)
-        fill = lambda m: m.load_hf_state(get, names)  # noqa: E731
-    elif kind == "random":
-        from localrun.engine.shapes import get_shape
-
-        mcfg = get_shape(recipe[1]) if isinstance(recipe[1], str) else recipe[1]
-        fill = lambda m: m.init_random(recipe[2])  # noqa: E731
-    else:
-        raise ValueError(f"unknown draft model recipe {kind!r}")
-    try:
-        model = model_class(mcfg)(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device,
-                           Ops(reference=not triton), weight_dtype=config.weight_dtype)
-        fill(model)
-    finally:
-        if close is not None:
-            close()
+    mcfg, fill, _ = recipe_source(recipe, config)
+    model = build_model(mcfg, config)
+    fill(model)
     return model, mcfg
 
 
@@ -266,7 +228,7 @@ class DraftModel:
         cfg = engine.config
         t = time.perf_counter()
         triton = use_triton(cfg.device, cfg.use_triton)
-        self.model, self.model_config = load_draft_model(draft_recipe(cfg.draft_model), cfg, triton)
+        self.model, self.model_config = load_draft_model(draft_recipe(cfg.draft_model), cfg)
         vocab = engine.model_config.vocab_size
         if self.model_config.vocab_size != vocab:
             raise ValueError(f"the draft model's vocabulary has {self.model_config.vocab_size} tokens, the model's "
