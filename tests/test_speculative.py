@@ -48,6 +48,8 @@ def test_ngram_outputs_identical_to_plain_decoding(params):
             assert [(t, round(lp, 4)) for t, lp, _ in b.logprobs] == [(t, round(lp, 4)) for t, lp, _ in a.logprobs]
     st = eng.stats()
     assert st["speculative"] == "ngram" and st["spec_draft_tokens"] > 0
+    # verification steps are decodes, not prefill: only the prompts count (nothing is preempted here)
+    assert st["preemptions"] == 0 and st["prefill_tokens"] == sum(map(len, PROMPTS))
     if params.greedy:  # the random model repeats itself: the lookup pays
         assert st["spec_accepted_tokens"] > 0 and st["spec_tokens_per_row_step"] > 1.0
     # rolled-back drafts leave no page behind

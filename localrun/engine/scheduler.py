@@ -409,7 +409,7 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """Advance the computed counts once the step is launched; cache prefixes of prefill chunks."""
-        self.prefill_tokens += sum(batch.num_tokens[batch.num_decodes:])
+        self.prefill_tokens += sum(batch.num_tokens[batch.num_decodes + batch.num_spec:])  # not decodes, not verifies
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             if n > 1:
