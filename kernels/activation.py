@@ -14,40 +14,33 @@ from ._common import inner_contiguous, interpreting
 
 
 @triton.jit
-def _gelu_tanh_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    # act(gate) * up for one row's column block; act = GELU (tanh approximation) or SiLU
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (x + 0.044715 x^3)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # exact at both ends (exp overflows to inf -> 1)
-    out = 0.5 * gate * (1.0 + tanh) * up
-    tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < INTER
-    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # exact at both ends (exp overflows to inf -> 1)
+        out = 0.5 * gate * (1.0 + tanh) * up
+    else:
+        out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> [T, I]."""
-    return _gated(x, _silu_and_mul_kernel, "silu_and_mul")
+    return _gated(x, False, "silu_and_mul")
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:] ([T, I])."""
-    return _gated(x, _gelu_tanh_and_mul_kernel, "gelu_tanh_and_mul")
+    return _gated(x, True, "gelu_tanh_and_mul")
 
 
-def _gated(x: torch.Tensor, kernel, name: str) -> torch.Tensor:
+def _gated(x: torch.Tensor, gelu: bool, name: str) -> torch.Tensor:
     num_tokens, width = x.shape
     if width % 2:
         raise ValueError(f"{name} needs an even last dimension, got {width}")
@@ -57,7 +50,7 @@ def _gated(x: torch.Tensor, kernel, name: str) -> torch.Tensor:
         return out
     x = inner_contiguous(x)
     block = 64 if interpreting() else 1024
-    kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4,
+    _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, GELU=gelu, num_warps=4,
     )
     return out

@@ -336,10 +336,10 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                                                "CosSin": "*fp32"},
                      dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, BLOCK_HQ=32, BLOCK_HK=8, HEAD_DIM=128, HALF=64,
                           BLOCK_HALF=64, BLOCK_PASS=0), num_warps=4)
-    _compile_for_gpu(activation._silu_and_mul_kernel, h100, {"X": bf, "Out": bf}, dict(INTER=14336, BLOCK=1024),
-                     num_warps=4)
-    _compile_for_gpu(activation._gelu_tanh_and_mul_kernel, h100, {"X": bf, "Out": bf},
-                     dict(INTER=9216, BLOCK=1024), num_warps=4)
+    _compile_for_gpu(activation._act_and_mul_kernel, h100, {"X": bf, "Out": bf},
+                     dict(INTER=14336, BLOCK=1024, GELU=False), num_warps=4)
+    _compile_for_gpu(activation._act_and_mul_kernel, h100, {"X": bf, "Out": bf},
+                     dict(INTER=9216, BLOCK=1024, GELU=True), num_warps=4)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
