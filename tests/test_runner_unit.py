@@ -135,3 +135,18 @@ async def test_abort_arriving_with_delivered_stops_the_generation():
     finally:
         pipe.inbox.put_nowait({"op": "close"})
         await asyncio.wait_for(serve, 5)
+
+
+def test_merged_chunks_keep_the_last_chunks_stop_sequence():
+    """What piles up for a slow consumer is merged (llama.cpp's queue and the runner pipe alike);
+    the last chunk's finish_reason, usage and stop string must survive the merge."""
+    from localrun.backends.base import Chunk, TokenLogprob, Usage, merge_chunks
+
+    lp = TokenLogprob("a", -0.1, [])
+    a = Chunk(text="Hel", token_ids=[1], logprobs=[lp])
+    b = Chunk(text="lo", token_ids=[2], finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=2),
+              stop_sequence="\n\n")
+    m = merge_chunks(a, b)
+    assert (m.text, m.token_ids, m.logprobs) == ("Hello", [1, 2], [lp])
+    assert (m.finish_reason, m.usage, m.stop_sequence) == ("stop", b.usage, "\n\n")
+    assert merge_chunks(Chunk(text="x"), Chunk(text="y")).logprobs is None

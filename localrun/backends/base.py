@@ -92,6 +92,14 @@ class Chunk:
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
 
 
+def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
+    """Chunk a followed by chunk b as one (a slow consumer gets what piled up at once): text,
+    tokens and logprobs joined; b's finish_reason, usage and stop_sequence (b may be the last)."""
+    lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
+    return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
+                 finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence)
+
+
 @dataclass
 class BackendInfo:
     name: str  # "llama.cpp" | "native"

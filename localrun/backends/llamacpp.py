@@ -34,6 +34,7 @@ from localrun.backends.base import (
     GenerationRequest,
     LoadSpec,
     MemoryEstimate,
+    merge_chunks,
     TokenLogprob,
     Usage,
 )
@@ -167,12 +168,6 @@ def _token_piece(llama_cpp, vocab, token: int, special: bool = False) -> bytes:
         buf = ctypes.create_string_buffer(-n)
         n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
     return buf.raw[: max(n, 0)]
-
-
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
-    return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
-                 finish_reason=b.finish_reason, usage=b.usage)
 
 
 def _common_prefix(llm, tokens: list[int]) -> int:
@@ -362,7 +357,7 @@ class LlamaCppBackend:
                     if isinstance(nxt, BaseException):
                         item = nxt
                         break
-                    item = _merge(item, nxt)
+                    item = merge_chunks(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from localrun.backends import wire
-from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec
+from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, merge_chunks
 from localrun.errors import BackendError
 
 log = logging.getLogger("localrun.process")
@@ -222,7 +222,7 @@ class RemoteBackend:
                     if not isinstance(nxt, Chunk):
                         item = nxt
                         break
-                    item = _merge(item, nxt)
+                    item = merge_chunks(item, nxt)
                 if not isinstance(item, Chunk):
                     finished = True
                     raise item
@@ -287,12 +287,6 @@ class RemoteBackend:
         except Exception:  # gone, or no psutil
             pass
         return {"rss": rss, "vram": int(self.info.size_vram_bytes if self.info else 0)}
-
-
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
-    return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
-                 finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence)
 
 
 def _runner_env() -> dict[str, str]:
