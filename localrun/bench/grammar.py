@@ -75,6 +75,16 @@ def _instance_text(name: str, target_tokens: int, tok) -> str:
     return text
 
 
+def _per_token(ids: list[int], step) -> list[float]:
+    """Seconds of step(token) (fill the mask, then accept the token) for each token in turn."""
+    out = []
+    for t in ids:
+        t0 = time.perf_counter()
+        step(t)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 # -- one adapter per library: setup(tokenizer) -> state; compile(state, schema) -> grammar;
 # -- run(state, grammar, token ids) -> per-token seconds (fill mask + accept)
 class _LLGuidance:
@@ -100,14 +110,13 @@ class _LLGuidance:
 
         m = llguidance.LLMatcher(tok, grammar)
         mask = llt.allocate_token_bitmask(1, vocab)
-        out = []
-        for t in ids:
-            t0 = time.perf_counter()
+
+        def step(t: int) -> None:
             llt.fill_next_token_bitmask(m, mask, 0)
             if not m.consume_token(t):
                 raise RuntimeError(f"llguidance rejected token {t}: {m.get_error()}")
-            out.append(time.perf_counter() - t0)
-        return out
+
+        return _per_token(ids, step)
 
 
 class _XGrammar:
@@ -130,14 +139,13 @@ class _XGrammar:
 
         m = xgr.GrammarMatcher(grammar)
         mask = xgr.allocate_token_bitmask(1, vocab)
-        out = []
-        for t in ids:
-            t0 = time.perf_counter()
+
+        def step(t: int) -> None:
             m.fill_next_token_bitmask(mask, 0)
             if not m.accept_token(t):
                 raise RuntimeError(f"xgrammar rejected token {t}")
-            out.append(time.perf_counter() - t0)
-        return out
+
+        return _per_token(ids, step)
 
 
 class _OutlinesCore:
@@ -171,13 +179,12 @@ class _OutlinesCore:
 
         g = Guide(index)
         mask = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
-        out = []
-        for t in ids:
-            t0 = time.perf_counter()
+
+        def step(t: int) -> None:
             g.write_mask_into(mask.data_ptr(), mask.numel(), mask.element_size())
             g.advance(t)
-            out.append(time.perf_counter() - t0)
-        return out
+
+        return _per_token(ids, step)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
