@@ -207,3 +207,26 @@ class InProcessDaemon:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(20)
+
+
+# -- /metrics ---------------------------------------------------------------------------------
+def metric_samples(text: str) -> dict:
+    """Prometheus exposition text -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def engine_metric_samples(stats: dict, name: str = "m") -> dict:
+    """The daemon's /metrics samples for one loaded model whose backend reports `stats` (an
+    engine's stats() dict), rendered by the real localrun.server.metrics.Metrics."""
+    from types import SimpleNamespace
+
+    from localrun.server.metrics import Metrics
+
+    async def engine_stats():
+        return stats
+
+    runner = SimpleNamespace(name=name, waiting=0, active=0, backend=SimpleNamespace(stats=engine_stats))
+    return metric_samples(asyncio.run(Metrics(SimpleNamespace(runners={name: runner})).render()).decode())

@@ -12,6 +12,7 @@ from localrun.engine.kv_pool import KVPool
 from localrun.engine.radix_cache import RadixCache
 from localrun.engine.sampler import SamplingBatch, filtered_probs, sample
 from localrun.engine.shapes import SHAPES
+from parity import assert_greedy_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,14 +52,7 @@ def test_tiny_models_match_transformers(kind, tmp_path):
         assert eng.model_config.rope_scaling["rope_type"] == "llama3"
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 90)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, want_logprobs=True)
-    outs = eng.generate(prompts, params)  # batched; the 90-token prompt is chunked (budget 64)
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, output_scores=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-        assert o.token_ids == ref.sequences[0, len(p):].tolist()
-        ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, o.token_ids)]
-        assert [lp for _, lp, _ in o.logprobs] == pytest.approx(ref_lp, abs=1e-4)
+    assert_greedy_parity(eng, hf, prompts, max_tokens=8)  # batched; the 90-token prompt is chunked (budget 64)
     assert eng.stats()["kv_pages_free"] + eng.stats()["cached_pages"] == eng.stats()["kv_pages_total"]
 
 

@@ -10,6 +10,7 @@ import torch
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
 from gguf_util import add_decoder_metadata
+from parity import assert_greedy_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,17 +50,6 @@ def _hf_model(kind: str):
     return m
 
 
-def _check_parity(hf, eng, prompts, max_tokens=8):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, want_logprobs=True)
-    outs = eng.generate(prompts, params)  # batched; long prompts are chunked (budget 32)
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, output_scores=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-        assert o.token_ids == ref.sequences[0, len(p):].tolist()
-        ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, o.token_ids)]
-        assert [lp for _, lp, _ in o.logprobs] == pytest.approx(ref_lp, abs=1e-4)
-
-
 def _prompts():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 40, 90)]
@@ -79,10 +69,10 @@ def test_sliding_window_models_match_transformers(kind, tmp_path):
         assert (mc.attn_logit_softcap, mc.final_logit_softcap, mc.query_pre_attn_scalar) == (3.0, 5.0, 24.0)
     if kind == "gemma3":
         assert mc.rope_local_theta == 100.0 and mc.rope_scaling["rope_type"] == "linear"
-    _check_parity(hf, eng, _prompts())
+    assert_greedy_parity(eng, hf, _prompts())
     # the prefix cache: a prompt that extends a finished one starts from its cached pages
     p = _prompts()[2]
-    _check_parity(hf, eng, [p + [7, 8, 9, 10, 11]], max_tokens=4)
+    assert_greedy_parity(eng, hf, [p + [7, 8, 9, 10, 11]], max_tokens=4)
     assert eng.stats()["kv_pages_free"] + eng.stats()["cached_pages"] == eng.stats()["kv_pages_total"]
 
 
@@ -132,7 +122,7 @@ def test_multimodal_gemma3_checkpoint_runs_its_language_model(tmp_path):
     eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
                                                             max_num_batched_tokens=32, page_size=4))
     assert eng.model_config.arch == "gemma3"
-    _check_parity(hf, eng, _prompts()[:2], max_tokens=4)
+    assert_greedy_parity(eng, hf, _prompts()[:2], max_tokens=4)
 
 
 def _write_gguf_like_llama_cpp(hf, path, arch: str):
@@ -194,7 +184,7 @@ def test_gemma_gguf_matches_transformers(arch, tmp_path):
         == expect
     eng = LLMEngine.from_hf_state(mcfg, get, names, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
                                                                  max_num_batched_tokens=32, page_size=4))
-    _check_parity(hf, eng, _prompts()[1:], max_tokens=6)
+    assert_greedy_parity(eng, hf, _prompts()[1:], max_tokens=6)
 
 
 def test_gemma_shapes_and_the_graph_decode_path():
@@ -232,6 +222,6 @@ def test_gemma_two_tensor_parallel_ranks_match_transformers(kind, tmp_path):
                                                             kv_cache_tokens=1024, tensor_parallel=2))
     try:
         assert eng.stats()["tensor_parallel"] == 2
-        _check_parity(hf, eng, _prompts()[1:], max_tokens=6)
+        assert_greedy_parity(eng, hf, _prompts()[1:], max_tokens=6)
     finally:
         eng.shutdown()

@@ -4,9 +4,7 @@ engine with and without it on a tiny random model, its setting and its metrics."
 
 from __future__ import annotations
 
-import asyncio
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -324,20 +322,11 @@ def test_native_backend_passes_the_setting(monkeypatch):
 
 def test_metrics_split_hits_by_tier():
     pytest.importorskip("prometheus_client")
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from localrun.server.metrics import Metrics
+    from fakes import engine_metric_samples
 
     stats = {"kv_pages_total": 10, "kv_pages_free": 4, "prefix_hit_tokens": 30, "prefix_query_tokens": 60,
              "prefix_device_hit_tokens": 20, "prefix_host_hit_tokens": 10, "host_pages_total": 8, "host_pages_used": 3}
-
-    async def engine_stats():
-        return stats
-
-    runner = SimpleNamespace(name="m", waiting=0, active=0, backend=SimpleNamespace(stats=engine_stats))
-    text = asyncio.run(Metrics(SimpleNamespace(runners={"m": runner})).render()).decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = engine_metric_samples(stats)
     assert samples[("localrun_prefix_cache_hit_tokens_total", (("model", "m"), ("tier", "device")))] == 20
     assert samples[("localrun_prefix_cache_hit_tokens_total", (("model", "m"), ("tier", "host")))] == 10
     assert samples[("localrun_host_kv_pages_used", (("model", "m"),))] == 3

@@ -20,6 +20,7 @@ import torch
 import localrun.kernels as K
 from localrun.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from gguf_util import add_decoder_metadata
+from parity import assert_greedy_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,14 +121,7 @@ def engine(hf, fmt: str, tmp_path, max_model_len: int) -> LLMEngine:
 def assert_matches_transformers(eng, hf, prompt_lens, max_tokens=8):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in prompt_lens]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, want_logprobs=True)
-    outs = eng.generate(prompts, params)  # batched; prompts over 64 tokens are chunked
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, output_scores=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-        assert o.token_ids == ref.sequences[0, len(p):].tolist()
-        ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, o.token_ids)]
-        assert [lp for _, lp, _ in o.logprobs] == pytest.approx(ref_lp, abs=1e-4)
+    assert_greedy_parity(eng, hf, prompts, max_tokens)  # prompts over 64 tokens are chunked
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])

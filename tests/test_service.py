@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from fakes import MODEL, FakeModel, InProcessDaemon, api_rules, library_home, wait_until
+from fakes import MODEL, FakeModel, InProcessDaemon, api_rules, library_home, metric_samples, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,10 +243,7 @@ def test_metrics(home):
             assert r.status_code == 200
         httpx.post(d.url + "/v1/chat/completions", headers=auth, json={"model": "nope", "messages": MSGS})
         text = httpx.get(d.url + "/metrics", headers=auth).text
-        from prometheus_client.parser import text_string_to_metric_families
-
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for f in text_string_to_metric_families(text) for s in f.samples}
+        samples = metric_samples(text)
         assert samples[("localrun_http_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 2
         assert samples[("localrun_http_requests_total", (("route", "/v1/chat/completions"), ("status", "404")))] == 1
         assert samples[("localrun_http_requests_total", (("route", "/metrics"), ("status", "401")))] == 1

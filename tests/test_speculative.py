@@ -172,24 +172,12 @@ def test_bench_spec_runs_and_compares(capsys):
 
 def test_metrics_report_speculation_from_engine_stats():
     pytest.importorskip("prometheus_client")
-    import asyncio
-    from types import SimpleNamespace
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from localrun.server.metrics import Metrics
+    from fakes import engine_metric_samples
 
     eng = _engine("ngram")
     eng.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     stats = eng.stats()
-
-    async def engine_stats():
-        return stats
-
-    runner = SimpleNamespace(name="m", waiting=0, active=0, backend=SimpleNamespace(stats=engine_stats))
-    text = asyncio.run(Metrics(SimpleNamespace(runners={"m": runner})).render()).decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = engine_metric_samples(stats)
     assert samples[("localrun_spec_tokens_total", (("kind", "drafted"), ("model", "m")))] == stats["spec_draft_tokens"]
     assert samples[("localrun_spec_tokens_total", (("kind", "accepted"), ("model", "m")))] == \
         stats["spec_accepted_tokens"] > 0
