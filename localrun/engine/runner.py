@@ -145,13 +145,15 @@ class ModelRunner:
             ids += seqs[i].draft[:n[i] - 1]
         for i in range(nd + ns, B):
             ids += seqs[i].token_ids[starts[i]:starts[i] + n[i]]
-        sampling = [i for i in range(B) if starts[i] + n[i] == len(seqs[i].token_ids)]
-        sample_idx = cu[1:][sampling] - 1
-        if ns:  # every position of a speculative row samples (verification)
-            sampling = [i for i in range(B) if nd <= i < nd + ns or starts[i] + n[i] == len(seqs[i].token_ids)]
+        # the sequences whose chunk ends at their last token sample it; a speculative row samples
+        # every position (verification)
+        sampling = [i for i in range(B) if nd <= i < nd + ns or starts[i] + n[i] == len(seqs[i].token_ids)]
+        if ns:
             sample_idx = np.concatenate([np.arange(cu[i], cu[i + 1]) if nd <= i < nd + ns else cu[i + 1:i + 2] - 1
-                                         for i in sampling]).astype(np.int32) if sampling else cu[:0]
+                                         for i in sampling]).astype(np.int32)
             sampling = [i for i in sampling for _ in range(n[i] if nd <= i < nd + ns else 1)]
+        else:
+            sample_idx = cu[1:][sampling] - 1
         step = HostStep(input_ids=np.asarray(ids, dtype=np.int32), prev_idx=prev, positions=pos, slots=slots,
                         seq_lens=starts + n, cu_seqlens_q=cu, rows=rows, sample_idx=sample_idx,
                         num_decodes=nd, num_real_seqs=B)

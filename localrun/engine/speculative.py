@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from localrun.engine.sampler import SamplingBatch, SamplingParams, sample
-from localrun.engine.scheduler import ScheduledBatch, Sequence
+from localrun.engine.scheduler import RUNNING, ScheduledBatch, Sequence
 
 log = logging.getLogger("localrun.engine")
 
@@ -74,7 +74,7 @@ class SpecDecoder:
         eng = self.engine
         out = []
         for seq in eng.scheduler.running:
-            if seq.status != "running" or seq.num_pending or len(seq.token_ids) - seq.num_computed != 1:
+            if seq.status != RUNNING or seq.num_pending or len(seq.token_ids) - seq.num_computed != 1:
                 continue
             p = seq.params
             if p.grammar is not None:
@@ -284,7 +284,7 @@ class DraftModel:
     def propose(self, cands: list) -> None:
         live = {s.id for s, _ in cands}
         for key, (target, _) in list(self.shadows.items()):
-            if key not in live and target.status != "running":
+            if key not in live and target.status != RUNNING:
                 self._drop(key)
         work = []
         for seq, room in cands:
