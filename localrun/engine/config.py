@@ -285,6 +285,8 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 # Defaults sized for the device: a GPU step should read the weights once for hundreds of
 # sequences (a decode step of an 8B model costs ~16 GB of weight reads whatever the batch).
+SPECULATIVE_MODES = ("off", "ngram", "draft")  # EngineConfig.speculative (speculative.py)
+
 CUDA_MAX_NUM_SEQS, CUDA_MAX_BATCHED_TOKENS = 256, 8192
 CPU_MAX_NUM_SEQS, CPU_MAX_BATCHED_TOKENS = 64, 2048
 
@@ -358,15 +360,18 @@ class EngineConfig:
             raise ValueError("cuda_graph_max_bs must be positive")
 
     def _check_speculative(self) -> None:
+        from localrun.config import MAX_SPECULATIVE_TOKENS
+
         mode = str(self.speculative or "off").strip().lower()
-        if mode not in ("off", "ngram", "draft"):
+        if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative must be off, ngram or draft, got {self.speculative!r}")
         self.speculative = mode
         if mode == "off":
             return
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
-            raise ValueError(f"num_speculative_tokens must be a whole number in [1, 32], got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be a whole number in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {k!r}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max <= 64, got {self.ngram_min}..{self.ngram_max}")
         if self.tensor_parallel > 1:

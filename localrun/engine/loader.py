@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from localrun.archs import NATIVE_ARCHS
 from localrun.engine.config import ModelConfig
 
 log = logging.getLogger("localrun.engine")
@@ -34,10 +35,9 @@ _GGUF_LAYER_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Gemma 2 / 3: four norms per layer (llama.cpp's ffn_norm is the pre-feedforward one there) and q/k norms
 _GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-                           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+                           "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_GEMMA = ("gemma2", "gemma3")
-_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", *_GGUF_GEMMA)  # = localrun.archs.NATIVE_ARCHS
+_GGUF_ARCHS = tuple(a for a in NATIVE_ARCHS if a != "gemma3_text")  # gemma3_text: a Hugging Face name only
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:

@@ -34,7 +34,6 @@ from localrun.engine.scheduler import RUNNING, ScheduledBatch, Sequence
 
 log = logging.getLogger("localrun.engine")
 
-SPECULATIVE_MODES = ("off", "ngram", "draft")
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

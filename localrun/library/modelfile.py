@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from localrun.config import MAX_SPECULATIVE_TOKENS
 from localrun.errors import InvalidRequest
 
 INSTRUCTIONS = ("FROM", "PARAMETER", "SYSTEM", "TEMPLATE", "MESSAGE", "LICENSE", "ADAPTER")
@@ -45,7 +46,7 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "kv_cache_type": (str, None, None),  # native engine, load time: as LOCALRUN_KV_CACHE_TYPE, for this model
     "weight_dtype": (str, None, None),  # native engine, load time: as LOCALRUN_WEIGHT_DTYPE, for this model
     "speculative": (str, None, None),  # load time: as LOCALRUN_SPECULATIVE (off | ngram | draft:PATH), for this model
-    "num_speculative_tokens": (int, 1, 32),  # load time: as LOCALRUN_SPECULATIVE_TOKENS
+    "num_speculative_tokens": (int, 1, MAX_SPECULATIVE_TOKENS),  # load time: as LOCALRUN_SPECULATIVE_TOKENS
     "mirostat": (int, 0, 2),
     "mirostat_tau": (float, 0.0, 100.0),
     "mirostat_eta": (float, 0.0, 100.0),
