@@ -64,7 +64,10 @@ def test_anthropic_forced_tool(daemon):
     import anthropic
 
     client = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0, timeout=300)
-    msg = client.messages.create(model="toolsmol", max_tokens=40, tools=[WEATHER],
+    # greedy: sampled at Anthropic's default temperature 1, the 135M model can fill the 12-character
+    # city with rare characters of several byte tokens each and run out of max_tokens first (this SDK
+    # has no temperature argument any more; the API still takes it)
+    msg = client.messages.create(model="toolsmol", max_tokens=60, tools=[WEATHER], extra_body={"temperature": 0},
                                  tool_choice={"type": "tool", "name": "get_weather"},
                                  messages=[{"role": "user", "content": "Weather in Paris?"}])
     assert msg.stop_reason == "tool_use", msg
@@ -93,3 +96,18 @@ def test_bad_schemas_are_400(daemon):
         assert needle in r.json()["error"]["message"], r.text
     r = daemon.http.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "max_tokens": 2})
     assert r.status_code == 200  # still serving
+
+
+def test_forced_call_envelope_is_closed():
+    """A forced call's envelope takes exactly name and arguments: sampled, SmolLM2 used to go on
+    after the arguments with keys of its own until max_tokens (2 of 12 forced calls at max_tokens 40)."""
+    from localrun.server.params import tool_choice_schema
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    for choice in ({"name": "get_weather"}, "required"):
+        _, schema = tool_choice_schema(tools, choice)
+        jsonschema.validate(call, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**call, "type": "function"}, schema)

@@ -254,7 +254,9 @@ def tool_choice_schema(tools: list[dict], choice: Any) -> tuple[list[dict] | Non
     variants = [{"type": "object",
                  "properties": {"name": {"const": t["function"]["name"]},
                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
-                 "required": ["name", "arguments"]} for t in chosen]
+                 # closed: else a sampled model goes on after the arguments with keys of its own
+                 # ("type", "parameters", ...) until max_tokens, and the call never parses
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
     return tools, variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
