@@ -174,6 +174,38 @@ def test_abort_reaches_the_runner(daemon):
     assert proc.cpu_percent(None) < 50  # not still decoding the abandoned answer
 
 
+def test_the_runner_tokenizes_and_checks_the_window(daemon):
+    """One choice: the runner tokenizes the prompt as it starts the request (one round trip, not
+    two). The prompt's count, the window check and the cap on max_tokens are the same as when the
+    daemon tokenizes first (n = 2), streamed or not."""
+    def post(prompt: str, **kw) -> httpx.Response:
+        return daemon.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                         "temperature": 0, **kw})
+
+    k = 1000
+    one = post("word " * k).json()["usage"]
+    assert one["prompt_tokens"] > 900
+    assert post("word " * k, n=2).json()["usage"]["prompt_tokens"] == one["prompt_tokens"]
+    with daemon.http.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "word " * k, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        usage = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")][-1]["usage"]
+    assert usage["prompt_tokens"] == one["prompt_tokens"]
+    r = daemon.http.post("/api/generate", json={"model": MODEL, "prompt": "word " * k, "raw": True, "stream": False,
+                                                "options": {"num_predict": 1}})
+    assert r.json()["prompt_eval_count"] == one["prompt_tokens"]
+
+    k += 2048 - 4 - one["prompt_tokens"]  # " word" is a token: 4 tokens of the 2048 window left
+    capped = post("word " * k, max_tokens=50, ignore_eos=True).json()
+    assert capped["usage"]["prompt_tokens"] == 2044, capped
+    assert capped["usage"]["completion_tokens"] == 4 and capped["choices"][0]["finish_reason"] == "length"
+    for n in (1, 2):
+        r = post("word " * (k + 10), n=n)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("the prompt is 2054 tokens but the context window is 2048"), r.text
+    assert _ask(daemon).status_code == 200  # nothing stuck
+
+
 def _kill_runners_for(d: Daemon, seconds: float, killed: list) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -197,8 +229,8 @@ def test_runner_dying_while_loading_twice_is_a_clear_error(tmp_path):
         t.join()
         assert r.status_code == 500, r.text
         msg = r.json()["error"]["message"]
-        assert "died twice while loading" in msg and "SIGKILL" in msg and "out-of-memory" in msg
-        assert len(set(killed)) == 2  # tried once more, then gave up: no restart loop
+        assert "died twice while loading" in msg and "SIGKILL" in msg and "out-of-memory" in msg, msg
+        assert len(set(killed)) == 2, killed  # tried once more, then gave up: no restart loop
         assert d.ps() == []
         assert _ask(d).status_code == 200  # nothing kills it now: loads and answers
         assert "died twice while loading" in d.log.read_text() or "trying once more" in d.log.read_text()

@@ -150,3 +150,65 @@ def test_merged_chunks_keep_the_last_chunks_stop_sequence():
     assert (m.text, m.token_ids, m.logprobs) == ("Hello", [1, 2], [lp])
     assert (m.finish_reason, m.usage, m.stop_sequence) == ("stop", b.usage, "\n\n")
     assert merge_chunks(Chunk(text="x"), Chunk(text="y")).logprobs is None
+
+
+class _Echo:
+    """A token per character; records the requests it was handed."""
+
+    fatal = None
+
+    def __init__(self) -> None:
+        self.requests: list[GenerationRequest] = []
+        self.tokenized = 0
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        self.tokenized += 1
+        return [ord(c) for c in text]
+
+    async def generate(self, request):
+        from localrun.backends.base import Chunk, Usage
+        self.requests.append(request)
+        yield Chunk(text="a", token_ids=[97])
+        yield Chunk(finish_reason="length", usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1))
+
+
+async def test_the_runner_tokenizes_a_request_with_a_window():
+    """GenerationRequest.window and no token ids: the runner tokenizes, checks the window, caps
+    max_tokens at the room left, and reports the prompt's length on the first chunk; a prompt that
+    does not fit is the daemon's typed 400, and the backend never sees it."""
+    from localrun.backends.worker import Runner
+    from localrun.errors import InvalidRequest
+
+    pipe, backend = _Pipe(), _Echo()
+    serve = asyncio.ensure_future(Runner(pipe, backend).serve())
+
+    async def answer(rid: int) -> list[dict]:
+        for _ in range(500):
+            got = [m for m in pipe.sent if m.get("id") == rid]
+            if got and (got[-1]["t"] == "error" or "f" in got[-1]):
+                return got
+            await asyncio.sleep(0.01)
+        raise AssertionError(pipe.sent)
+
+    try:
+        req = GenerationRequest("hello", SamplingOptions(max_tokens=100), window=8)
+        pipe.inbox.put_nowait({"op": "generate", "id": 1, "request": wire.request_to_wire(req)})
+        first = wire.chunk_from_wire((await answer(1))[0])
+        assert first.prompt_tokens == 5 and first.text == "a"
+        assert backend.requests[0].prompt_token_ids == [ord(c) for c in "hello"]
+        assert backend.requests[0].options.max_tokens == 3  # 8 - 5
+
+        req = GenerationRequest("far too long", SamplingOptions(), window=8)
+        pipe.inbox.put_nowait({"op": "generate", "id": 2, "request": wire.request_to_wire(req)})
+        err = wire.error_from_wire((await answer(2))[-1]["error"])
+        assert isinstance(err, InvalidRequest) and err.status == 400
+        assert err.message.startswith("the prompt is 12 tokens but the context window is 8 tokens")
+        assert len(backend.requests) == 1
+
+        req = GenerationRequest("hi", SamplingOptions(), prompt_token_ids=[1, 2])  # the daemon tokenized
+        pipe.inbox.put_nowait({"op": "generate", "id": 3, "request": wire.request_to_wire(req)})
+        assert wire.chunk_from_wire((await answer(3))[0]).prompt_tokens is None
+        assert backend.tokenized == 2 and backend.requests[-1].prompt_token_ids == [1, 2]
+    finally:
+        pipe.inbox.put_nowait({"op": "close"})
+        await asyncio.wait_for(serve, 5)

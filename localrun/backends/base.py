@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
+from localrun.errors import InvalidRequest
+
 
 @dataclass
 class SamplingOptions:
@@ -55,6 +57,11 @@ class GenerationRequest:
     request_id: str = ""
     add_special: bool = False  # add BOS etc. when tokenizing (rendered templates carry their own)
     prompt_token_ids: list[int] | None = None  # when set, used instead of tokenizing `prompt`
+    # Set (with prompt_token_ids None) when the daemon leaves tokenizing to the runner process, which
+    # holds the tokenizer: it tokenizes `prompt`, checks it against this window (fit_window) and
+    # reports the prompt's length on the stream's first chunk (Chunk.prompt_tokens). One round trip
+    # to the runner instead of two (tokenize, then generate) before the first token.
+    window: int | None = None
     # n > 1 on a backend with info.supports_groups: (group id, n, choice index). The n requests of
     # a group share the prompt's prefill (the native engine computes it once and forks).
     group: tuple[str, int, int] | None = None
@@ -90,6 +97,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
+    prompt_tokens: int | None = None  # on the first chunk when the runner tokenized the prompt (request.window)
 
 
 def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
@@ -97,7 +105,27 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
     tokens and logprobs joined; b's finish_reason, usage and stop_sequence (b may be the last)."""
     lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
     return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
-                 finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence)
+                 finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence,
+                 prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens)
+
+
+# Texts up to this many characters are tokenized on the caller's event loop (llama.cpp takes about
+# 1 us a character, so 2 ms at most): cheaper than the hop to a worker thread and back for the
+# prompts most requests bring. Longer ones go to a thread, so the loop never stalls for long.
+INLINE_TOKENIZE_CHARS = 2048
+
+
+def fit_window(n_prompt: int, window: int, max_tokens: int | None) -> int:
+    """The max_tokens a prompt of `n_prompt` tokens gets in a `window`-token context (the room left,
+    or less if asked); InvalidRequest when it is empty or does not fit. The one window check, made
+    where the prompt was tokenized: the daemon, or the runner (GenerationRequest.window)."""
+    if n_prompt <= 0:
+        raise InvalidRequest("the prompt is empty")
+    if n_prompt >= window:
+        raise InvalidRequest(f"the prompt is {n_prompt} tokens but the context window is {window} tokens "
+                             "(num_ctx); shorten the prompt or ask for a larger num_ctx")
+    room = window - n_prompt
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 @dataclass

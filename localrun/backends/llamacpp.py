@@ -32,6 +32,7 @@ from localrun.backends.base import (
     BackendInfo,
     Chunk,
     GenerationRequest,
+    INLINE_TOKENIZE_CHARS,
     LoadSpec,
     MemoryEstimate,
     merge_chunks,
@@ -332,6 +333,12 @@ class LlamaCppBackend:
         return b"".join(_token_piece(self._llama_cpp, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        # about 1 us a character: a short text costs less than the hop to a thread and back
+        if len(text) <= INLINE_TOKENIZE_CHARS and self._tok_lock.acquire(blocking=False):
+            try:
+                return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+            finally:
+                self._tok_lock.release()
         return await asyncio.to_thread(self._tokenize, text, add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:

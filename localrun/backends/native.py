@@ -22,6 +22,7 @@ from localrun.backends.base import (
     BackendInfo,
     Chunk,
     GenerationRequest,
+    INLINE_TOKENIZE_CHARS,
     LoadSpec,
     MemoryEstimate,
     SamplingOptions,
@@ -222,6 +223,8 @@ class NativeBackend:
         engine.start()
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        if len(text) <= INLINE_TOKENIZE_CHARS:  # a short text costs less than the hop to a thread
+            return self.tokenizer.encode(text, add_special=add_special)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special=add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:

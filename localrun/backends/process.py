@@ -90,6 +90,10 @@ def likely_cause(returncode: int | None, backend: str, extra_buffers: str | None
 class RemoteBackend:
     """The Backend protocol, served by a runner process."""
 
+    # generate() takes a request whose prompt is not tokenized yet (GenerationRequest.window): the
+    # runner tokenizes it where the tokenizer lives, so a request costs one round trip, not two
+    tokenizes_in_generate = True
+
     def __init__(self, name: str, backend: str, proc: asyncio.subprocess.Process, chan: wire.Channel,
                  extra_buffers: str | None = None) -> None:
         self.name, self.backend_name, self.proc, self.chan = name, backend, proc, chan

@@ -68,13 +68,13 @@ class Channel:
 def request_to_wire(r: GenerationRequest) -> dict:
     return {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
             "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids,
-            "group": list(r.group) if r.group is not None else None}
+            "group": list(r.group) if r.group is not None else None, "window": r.window}
 
 
 def request_from_wire(d: dict) -> GenerationRequest:
     return GenerationRequest(prompt=d["prompt"], options=SamplingOptions(**d["options"]), request_id=d["request_id"],
                              add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
-                             group=tuple(d["group"]) if d.get("group") else None)
+                             group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"))
 
 
 # -- chunks ---------------------------------------------------------------------------------
@@ -88,13 +88,15 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["u"] = dict(c.usage.__dict__)
     if c.stop_sequence is not None:
         d["s"] = c.stop_sequence
+    if c.prompt_tokens is not None:
+        d["p"] = c.prompt_tokens
     return d
 
 
 def chunk_from_wire(d: dict) -> Chunk:
     lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
     return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
-                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"))
+                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"), prompt_tokens=d.get("p"))
 
 
 # -- load spec and info -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ import threading
 from typing import Any
 
 from localrun.backends import wire
+from localrun.backends.base import fit_window
 from localrun.errors import BackendError, LocalrunError
 
 log = logging.getLogger("localrun.runner")
@@ -110,12 +111,22 @@ class Runner:
                 log.warning("unknown message %r", op)
 
     async def generate(self, rid: int, request: dict) -> None:
-        gen = self.backend.generate(wire.request_from_wire(request))
+        gen = None
         first = True
         try:
+            req = wire.request_from_wire(request)
+            n_prompt = None
+            if req.prompt_token_ids is None and req.window is not None:
+                # the daemon left tokenizing to us (one round trip, not two): so is the window check
+                req.prompt_token_ids = await self.backend.tokenize(req.prompt, req.add_special)
+                req.options.max_tokens = fit_window(len(req.prompt_token_ids), req.window, req.options.max_tokens)
+                n_prompt = len(req.prompt_token_ids)
+            gen = self.backend.generate(req)
             async for chunk in gen:
                 if rid in self.aborted:
                     break
+                if n_prompt is not None:
+                    chunk.prompt_tokens, n_prompt = n_prompt, None
                 self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
                 if chunk.finish_reason is not None:
                     break
@@ -134,7 +145,8 @@ class Runner:
                 log.exception("generation failed")
             self.send({"t": "error", "id": rid, "error": wire.error_to_wire(exc)})
         finally:
-            await gen.aclose()
+            if gen is not None:
+                await gen.aclose()
             self.tasks.pop(rid, None)
             self.delivered.pop(rid, None)
             self.aborted.discard(rid)
@@ -240,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     root = logging.getLogger("localrun")
     root.addHandler(handler)
     root.setLevel(getattr(logging, level, logging.INFO))
-    return asyncio.run(_main(int(args[0]), order))
+    try:  # uvloop where it is installed (not on Windows): cheaper wakeups per token than asyncio's loop
+        import uvloop
+    except ImportError:
+        return asyncio.run(_main(int(args[0]), order))
+    return uvloop.run(_main(int(args[0]), order))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 Same prompts, same run, interleaved (direct, daemon, direct, daemon, ...), greedy, so
 both sides generate the same tokens. Each prompt is unique from its first token, so
 neither side gets a prefix-cache hit the other does not. Prints TTFT and decode tok/s
-medians and the daemon's overhead; exits 1 when the tok/s overhead exceeds --max-overhead
-(percent) or the median per-prompt TTFT difference exceeds --max-ttft (ms).
+medians and the daemon's overhead; exits 1 when the median per-prompt decode tok/s overhead
+exceeds --max-overhead (percent) or the median per-prompt TTFT difference exceeds --max-ttft (ms).
 
-    python -m localrun.server.bench_overhead [--prompts 6] [--max-tokens 128]
+    python -m localrun.server.bench_overhead [--prompts 6] [--max-tokens 128] [--settle 0.1]
 """
 
 from __future__ import annotations
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-ctx", type=int, default=2048)
     ap.add_argument("--max-overhead", type=float, default=3.0, help="decode tok/s budget, percent")
     ap.add_argument("--max-ttft", type=float, default=5.0, help="TTFT budget, ms")
+    ap.add_argument("--settle", type=float, default=0.1,
+                    help="seconds between runs: llama.cpp's OpenMP threads spin for milliseconds after a run, "
+                         "on the CPUs the next run (the other side) needs")
     ap.add_argument("--threads", type=int, default=0,
                     help="llama.cpp threads on both sides (default: physical cores, the daemon's own choice)")
     args = ap.parse_args(argv)
@@ -149,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.prompts):
             p = _prompt(i)
             d = run_direct(llm, p, args.max_tokens)
+            time.sleep(args.settle)
             s = run_daemon(http, model, p, args.max_tokens)
+            time.sleep(args.settle)
             same = "same" if d[3] == s[3] else "differs"
             rows.append((d, s))
             print(f"prompt {i}: direct TTFT {d[0] * 1000:7.1f} ms {d[1]:6.1f} tok/s ({d[2]} tok) | "
@@ -169,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"daemon overhead: tok/s {overhead:+.1f}% of medians, {pair:+.1f}% median of per-prompt pairs "
               f"(limit {args.max_overhead:g}%); TTFT {1000 * (s_ttft - d_ttft):+.1f} ms of medians, "
               f"{ttft_pair:+.1f} ms median of per-prompt pairs (limit {args.max_ttft:g} ms)")
-        return 0 if overhead <= args.max_overhead and ttft_pair <= args.max_ttft else 1
+        # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
+        # neighbour or a slow minute shifts both halves of a pair rather than one side's median
+        return 0 if pair <= args.max_overhead and ttft_pair <= args.max_ttft else 1
     finally:
         http.close()
         proc.terminate()

@@ -9,7 +9,9 @@ it gets back into its own wire shape. The checks live here, once:
 2. lease the model (queue, admission, load: the model manager),
 3. check the backend can do what the job asks (JSON schema, ...): 400 up front,
 4. tokenize once (n choices share the prompt), check the context window (400 naming it),
-   cap max_tokens at the room left,
+   cap max_tokens at the room left (``fit_window``). A runner process tokenizes a single
+   choice's prompt itself, with that same check, as part of starting it: one round trip to
+   the runner before the first token, not two,
 5. start the backend stream and wait for its first event, so a backend's refusal (a
    grammar it cannot build, a window it cannot fit) is still an HTTP error, not a broken
    stream,
@@ -29,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage
+from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage, fit_window
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server.manager import DEFAULT, Lease, ModelManager
@@ -145,6 +147,8 @@ class Generation:
                 await st.aclose()
                 self._open.remove(st)
             raise
+        if chunks[0].prompt_tokens is not None:  # the runner tokenized the prompt (request.window)
+            self.prompt_tokens = self.usage.prompt_tokens = chunks[0].prompt_tokens
         self._first = dict(enumerate(zip(streams, chunks)))
 
     async def release(self) -> None:
@@ -295,8 +299,11 @@ class GenerationService:
             self._admit()  # it may have waited in the queue while the daemon began to stop
             self._check_capabilities(job, lease)
             self._check_length(prompt, lease)
-            ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
-            requests = self._requests(job, lease, prompt, ids)
+            if job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False):
+                requests = self._requests(job, lease, prompt, None)
+            else:
+                ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
+                requests = self._requests(job, lease, prompt, ids)
             gen = Generation(self, job, lease, release, requests, prompt, reasoning, t0)
             self.active.add(gen)
             if self.metrics is not None:
@@ -338,7 +345,9 @@ class GenerationService:
     @staticmethod
     async def _render(job: Job) -> tuple[str, Reasoning | None]:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
-        prompt = await asyncio.to_thread(render_prompt, job)
+        # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
+        prompt = job.prompt if job.raw and job.messages is None and job.prompt is not None else \
+            await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
         if job.think is True and reasoning is None:
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
@@ -379,16 +388,13 @@ class GenerationService:
                                  "num_ctx")
 
     @staticmethod
-    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int]) -> list[GenerationRequest]:
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        window = lease.num_ctx
-        if len(ids) >= window:
-            raise InvalidRequest(f"the prompt is {len(ids)} tokens but the context window is {window} tokens "
-                                 "(num_ctx); shorten the prompt or ask for a larger num_ctx")
-        room = window - len(ids)
+    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None) -> list[GenerationRequest]:
+        """The backend requests of `job`; `ids` None: the runner tokenizes and checks the window."""
         o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
-        o.max_tokens = room if o.max_tokens is None else min(o.max_tokens, room)
+        if ids is None:
+            return [GenerationRequest(prompt=prompt, options=o, request_id=uuid.uuid4().hex,
+                                      add_special=job.add_special, window=lease.num_ctx)]
+        o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
         out = []
         gid = uuid.uuid4().hex if job.n > 1 and lease.backend.info.supports_groups else None
         for i in range(job.n):
