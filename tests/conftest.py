@@ -32,3 +32,21 @@ def localrun_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("LOCALRUN_HOME", str(home))
     return home
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line at the very end (CI shows a log's tail): which CPU this ran on, and whether llama.cpp
+    ran with its extra buffer types (off on AMX CPUs, where they crash)."""
+    import platform
+
+    from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    setting = os.environ.get("LOCALRUN_LLAMACPP_EXTRA_BUFFERS", "auto")
+    terminalreporter.write_line(f"machine: {model}, {os.cpu_count()} CPUs, AMX {'yes' if cpu_has_amx() else 'no'}; "
+                                f"llama.cpp: {extra_buffers(setting)[1]}")

@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
+        shutil.rmtree(home, ignore_errors=True)  # the temporary library (a copy of the model)
 
 
 if __name__ == "__main__":
