@@ -34,9 +34,11 @@ def localrun_home(tmp_path, monkeypatch) -> Path:
     return home
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line at the very end (CI shows a log's tail): which CPU this ran on, and whether llama.cpp
-    ran with its extra buffer types (off on AMX CPUs, where they crash)."""
+    """One line at the very end, after the short summary (CI shows a log's tail): which CPU this ran
+    on, and whether llama.cpp ran with its extra buffer types (off on AMX CPUs, where they crash)."""
+    yield
     import platform
 
     from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
