@@ -212,3 +212,53 @@ async def test_the_runner_tokenizes_a_request_with_a_window():
     finally:
         pipe.inbox.put_nowait({"op": "close"})
         await asyncio.wait_for(serve, 5)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_channel_to_a_dead_peer_drops_messages(loop):
+    """Writing to a runner (or a daemon) that just died: uvloop raises RuntimeError on the closed
+    transport where asyncio drops the write. The channel drops it on both; the reader's EOF and the
+    process watcher say what happened."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        a, b = socket.socketpair()
+        chan = await wire.Channel.connect(a)
+        b.close()
+        for _ in range(4):
+            chan.send({"op": "abort", "id": 1})
+            await asyncio.sleep(0.02)
+        with pytest.raises(EOFError):
+            await chan.recv()
+        chan.close()
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
+def test_start_runner_reports_a_runner_killed_before_its_load_order(monkeypatch):
+    """A runner killed as it starts (before the daemon wrote its load order to stdin) is RunnerDied
+    ('while loading'), on uvloop too, not whatever the write to its dead pipe raised."""
+    uvloop = pytest.importorskip("uvloop")
+    from localrun.backends import process
+    from localrun.backends.base import LoadSpec
+
+    real = asyncio.create_subprocess_exec
+
+    async def spawn_and_kill(*args, **kw):
+        proc = await real(sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                          stdin=kw["stdin"], pass_fds=kw.get("pass_fds", ()))
+        await proc.wait()
+        await asyncio.sleep(0.05)
+        return proc
+
+    monkeypatch.setattr(process.asyncio, "create_subprocess_exec", spawn_and_kill)
+    spec = LoadSpec(name="m:latest", weights=__import__("pathlib").Path("/nonexistent"), format="gguf", num_ctx=64,
+                    num_parallel=1, embedding=False, extra={})
+
+    async def main():
+        with pytest.raises(RunnerDied) as e:
+            await process.start_runner(spec, "llamacpp", timeout=20)
+        assert e.value.during_load and "SIGKILL" in e.value.message
+
+    uvloop.run(main())

@@ -321,7 +321,12 @@ async def start_runner(spec: LoadSpec, backend: str, *, timeout: float | None = 
     remote = RemoteBackend(spec.name, backend, proc, chan, spec.extra.get("extra_buffers"))
     order = {"backend": backend, "spec": wire.spec_to_wire(spec), "log_level": log_level}
     assert proc.stdin is not None
-    proc.stdin.write(wire.dumps(order) + b"\n")  # stdin stays open: its EOF tells the runner we are gone
+    try:
+        proc.stdin.write(wire.dumps(order) + b"\n")  # stdin stays open: its EOF tells the runner we are gone
+    except (RuntimeError, ConnectionError) as exc:
+        # the runner died already (killed as it started): uvloop refuses the write to its closed
+        # pipe; the watcher reports how it died, as RunnerDied, below
+        log.debug("runner pid %d for %s gone before its load order: %s", proc.pid, spec.name, exc)
     log.info("started runner pid %d for %s (%s)", proc.pid, spec.name, backend)
     try:
         await asyncio.wait_for(asyncio.shield(remote._ready), timeout)

@@ -45,8 +45,15 @@ class Channel:
         return cls(reader, writer)
 
     def send(self, obj: dict) -> None:
+        """Queue one message; dropped when the peer is gone (its EOF, or the process watcher, reports
+        that). asyncio drops such writes itself; uvloop raises RuntimeError on a closed transport."""
         data = dumps(obj)
-        self.writer.write(len(data).to_bytes(4, "little") + data)
+        if self.writer.transport.is_closing():
+            return
+        try:
+            self.writer.write(len(data).to_bytes(4, "little") + data)
+        except (RuntimeError, ConnectionError):
+            pass
 
     async def recv(self) -> dict:
         try:
