@@ -325,9 +325,12 @@ class LlamaCppBackend:
         return LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k)
 
     # -- tokens ------------------------------------------------------------------------
+    def _encode(self, text: str, add_special: bool) -> list[int]:  # the caller holds _tok_lock
+        return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
     def _tokenize(self, text: str, add_special: bool = False) -> list[int]:
         with self._tok_lock:
-            return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+            return self._encode(text, add_special)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return b"".join(_token_piece(self._llama_cpp, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
@@ -336,7 +339,7 @@ class LlamaCppBackend:
         # about 1 us a character: a short text costs less than the hop to a thread and back
         if len(text) <= INLINE_TOKENIZE_CHARS and self._tok_lock.acquire(blocking=False):
             try:
-                return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+                return self._encode(text, add_special)
             finally:
                 self._tok_lock.release()
         return await asyncio.to_thread(self._tokenize, text, add_special)

@@ -346,8 +346,7 @@ class GenerationService:
     async def _render(job: Job) -> tuple[str, Reasoning | None]:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
-        prompt = job.prompt if job.raw and job.messages is None and job.prompt is not None else \
-            await asyncio.to_thread(render_prompt, job)
+        prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
         if job.think is True and reasoning is None:
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
