@@ -18,7 +18,7 @@ from localrun.engine.config import EngineConfig
 from localrun.engine.kv_pool import KVPool, PageTable
 from localrun.engine.model import LlamaModel
 from localrun.engine.parallel import apply_journal
-from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample
+from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample, to_device
 from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
 
 log = logging.getLogger("localrun.engine")
@@ -210,7 +210,7 @@ class ModelRunner:
 
         rows = [i for i, s in enumerate(handle.seqs) if s.matcher is not None]
         sb = handle.sampling
-        sb.mask_rows = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        sb.mask_rows = to_device(rows, torch.int64, self.device)
         sb.token_mask = fill_masks([handle.seqs[i].matcher for i in rows], self.model.cfg.vocab_size, self.device)
 
     @torch.inference_mode()
@@ -282,9 +282,7 @@ def _fork_rows(logits: torch.Tensor, sample_idx: torch.Tensor, seqs: list[Sequen
     """Append one sampling row per group follower: a copy of its leader's logits row (and
     token index), so n members draw from the same last-position logits in one sampler call."""
     at = {id(s): j for j, s in enumerate(seqs)}
-    rows = torch.tensor([at[id(leader)] for leader, _ in forks], dtype=torch.int64)
-    if logits.device.type == "cuda":
-        rows = rows.pin_memory().to(logits.device, non_blocking=True)
+    rows = to_device([at[id(leader)] for leader, _ in forks], torch.int64, logits.device)
     return (torch.cat([logits, logits.index_select(0, rows)]), torch.cat([sample_idx, sample_idx.index_select(0, rows)]),
             seqs + [f for _, f in forks])
 

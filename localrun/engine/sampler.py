@@ -110,7 +110,9 @@ def seeded_exponential(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 # -- per-step inputs -----------------------------------------------------------------------
-def _to(data, dtype, device) -> torch.Tensor:
+def to_device(data, dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`: on a GPU through pinned memory, so the copy does not
+    wait for the device."""
     t = torch.tensor(data, dtype=dtype)
     return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
@@ -161,27 +163,27 @@ class SamplingBatch:
         temp = top_k = top_p = min_p = seeded_rows = seed_keys = None
         kmax = 0
         if not all_greedy:
-            temp = _to([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device)
+            temp = to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device)
             ks = [p.top_k if 0 < p.top_k < vocab and not g else 0 for p, g in zip(params, greedy)]
             kmax = max(ks)
             if kmax:
-                top_k = _to(ks, torch.int64, device)
+                top_k = to_device(ks, torch.int64, device)
             if any(p.top_p < 1.0 for p in params):
-                top_p = _to([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, device)
+                top_p = to_device([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, device)
             if any(p.min_p > 0 for p in params):
-                min_p = _to([p.min_p for p in params], torch.float32, device)
+                min_p = to_device([p.min_p for p in params], torch.float32, device)
             seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
             if seeded:
-                seeded_rows = _to(seeded, torch.int64, device)
+                seeded_rows = to_device(seeded, torch.int64, device)
                 keys = [seed_key(params[i].seed, positions[i]) for i in seeded]
-                seed_keys = _to([k - (1 << 64) if k >= 1 << 63 else k for k in keys], torch.int64, device)
+                seed_keys = to_device([k - (1 << 64) if k >= 1 << 63 else k for k in keys], torch.int64, device)
         lp_rows = [i for i, p in enumerate(params) if p.needs_logprobs]
         return cls(
-            n=n, all_greedy=all_greedy, greedy=_to(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
+            n=n, all_greedy=all_greedy, greedy=to_device(greedy, torch.bool, device) if any(greedy) and not all_greedy else None,
             temperature=temp, top_k=top_k, top_k_max=kmax, top_p=top_p, min_p=min_p,
             seeded_rows=seeded_rows, seed_keys=seed_keys,
             penalties=_penalties(params, histories, prompt_lens, pending, device),
-            logprob_rows=_to(lp_rows, torch.int64, device) if lp_rows else None, logprob_rows_list=lp_rows,
+            logprob_rows=to_device(lp_rows, torch.int64, device) if lp_rows else None, logprob_rows_list=lp_rows,
             top_n=[params[i].logprobs for i in lp_rows],
         )
 
@@ -210,12 +212,12 @@ def _penalties(params, histories, prompt_lens, pending, device) -> Penalties | N
             out_r += [j] * len(o)
             out_t += o
     return Penalties(
-        rows=_to(rows, torch.int64, device),
-        rep=_to([params[i].repetition_penalty for i in rows], torch.float32, device),
-        presence=_to([params[i].presence_penalty for i in rows], torch.float32, device),
-        frequency=_to([params[i].frequency_penalty for i in rows], torch.float32, device),
-        seen_pairs=_to([seen_r, seen_t], torch.int64, device), out_pairs=_to([out_r, out_t], torch.int64, device),
-        pending_rows=_to(pend, torch.int64, device) if pend else None,
+        rows=to_device(rows, torch.int64, device),
+        rep=to_device([params[i].repetition_penalty for i in rows], torch.float32, device),
+        presence=to_device([params[i].presence_penalty for i in rows], torch.float32, device),
+        frequency=to_device([params[i].frequency_penalty for i in rows], torch.float32, device),
+        seen_pairs=to_device([seen_r, seen_t], torch.int64, device), out_pairs=to_device([out_r, out_t], torch.int64, device),
+        pending_rows=to_device(pend, torch.int64, device) if pend else None,
     )
 
 
