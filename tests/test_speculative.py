@@ -231,7 +231,8 @@ def test_drafts_fit_the_step_when_new_sequences_are_admitted():
 
 
 def test_llamacpp_prompt_lookup_same_greedy_text(smollm2_gguf):
-    """llama.cpp: PARAMETER speculative ngram hands it LlamaPromptLookupDecoding; greedy text unchanged."""
+    """llama.cpp: PARAMETER speculative ngram drafts tokens by prompt lookup in the batched loop;
+    drafts are accepted and the greedy text is unchanged."""
     pytest.importorskip("llama_cpp")
     import asyncio
 
@@ -242,21 +243,24 @@ def test_llamacpp_prompt_lookup_same_greedy_text(smollm2_gguf):
     prompt = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     opts = SamplingOptions(temperature=0.0, max_tokens=16)
 
-    def answer(extra: dict) -> tuple[str, object]:
+    def answer(extra: dict) -> tuple[str, int, dict]:
         backend = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=256, num_parallel=1,
                                            extra={"n_threads": 2, **extra}))
 
-        async def run() -> str:
-            return "".join([ch.text async for ch in backend.generate(GenerationRequest(prompt=prompt, options=opts))])
+        async def run() -> tuple[str, dict]:
+            text = "".join([ch.text async for ch in backend.generate(GenerationRequest(prompt=prompt, options=opts))])
+            return text, await backend.stats()
 
         try:
-            return asyncio.run(run()), backend._main.draft_model
+            text, stats = asyncio.run(run())
+            return text, backend.speculative, stats
         finally:
             asyncio.run(backend.close())
 
-    plain, no_draft = answer({})
-    spec, draft = answer({"speculative": "ngram", "num_speculative_tokens": 5})
-    assert no_draft is None and type(draft).__name__ == "LlamaPromptLookupDecoding" and draft.num_pred_tokens == 5
+    plain, k_plain, stats_plain = answer({})
+    spec, k, stats = answer({"speculative": "ngram", "num_speculative_tokens": 5})
+    assert k_plain == 0 and stats_plain["spec_draft_tokens"] == 0
+    assert k == 5 and stats["spec_accepted_tokens"] > 0 and stats["steps"] < stats_plain["steps"]
     assert spec == plain and "cat sat on the mat" in spec
 
 

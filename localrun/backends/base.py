@@ -48,6 +48,8 @@ class SamplingOptions:
     # means "any valid JSON object". Backends that cannot constrain raise BackendError.
     json_schema: dict[str, Any] | None = None
     json_mode: bool = False
+    # token id -> bias added to its logit (OpenAI's logit_bias, -100..100; -100 bans the token)
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -147,6 +149,9 @@ class BackendInfo:
     # n > 1: the backend runs a request's choices as one group sharing the prompt's prefill
     # (GenerationRequest.group); the daemon then starts all n streams at once
     supports_groups: bool = False
+    # where the layers run, in words: "CUDA: 31/31 layers", "Metal", "CPU" (llama.cpp; "" = device)
+    placement: str = ""
+    supports_logit_bias: bool = False
 
 
 @dataclass

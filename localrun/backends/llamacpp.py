@@ -1,10 +1,11 @@
-"""The llama.cpp backend (llama-cpp-python).
+"""The llama.cpp backend (llama-cpp-python's low-level bindings).
 
-One ``Llama`` context per parallel slot (the weights are mmapped, so the slots share
-them in memory; each slot owns its own KV cache and keeps its last prompt for prefix
-reuse). Generation runs on a worker thread per request and feeds an asyncio queue;
-closing the async generator sets a cancel flag the worker checks between tokens, so a
-client that goes away stops the work within one token and frees the slot.
+One llama.cpp context per loaded model, driven by one batched loop
+(``localrun.backends.llama_batch``): up to ``num_parallel`` requests decode together, each
+with its own sampler chain, in one unified KV cache where a prompt starts from the longest
+prefix any earlier or running request left (``localrun.backends.llama_prefix``). A request's
+chunks reach its async generator through an asyncio queue; closing the generator cancels the
+request, which ends at the next step (within a token) and leaves its tokens cached.
 
 Chat templates are never rendered here (the daemon renders them in the jinja2
 sandbox, ``localrun.chat_template``); this module only sees finished prompt strings.
@@ -14,16 +15,12 @@ sandbox, ``localrun.chat_template``); this module only sees finished prompt stri
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
-import ctypes
 import functools
 import json
 import logging
 import os
-import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -36,17 +33,19 @@ from localrun.backends.base import (
     LoadSpec,
     MemoryEstimate,
     merge_chunks,
-    TokenLogprob,
-    Usage,
 )
+from localrun.backends.llama_batch import token_piece
 from localrun.errors import BackendError, InvalidRequest
-from localrun.stop_strings import StopScanner
 
 log = logging.getLogger("localrun.llamacpp")
 
 # "any JSON object" grammar for JSON mode (format: "json", response_format json_object)
 _JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 _EMBED_MAX_CTX = 2048
+# prompt tokens one step of the batched loop computes at most (beside every running sequence's next
+# token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
+# chunk, not the whole prompt
+STEP_TOKENS = 512
 
 
 def physical_cores() -> int:
@@ -120,16 +119,6 @@ def _model_params(**fields: Any):
         lib.llama_model_default_params = original
 
 
-def gpu_offload_supported() -> bool:
-    """True when this llama.cpp build can put layers on a GPU (CUDA, Metal, ...)."""
-    try:
-        import llama_cpp
-
-        return bool(llama_cpp.llama_supports_gpu_offload())
-    except Exception:
-        return False
-
-
 def _gguf_info(spec: LoadSpec):
     info = spec.extra.get("gguf_info")
     if info is not None:
@@ -160,24 +149,6 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin
     overhead = 64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
-
-
-def _token_piece(llama_cpp, vocab, token: int, special: bool = False) -> bytes:
-    buf = ctypes.create_string_buffer(64)
-    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, special)
-    if n < 0:  # piece longer than the buffer
-        buf = ctypes.create_string_buffer(-n)
-        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
-    return buf.raw[: max(n, 0)]
-
-
-def _common_prefix(llm, tokens: list[int]) -> int:
-    n = 0
-    for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 # Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
@@ -216,15 +187,15 @@ def check_schema_bounds(schema: Any) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
-def json_schema_grammar(schema: dict[str, Any]):
-    """A llama.cpp grammar for a JSON schema, built once per schema (cached); InvalidRequest
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """llama.cpp grammar text (GBNF) for a JSON schema, built once per schema (cached); InvalidRequest
     when it cannot be built or is over the bounds above."""
     return _grammar(json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
 
 @functools.lru_cache(maxsize=64)
-def _grammar(schema_json: str):
-    from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
+def _grammar(schema_json: str) -> str:
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     check_schema_bounds(json.loads(schema_json))
     try:
@@ -234,80 +205,91 @@ def _grammar(schema_json: str):
     if len(gbnf) > GRAMMAR_MAX_BYTES:
         raise InvalidRequest(f"the JSON schema's grammar is {len(gbnf)} bytes, over the {GRAMMAR_MAX_BYTES} byte limit; "
                              "simplify the schema")
-    try:
-        return LlamaGrammar.from_string(gbnf, verbose=False)
-    except Exception as exc:
-        raise InvalidRequest(f"llama.cpp cannot use the JSON schema's grammar: {exc}") from None
+    return gbnf
 
 
 class LlamaCppBackend:
+    """A GGUF model in one batched llama.cpp context (:class:`~localrun.backends.llama_batch.BatchedLlama`):
+    up to ``spec.num_parallel`` sequences decode together in one KV cache, and a prompt starts from
+    the longest prefix of it any earlier or running request left there."""
+
     def __init__(self, spec: LoadSpec):
         import llama_cpp
+        import llama_cpp.llama_cpp as lib
+        from llama_cpp._logger import set_verbose
 
-        self._llama_cpp = llama_cpp
+        from localrun.backends.llama_batch import BatchedLlama
+
+        set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
+        self._llama_cpp, self._lib = llama_cpp, lib
         self.spec = spec
         self.n_threads = int(spec.extra.get("n_threads") or physical_cores())
         self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
         self.extra_bufts, self.extra_bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
-        slots = max(1, spec.num_parallel)
-        self._free: list = []  # idle contexts; a request takes the one sharing the longest prefix
-        self._free_cv = threading.Condition()
-        self._contexts = []
-        try:
-            for _ in range(slots):
-                llm = self._new_llama(n_ctx=spec.num_ctx)
-                self._contexts.append(llm)
-                self._free.append(llm)
-        except Exception as exc:
-            self._close()
-            raise BackendError(f"llama.cpp failed to load {spec.name}: {exc}") from None
-        main = self._contexts[0]
-        self._main = main
-        self._vocab = main._model.vocab
-        self._n_vocab = main.n_vocab()
+        self.speculative = self._speculative_tokens()
+        parallel = max(1, spec.num_parallel)
+        step_tokens = max(STEP_TOKENS, parallel * 2)
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = self.n_gpu_layers
+        if not self.extra_bufts:
+            mparams.use_extra_bufts = False
+        model = lib.llama_model_load_from_file(str(spec.weights).encode("utf-8"), mparams)
+        if not model:
+            raise BackendError(f"llama.cpp failed to load {spec.name} from {spec.weights} (see the runner's log)")
+        # recurrent state cannot be cut back to a prefix: such models get no shared prefixes
+        share = not (lib.llama_model_is_recurrent(model) or lib.llama_model_is_hybrid(model))
+        n_seq_max = min(int(lib.llama_max_parallel_sequences()), max(4 * parallel, parallel + 4) if share else parallel)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = spec.num_ctx * parallel
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = True
+        cparams.swa_full = True  # a sliding-window layer keeps every cell, so any prefix can be shared
+        cparams.n_batch = step_tokens + parallel * (1 + self.speculative)
+        cparams.n_ubatch = min(512, cparams.n_batch)
+        cparams.n_outputs_max_per_seq = 0
+        cparams.n_threads = cparams.n_threads_batch = self.n_threads
+        cparams.no_perf = True
+        ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise BackendError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {spec.name}; "
+                               "use a smaller num_ctx or LOCALRUN_NUM_PARALLEL")
+        self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, n_seq_max=n_seq_max, step_tokens=step_tokens,
+                                   share_prefixes=share, name=spec.name)
+        self._vocab = self.engine.vocab
+        self._n_vocab = self.engine.n_vocab
+        self._n_layer = int(lib.llama_model_n_layer(model))
         self._embedder = None
         self._embed_lock = threading.Lock()
-        self._tok_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=slots + 1, thread_name_prefix=f"llamacpp-{spec.name}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llamacpp-embed-{spec.name}")
         size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
-        vram = int(spec.extra.get("size_vram", 0))
+        how = (f"{self.n_threads} threads, {self.extra_bufts_reason}; one batched context: {parallel} parallel "
+               f"sequences in {self.engine.n_cells} KV cells" + (", shared prefixes" if share else ""))
         self.info = BackendInfo(
             name="llama.cpp",
             device=device,
             processor=spec.extra.get("processor", "100% CPU"),
-            reason=f"{spec.extra.get('reason') or 'llama.cpp on CPU'}; {self.n_threads} threads, {self.extra_bufts_reason}",
+            reason=f"{spec.extra.get('reason') or 'llama.cpp on CPU'}; {how}",
             context_length=spec.num_ctx,
-            slots=slots,
+            slots=parallel,
             size_bytes=size,
-            size_vram_bytes=vram,
-            max_token_bytes=max((len(_token_piece(llama_cpp, self._vocab, t, special=True))
-                                 for t in range(self._n_vocab)), default=0),
+            size_vram_bytes=int(spec.extra.get("size_vram", 0)),
+            max_token_bytes=max((len(token_piece(lib, self._vocab, t, special=True)) for t in range(self._n_vocab)),
+                                default=0),
+            supports_groups=True,
+            supports_logit_bias=True,
+            placement=placement(device, self.n_gpu_layers, self._n_layer),
         )
 
-    def _new_llama(self, n_ctx: int, embedding: bool = False):
-        llama_cpp = self._llama_cpp
-        kwargs: dict[str, Any] = dict(
-            model_path=str(self.spec.weights),
-            n_ctx=n_ctx,
-            n_threads=self.n_threads,
-            n_threads_batch=self.n_threads,
-            n_gpu_layers=self.n_gpu_layers,
-            last_n_tokens_size=int(self.spec.extra.get("repeat_last_n", 64)),
-            verbose=False,
-        )
-        if not embedding:
-            draft = self._draft()
-            if draft is not None:
-                kwargs["draft_model"] = draft
-        if embedding:
-            kwargs.update(embedding=True, n_batch=n_ctx, n_ubatch=n_ctx, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
-        with _model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
-            return llama_cpp.Llama(**kwargs)
+    @property
+    def fatal(self) -> str | None:
+        """Set when llama.cpp cannot go on (a compute error): the runner exits and the daemon reloads."""
+        return self.engine.fatal
 
-    def _draft(self):
-        """llama.cpp's prompt-lookup decoding for LOCALRUN_SPECULATIVE / PARAMETER speculative ngram
-        (a draft model is the native engine's only)."""
+    def _speculative_tokens(self) -> int:
+        """Draft tokens per step for LOCALRUN_SPECULATIVE / PARAMETER speculative ngram (prompt lookup;
+        a draft model is the native engine's only); 0 when off."""
         from localrun.config import speculative_for_load
 
         try:
@@ -315,33 +297,35 @@ class LlamaCppBackend:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if mode == "off":
-            return None
+            return 0
         if mode != "ngram":
             log.warning("speculative=%s: the llama.cpp backend supports only ngram (prompt lookup); %s runs "
                         "without speculation", mode, self.spec.name)
-            return None
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        return LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k)
+            return 0
+        return int(k)
 
     # -- tokens ------------------------------------------------------------------------
-    def _encode(self, text: str, add_special: bool) -> list[int]:  # the caller holds _tok_lock
-        return self._main.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
-
     def _tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        with self._tok_lock:
-            return self._encode(text, add_special)
+        lib = self._lib
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lib.llama_token * cap)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:  # more tokens than bytes (added specials): the exact size comes back negated
+            cap = -n
+            buf = (lib.llama_token * cap)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+            if n < 0:
+                raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
+        return list(buf[:n])
 
     def _detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(_token_piece(self._llama_cpp, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
+        return b"".join(token_piece(self._lib, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         # about 1 us a character: a short text costs less than the hop to a thread and back
-        if len(text) <= INLINE_TOKENIZE_CHARS and self._tok_lock.acquire(blocking=False):
-            try:
-                return self._encode(text, add_special)
-            finally:
-                self._tok_lock.release()
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self._tokenize(text, add_special)
         return await asyncio.to_thread(self._tokenize, text, add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:
@@ -349,15 +333,34 @@ class LlamaCppBackend:
 
     # -- generation ----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        from localrun.backends.llama_batch import Request, make_sampler
+
+        o = request.options
+        tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
+        window = min(request.window or self.spec.num_ctx, self.spec.num_ctx)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        if len(tokens) >= window:
+            raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {window} tokens")
+        for t in o.logit_bias or {}:
+            if not 0 <= int(t) < self._n_vocab:
+                raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of {self._n_vocab}")
+        grammar = None
+        if o.json_schema is not None or o.json_mode:
+            grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
+        args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
+        # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
+        sampler = make_sampler(*args) if len(grammar or "") < 4096 else await asyncio.to_thread(make_sampler, *args)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        cancel = threading.Event()
-        delivered = threading.Event()  # set once the consumer took the first chunk
-
-        def emit(item) -> None:
-            loop.call_soon_threadsafe(out.put_nowait, item)
-
-        self._executor.submit(self._worker, request, emit, cancel, delivered)
+        req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
+                      speculative=self.speculative, rid=request.request_id)
+        try:
+            self.engine.submit(req)
+        except BaseException:
+            self._lib.llama_sampler_free(req.sampler)
+            req.sampler = None
+            raise
         try:
             while True:
                 item = await out.get()
@@ -371,158 +374,23 @@ class LlamaCppBackend:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                delivered.set()
+                req.delivered.set()
                 if item.finish_reason is not None:
                     return
         finally:
             log.debug("generate %s closed by its consumer", request.request_id)
-            cancel.set()
-            delivered.set()
+            if not req.finished:
+                self.engine.cancel(req)
+            req.delivered.set()
 
-    def _take_slot(self, tokens: list[int]):
-        """Block until a context is free; prefer the one whose KV already holds the longest
-        prefix of `tokens` (its cached prompt is reused)."""
-        with self._free_cv:
-            while not self._free:
-                self._free_cv.wait()
-            best = max(self._free, key=lambda llm: _common_prefix(llm, tokens))
-            self._free.remove(best)
-            return best
-
-    def _give_slot(self, llm) -> None:
-        with self._free_cv:
-            self._free.append(llm)
-            self._free_cv.notify()
-
-    def _worker(self, request: GenerationRequest, emit, cancel: threading.Event, delivered: threading.Event) -> None:
-        try:
-            tokens = list(request.prompt_token_ids or self._tokenize(request.prompt, request.add_special))
-        except Exception as exc:
-            emit(BackendError(f"llama.cpp could not tokenize the prompt: {exc}"))
-            return
-        llm = self._take_slot(tokens)
-        try:
-            self._generate(llm, tokens, request, emit, cancel, delivered)
-        except Exception as exc:
-            if not isinstance(exc, (InvalidRequest, BackendError)):
-                log.exception("generation failed")
-                exc = BackendError(f"llama.cpp: {exc}")
-            emit(exc)
-        finally:
-            self._give_slot(llm)
-
-    def _generate(self, llm, tokens: list[int], request: GenerationRequest, emit, cancel: threading.Event,
-                  delivered: threading.Event) -> None:
-        import numpy as np
-
-        llama_cpp = self._llama_cpp
-        o = request.options
-        t0 = time.perf_counter()
-        n_ctx = llm.n_ctx()
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        if len(tokens) >= n_ctx:
-            raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {n_ctx} tokens")
-        # Reuse the slot's cached prefix, but re-evaluate at least the prompt's last two tokens:
-        # llama.cpp computes a lone token (a batch of one) with other kernels than a longer batch,
-        # so a fully cached prompt re-evaluated from its last token alone got different logits, and
-        # greedy answers that depended on what the slot had run before. Batches of two or more
-        # agree with a fresh evaluation exactly. llama-cpp-python reuses what n_tokens leaves it.
-        cached = max(0, min(_common_prefix(llm, tokens), len(tokens) - 2))
-        llm.n_tokens = min(llm.n_tokens, cached)
-        grammar = None
-        if o.json_schema is not None or o.json_mode:
-            grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
-        llm.set_seed(o.seed if o.seed is not None else random.getrandbits(31))
-        gen = llm.generate(
-            tokens,
-            top_k=o.top_k,
-            top_p=o.top_p,
-            min_p=o.min_p,
-            typical_p=1.0,
-            temp=o.temperature,
-            repeat_penalty=o.repeat_penalty,
-            frequency_penalty=o.frequency_penalty,
-            presence_penalty=o.presence_penalty,
-            grammar=grammar,
-        )
-        limit = n_ctx - len(tokens)
-        if o.max_tokens is not None:
-            limit = min(limit, o.max_tokens)
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        stops = StopScanner(o.stop)
-        stop_ids = set(o.stop_token_ids)
-        n_out = 0
-        t_first = None
-        finish = "length"
-        tail = ""
-        try:
-            for token in gen:
-                if cancel.is_set():
-                    finish = "abort"
-                    break
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if not o.ignore_eos and (llama_cpp.llama_vocab_is_eog(self._vocab, token) or token in stop_ids):
-                    finish = "stop"
-                    tail = decoder.decode(b"", final=True) + stops.flush()
-                    break
-                n_out += 1
-                lp = self._logprob(llm, token, o.top_logprobs, np) if o.logprobs else None
-                text, hit = stops.feed(decoder.decode(_token_piece(llama_cpp, self._vocab, token)))
-                if hit:
-                    finish = "stop"
-                    if text:
-                        emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
-                    break
-                if n_out >= limit:
-                    text += decoder.decode(b"", final=True) + stops.flush()
-                    emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
-                    break
-                if text or lp:
-                    emit(Chunk(text=text, token_ids=[token], logprobs=[lp] if lp else None))
-                    if not delivered.is_set():
-                        # time to first token: let the server send the first chunk before the next
-                        # decode takes the CPU (bounded, so a stalled consumer cannot stall us)
-                        delivered.wait(0.05)
-        finally:
-            gen.close()
-        log.debug("generation %s ended: %s after %d tokens", request.request_id, finish, n_out)
-        t_end = time.perf_counter()
-        t_first = t_first or t_end
-        emit(
-            Chunk(
-                text=tail,
-                finish_reason=finish,
-                stop_sequence=stops.matched,
-                usage=Usage(
-                    prompt_tokens=len(tokens),
-                    completion_tokens=n_out,
-                    cached_tokens=cached,
-                    prompt_eval_seconds=t_first - t0,
-                    eval_seconds=t_end - t_first,
-                ),
-            )
-        )
-
-    def _logprob(self, llm, token: int, top_n: int, np) -> TokenLogprob:
-        """Log-probabilities of the raw model distribution the token was sampled from."""
-        ptr = llm._ctx.get_logits_ith(-1)
-        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).astype(np.float64)
-        m = logits.max()
-        lse = m + np.log(np.exp(logits - m).sum())
-        top: list[tuple[str, float]] = []
-        if top_n > 0:
-            idx = np.argpartition(-logits, top_n)[:top_n]
-            idx = idx[np.argsort(-logits[idx])]
-            top = [(self._detokenize([int(i)]), float(logits[i] - lse)) for i in idx]
-        return TokenLogprob(token=self._detokenize([token]), logprob=float(logits[token] - lse), top=top)
+    async def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
 
     # -- embeddings ----------------------------------------------------------------------
     def _embed_sync(self, texts: list[str]) -> list[list[float]]:
         with self._embed_lock:
             if self._embedder is None:
-                self._embedder = self._new_llama(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX), embedding=True)
+                self._embedder = self._new_embedder(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX))
             emb = self._embedder
             limit = emb.n_batch
             for t in texts:
@@ -530,6 +398,15 @@ class LlamaCppBackend:
                 if n > limit:
                     raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} tokens")
             return [list(map(float, v)) for v in emb.embed(texts, normalize=True)]
+
+    def _new_embedder(self, n_ctx: int):
+        """A second context for embeddings (mean pooling), through llama-cpp-python's Llama."""
+        llama_cpp = self._llama_cpp
+        with _model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
+            return llama_cpp.Llama(model_path=str(self.spec.weights), n_ctx=n_ctx, n_threads=self.n_threads,
+                                   n_threads_batch=self.n_threads, n_gpu_layers=self.n_gpu_layers, verbose=False,
+                                   embedding=True, n_batch=n_ctx, n_ubatch=n_ctx,
+                                   pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         loop = asyncio.get_running_loop()
@@ -542,14 +419,27 @@ class LlamaCppBackend:
         ex = getattr(self, "_executor", None)
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
-        for llm in [*getattr(self, "_contexts", []), getattr(self, "_embedder", None)]:
-            if llm is not None:
-                try:
-                    llm.close()
-                except Exception:  # pragma: no cover
-                    pass
-        self._contexts = []
-        self._embedder = None
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        if self._embedder is not None:
+            try:
+                self._embedder.close()
+            except Exception:  # pragma: no cover
+                pass
+            self._embedder = None
+
+
+def placement(device: str, n_gpu_layers: int, n_layer: int) -> str:
+    """Where a model's layers run, as `ps` shows it: "CUDA: 31/31 layers", "Metal", "CPU"
+    (llama.cpp counts the output layer as one more)."""
+    if device in ("CPU", "") or n_gpu_layers == 0:
+        return "CPU"
+    if device == "Metal":
+        return "Metal"
+    total = n_layer + 1
+    on = total if n_gpu_layers < 0 else min(n_gpu_layers, total)
+    return f"{device}: {on}/{total} layers"
 
 
 def load(spec: LoadSpec) -> LlamaCppBackend:

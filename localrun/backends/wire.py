@@ -38,6 +38,9 @@ class Channel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []  # messages sent in this turn of the loop: written together
+
 
     @classmethod
     async def connect(cls, sock: socket.socket) -> "Channel":
@@ -45,13 +48,21 @@ class Channel:
         return cls(reader, writer)
 
     def send(self, obj: dict) -> None:
-        """Queue one message; dropped when the peer is gone (its EOF, or the process watcher, reports
-        that). asyncio drops such writes itself; uvloop raises RuntimeError on a closed transport."""
+        """Queue one message. The messages sent in one turn of the event loop go out in one write
+        (a step of the batched llama.cpp loop yields a chunk for every running request: one system
+        call, not one each). Dropped when the peer is gone (its EOF, or the process watcher, reports
+        that)."""
         data = dumps(obj)
-        if self.writer.transport.is_closing():
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(len(data).to_bytes(4, "little") + data)
+
+    def _flush(self) -> None:
+        data, self._out = b"".join(self._out), []
+        if not data or self.writer.transport.is_closing():
             return
-        try:
-            self.writer.write(len(data).to_bytes(4, "little") + data)
+        try:  # asyncio drops writes to a closed transport itself; uvloop raises RuntimeError
+            self.writer.write(data)
         except (RuntimeError, ConnectionError):
             pass
 
@@ -65,9 +76,11 @@ class Channel:
             raise EOFError(str(exc)) from None
 
     async def drain(self) -> None:
+        self._flush()
         await self.writer.drain()
 
     def close(self) -> None:
+        self._flush()
         self.writer.close()
 
 
@@ -79,7 +92,10 @@ def request_to_wire(r: GenerationRequest) -> dict:
 
 
 def request_from_wire(d: dict) -> GenerationRequest:
-    return GenerationRequest(prompt=d["prompt"], options=SamplingOptions(**d["options"]), request_id=d["request_id"],
+    options = SamplingOptions(**d["options"])
+    if options.logit_bias:  # JSON object keys are strings
+        options.logit_bias = {int(k): float(v) for k, v in options.logit_bias.items()}
+    return GenerationRequest(prompt=d["prompt"], options=options, request_id=d["request_id"],
                              add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
                              group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"))
 

@@ -375,6 +375,9 @@ class GenerationService:
                                  "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+        if o.logit_bias and not info.supports_logit_bias:
+            raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which does not take "
+                                 "logit_bias; use LOCALRUN_BACKEND=llamacpp for it")
 
     @staticmethod
     def _check_length(prompt: str, lease: Lease) -> None:

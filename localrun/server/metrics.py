@@ -131,7 +131,7 @@ class _Live:
         host_total = GaugeMetricFamily("localrun_host_kv_pages_total",
                                        "Pages the prefix cache's host-memory tier holds at most", labels=["model"])
         spec_tokens = CounterMetricFamily("localrun_spec_tokens",
-                                          "Speculative decoding (native engine): tokens drafted and, of those, "
+                                          "Speculative decoding: tokens drafted and, of those, "
                                           "accepted by the model since load", labels=["model", "kind"])
         spec_rate = GaugeMetricFamily("localrun_spec_acceptance_rate",
                                       "Share of drafted tokens the model accepted since load", labels=["model"])
@@ -144,6 +144,16 @@ class _Live:
         forked = CounterMetricFamily("localrun_forked_sequences",
                                      "Choices (n > 1) that started from another choice's prefill instead of their own",
                                      labels=["model"])
+        cells_used = GaugeMetricFamily("localrun_kv_cells_used", "llama.cpp: KV cache cells in use (running and "
+                                       "cached prefixes)", labels=["model"])
+        cells = GaugeMetricFamily("localrun_kv_cells_total", "llama.cpp: KV cache cells of the model's context",
+                                  labels=["model"])
+        seqs = GaugeMetricFamily("localrun_sequences", "llama.cpp: sequences by state (running: generating; waiting: "
+                                 "not started yet; idle: holding a cached prefix)", labels=["model", "state"])
+        steps = CounterMetricFamily("localrun_engine_steps", "Batched steps since load (one llama_decode each)",
+                                    labels=["model"])
+        decoded = CounterMetricFamily("localrun_decode_tokens", "Tokens sampled by decode steps since load "
+                                      "(decode tokens / engine steps = the mean decode batch)", labels=["model"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
             running.add_metric([r.name], r.active)
@@ -156,7 +166,15 @@ class _Live:
                 hit_tokens.add_metric([r.name, "host"], st["prefix_host_hit_tokens"])
             if "prefill_tokens" in st:
                 prefill.add_metric([r.name], st["prefill_tokens"])
+            if "forked_seqs" in st:
                 forked.add_metric([r.name], st["forked_seqs"])
+            if "cells" in st:
+                cells_used.add_metric([r.name], st["cells_used"])
+                cells.add_metric([r.name], st["cells"])
+                for state, key in (("running", "running"), ("waiting", "waiting"), ("idle", "idle_sequences")):
+                    seqs.add_metric([r.name, state], st[key])
+                steps.add_metric([r.name], st["steps"])
+                decoded.add_metric([r.name], st["decode_tokens"])
             if "host_pages_total" in st:
                 host_used.add_metric([r.name], st["host_pages_used"])
                 host_total.add_metric([r.name], st["host_pages_total"])
@@ -170,7 +188,7 @@ class _Live:
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
         yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, prefill, forked, spec_tokens,
-                    spec_rate, spec_tps)
+                    spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded)
 
 
 class MetricsMiddleware:

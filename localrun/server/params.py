@@ -19,6 +19,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 MAX_STOP_LEN = 256
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 # -- typed getters ---------------------------------------------------------------------------
@@ -79,6 +80,23 @@ def get_stop(value: Any, key: str = "stop") -> list[str]:
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_LEN for s in stops):
         raise InvalidRequest(f"'{key}' allows at most {MAX_STOP} strings of up to {MAX_STOP_LEN} characters")
     return [s for s in stops if s]
+
+
+def get_logit_bias(body: dict, key: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id (a string of digits): bias from -100 to 100}."""
+    value = body.get(key)
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"'{key}' must be an object of at most {MAX_LOGIT_BIAS} token ids -> biases")
+    out: dict[int, float] = {}
+    for k, v in value.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10):
+            raise InvalidRequest(f"'{key}' keys must be token ids (digits), not {k[:40]!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise InvalidRequest(f"'{key}' biases must be numbers from -100 to 100 (token {k})")
+        out[int(k)] = float(v)
+    return out
 
 
 MAX_SCHEMA_NODES = 5000  # objects + arrays; checked before the (event-loop) validation

@@ -70,8 +70,7 @@ def openai_options(body: dict, resolved: Any, chat: bool):
     opts.ignore_eos = p.get_bool(body, "ignore_eos")  # vLLM/SGLang extension, for benchmarks
     if body.get("best_of") not in (None, 1):
         raise InvalidRequest("'best_of' is not supported")
-    if body.get("logit_bias"):
-        raise InvalidRequest("'logit_bias' is not supported")
+    opts.logit_bias = p.get_logit_bias(body)
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):

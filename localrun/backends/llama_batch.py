@@ -1,0 +1,605 @@
+"""llama.cpp's batched loop: one context per model, continuous batching, shared prefixes.
+
+One :class:`BatchedLlama` owns a model's single ``llama_context``: a unified KV cache (one pool
+of cells for every sequence, ``kv_unified``) of ``parallel x num_ctx`` cells and up to
+``n_seq_max`` sequence ids. One thread runs the loop; each step
+
+1. admits waiting requests while fewer than ``parallel`` run: a request takes a sequence id and
+   starts from the longest prefix of its prompt any sequence holds (running or idle), shared by
+   ``llama_memory_seq_cp`` (the cells are shared, not copied; :mod:`localrun.backends.llama_prefix`
+   keeps the books). A request whose prompt shares a longer prefix with a prompt still being
+   prefilled waits for that prefill instead of computing the same tokens twice;
+2. builds one ``llama_batch``: every decoding sequence's next token (plus prompt-lookup drafts when
+   speculative decoding is on), then prefill chunks of the others, first come first served, up to
+   ``step_tokens`` tokens in all, so a long prompt never stalls the streams already running;
+3. calls ``llama_decode`` once (the GIL is released: the daemon's pipe keeps moving meanwhile);
+4. samples each sequence that has an output row with its own sampler chain (logit bias,
+   penalties, grammar, top-k/p, min-p, temperature, its own seeded RNG), handles stop tokens, stop
+   strings and limits, and hands each request its chunk.
+
+A finished or cancelled request's sequence stays in the cache, idle, with its tokens: a later
+prompt that starts with them reuses them. Idle sequences give their cells back least recently used
+first, when the running ones need room or a sequence id. Running sequences never run out of cells:
+each is bounded by its window (``num_ctx``) and at most ``parallel`` run.
+
+Everything here runs on the loop's thread except :meth:`submit` / :meth:`cancel` (any thread).
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from localrun.backends.base import Chunk, SamplingOptions, TokenLogprob, Usage
+from localrun.backends.llama_prefix import PrefixIndex
+from localrun.errors import BackendError, InvalidRequest
+from localrun.stop_strings import StopScanner
+
+log = logging.getLogger("localrun.llamacpp")
+
+FIRST_CHUNK_WAIT = 0.05  # seconds the loop waits for a request's first chunk to reach its consumer (TTFT)
+MIN_RECOMPUTE = 2  # prompt tokens evaluated even when all are cached (a batch of one differs: see _start)
+SHARE_WAIT_TOKENS = 32  # a request waits for a running prefill when that would spare it this many tokens
+MAX_NGRAM = 3  # prompt lookup: the longest n-gram matched
+
+
+def token_piece(lib, vocab, token: int, special: bool = False) -> bytes:
+    buf = ctypes.create_string_buffer(64)
+    n = lib.llama_token_to_piece(vocab, token, buf, 64, 0, special)
+    if n < 0:  # longer than the buffer
+        buf = ctypes.create_string_buffer(-n)
+        n = lib.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[: max(n, 0)]
+
+
+def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, grammar: str | None = None):
+    """A llama.cpp sampler chain for one request (the caller frees it with llama_sampler_free).
+    InvalidRequest when the grammar does not parse."""
+    chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+
+    def add(s) -> None:
+        if not s:
+            lib.llama_sampler_free(chain)
+            raise BackendError("llama.cpp could not create a sampler")
+        lib.llama_sampler_chain_add(chain, s)
+
+    if o.logit_bias:
+        items = [lib.llama_logit_bias(int(t), float(b)) for t, b in o.logit_bias.items()]
+        add(lib.llama_sampler_init_logit_bias(n_vocab, len(items), (lib.llama_logit_bias * len(items))(*items)))
+    last_n = window if o.repeat_last_n < 0 else o.repeat_last_n
+    add(lib.llama_sampler_init_penalties(n_vocab, last_n, o.repeat_penalty, o.frequency_penalty, o.presence_penalty))
+    if grammar is not None:
+        g = lib.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+        if not g:
+            lib.llama_sampler_free(chain)
+            raise InvalidRequest("llama.cpp cannot parse the JSON schema's grammar")
+        lib.llama_sampler_chain_add(chain, g)
+    if o.temperature <= 0:
+        add(lib.llama_sampler_init_greedy())
+    else:
+        add(lib.llama_sampler_init_top_k(o.top_k))
+        add(lib.llama_sampler_init_top_p(o.top_p, 1))
+        add(lib.llama_sampler_init_min_p(o.min_p, 1))
+        add(lib.llama_sampler_init_temp(o.temperature))
+        add(lib.llama_sampler_init_dist(o.seed if o.seed is not None else random.getrandbits(31)))
+    return chain
+
+
+def lookup_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Prompt lookup (llama-cpp-python's LlamaPromptLookupDecoding): the k tokens that followed the
+    first earlier occurrence of the longest n-gram (n <= max_ngram) that ends ``tokens``."""
+    if k <= 0 or len(tokens) < 2:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_ngram, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.nonzero((windows == arr[-n:]).all(axis=1))[0]
+        for start in hits + n:
+            if start < len(arr):
+                return arr[start:start + k].tolist()
+    return []
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation inside the loop. Its chunks (and an exception, last, if it fails) go to
+    ``queue`` (an asyncio.Queue) on ``loop``; ``delivered`` is set once the consumer took the first."""
+
+    prompt: list[int]
+    options: SamplingOptions
+    sampler: Any  # llama_sampler chain (owned: freed when the request ends)
+    loop: Any
+    queue: Any
+    window: int  # the request's context window (num_ctx): prompt + output + drafts stay inside it
+    speculative: int = 0  # draft tokens per step (0: off)
+    rid: str = ""
+    cancelled: bool = False
+    delivered: threading.Event = field(default_factory=threading.Event)
+    # loop state
+    sid: int = -1
+    n_cached: int = 0
+    computed: int = 0  # tokens of this sequence in the KV cache
+    pending: list[int] = field(default_factory=list)  # fed at the next step (prompt rest / last token)
+    history: list[int] = field(default_factory=list)  # prompt + output (prompt lookup reads it)
+    draft: list[int] = field(default_factory=list)
+    n_out: int = 0
+    limit: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    finished: bool = False
+    drafted: int = 0
+    accepted: int = 0
+    waited: bool = False  # counted once in shared_waits
+
+    def __post_init__(self) -> None:
+        o = self.options
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.stops = StopScanner(o.stop)
+        self.stop_ids = set(o.stop_token_ids)
+        room = self.window - len(self.prompt)
+        self.limit = room if o.max_tokens is None else min(room, o.max_tokens)
+
+
+class BatchedLlama:
+    """The loop (see the module docstring). ``lib`` is ``llama_cpp.llama_cpp``; model and context
+    are created by the caller and owned here from then on (:meth:`close` frees them)."""
+
+    def __init__(self, lib, model, ctx, *, parallel: int, n_seq_max: int, step_tokens: int,
+                 share_prefixes: bool = True, name: str = "") -> None:
+        self.lib, self.model, self.ctx = lib, model, ctx
+        self.vocab = lib.llama_model_get_vocab(model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.mem = lib.llama_get_memory(ctx)
+        self.n_cells = int(lib.llama_n_ctx(ctx))
+        self.parallel, self.n_seq_max = parallel, n_seq_max
+        self.step_tokens = max(step_tokens, parallel * 2)
+        self.share_prefixes = share_prefixes
+        self.name = name
+        self.index = PrefixIndex()
+        self._free_ids = list(range(n_seq_max - 1, -1, -1))
+        # sequences holding cells for no request, least recently used first -> their last prompt's length
+        self._idle: OrderedDict[int, int] = OrderedDict()
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []  # admission order
+        self._inbox: deque[Request] = deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self.fatal: str | None = None
+        self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
+                             evicted_sequences=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
+                             spec_steps=0)
+        self._pieces: dict[int, bytes] = {}
+        self._outbox: list[tuple[Request, Any]] = []
+        self._alloc_batch(self.step_tokens)
+        self._thread = threading.Thread(target=self._run, name=f"llama-batch-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any thread) ------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            if self._closing:
+                raise BackendError("the model is being unloaded")
+            if self.fatal:
+                raise BackendError(self.fatal)
+            self._inbox.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        """The consumer is gone: the request ends at the next step boundary (its sequence stays
+        cached). Also wakes a first-chunk wait."""
+        req.cancelled = True
+        req.delivered.set()
+        with self._cv:
+            self._cv.notify()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        gone = BackendError("the model was unloaded while this request ran")
+        for r in [*self._running, *self._waiting, *self._inbox]:
+            self._finish_error(r, gone)
+        self._flush()
+        self._running, self._waiting = [], []
+        self._inbox.clear()
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        spec = c["spec_steps"]
+        return {**c, "cells": self.n_cells, "cells_used": self.index.used,
+                "running": len(self._running), "waiting": len(self._waiting) + len(self._inbox),
+                "idle_sequences": len(self._idle), "parallel": self.parallel,
+                # the names the native engine reports the same things under
+                "prefix_query_tokens": c["prompt_tokens"], "prefix_hit_tokens": c["cached_tokens"],
+                "spec_acceptance_rate": c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else 0.0,
+                "spec_tokens_per_row_step": (spec + c["spec_accepted_tokens"]) / spec if spec else 0.0}
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._closing or self._inbox or self._running or self._waiting):
+                        self._cv.wait()
+                    if self._closing:
+                        return
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                self._reap()
+                self._admit()
+                if self._running:
+                    self._step()
+                    self._flush()
+                elif self._waiting:  # nothing could start (cannot happen; do not spin)
+                    time.sleep(0.001)
+        except Exception as exc:  # a bug or a native failure: every request gets the error
+            log.exception("llama.cpp loop of %s failed", self.name)
+            self.fatal = f"llama.cpp's loop failed: {type(exc).__name__}: {exc}"
+            err = BackendError(self.fatal)
+            for r in [*self._running, *self._waiting]:
+                self._finish_error(r, err)
+            self._running, self._waiting = [], []
+            self._flush()
+
+    def _reap(self) -> None:
+        """Requests whose consumer left end here: their sequences become idle cache entries."""
+        if any(r.cancelled for r in self._waiting):
+            for r in [r for r in self._waiting if r.cancelled]:
+                self._free_sampler(r)
+            self._waiting = [r for r in self._waiting if not r.cancelled]
+        for r in [r for r in self._running if r.cancelled]:
+            self._end(r)
+
+    def _admit(self) -> None:
+        i = 0
+        while i < len(self._waiting) and len(self._running) < self.parallel:
+            r = self._waiting[i]
+            if self._wait_for_shared_prefill(r):
+                i += 1
+                continue
+            del self._waiting[i]
+            self._start(r)
+
+    def _wait_for_shared_prefill(self, r: Request) -> bool:
+        """True when a running prefill will soon hold more of r's prompt than the cache does now:
+        r waits for it and shares it, instead of computing the same tokens alongside."""
+        if not self.share_prefixes:
+            return False
+        have, _ = self.index.match(r.prompt)
+        for s in self._running:
+            if s.computed >= len(s.prompt):
+                continue
+            k = _common(s.prompt, r.prompt)
+            if k - have >= SHARE_WAIT_TOKENS and s.computed < k:
+                if not r.waited:
+                    r.waited = True
+                    self.counters["shared_waits"] += 1
+                return True
+        return False
+
+    def _start(self, r: Request) -> None:
+        # At least MIN_RECOMPUTE prompt tokens are evaluated even when the cache holds all of them:
+        # llama.cpp computes a batch of one token with other kernels than a longer batch, so a
+        # prompt evaluated from its last token alone gets slightly different logits (and a greedy
+        # answer that depends on what ran before); batches of two or more agree exactly.
+        usable = max(0, len(r.prompt) - MIN_RECOMPUTE)
+        n, src = self.index.match(r.prompt[:usable]) if (self.share_prefixes and usable) else (0, None)
+        if n and src in self._idle and n + MIN_RECOMPUTE >= self._idle[src]:
+            # r covers the whole prompt src last served (the same prompt again, the next turn of a
+            # chat, the next keystroke): r takes src over, cut back to the shared prefix, instead
+            # of a copy beside it. Its new tokens then land in the cells src frees, where a fresh
+            # evaluation puts them, so the same greedy request gives the same answer.
+            sid = src
+            del self._idle[src]
+            self._seq_rm(sid, n)
+        else:
+            sid = self._take_sid(keep=src if n else None)
+            if n and sid == src:  # the only idle sequence was the one holding the prefix
+                self._seq_rm(sid, n)
+            elif n:
+                self.lib.llama_memory_seq_cp(self.mem, src, sid, 0, n)
+                self.index.share(src, sid, n)
+                if src in self._idle:
+                    self._idle.move_to_end(src)
+        r.sid, r.n_cached, r.computed = sid, n, n
+        r.pending = r.prompt[n:]
+        r.history = list(r.prompt)
+        self._running.append(r)
+        self.counters["prompt_tokens"] += len(r.prompt)
+        self.counters["cached_tokens"] += n
+
+    def _take_sid(self, keep: int | None) -> int:
+        """A sequence id for a new request: a free one, else the least recently used idle one's
+        (evicted), sparing ``keep`` (the prefix's holder) unless it is the only one."""
+        if self._free_ids:
+            return self._free_ids.pop()
+        for sid in self._idle:
+            if sid != keep:
+                self._evict(sid)
+                return self._free_ids.pop()
+        if keep is not None and keep in self._idle:
+            del self._idle[keep]
+            return keep
+        raise BackendError("no llama.cpp sequence is free")  # n_seq_max > parallel makes this unreachable
+
+    def _evict(self, sid: int) -> None:
+        del self._idle[sid]
+        self._seq_rm(sid, 0)
+        self._free_ids.append(sid)
+        self.counters["evicted_sequences"] += 1
+
+    def _seq_rm(self, sid: int, keep: int) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, sid, keep, -1)
+        self.index.truncate(sid, keep)
+
+    def _make_room(self, need: int) -> int:
+        """Evict idle sequences (least recently used first) until ``need`` cells are free; the
+        cells free at the end."""
+        while self.n_cells - self.index.used < need and self._idle:
+            self._evict(next(iter(self._idle)))
+        return self.n_cells - self.index.used
+
+    # -- one step -----------------------------------------------------------------------------------
+    def _step(self) -> None:
+        rows: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, decoding)
+        n_decode = 0
+        for r in self._running:
+            if r.computed >= len(r.prompt) and r.pending:  # decoding: its last token (+ drafts)
+                r.draft = self._draft(r) if r.speculative else []
+                rows.append((r, r.pending + r.draft, True))
+                n_decode += 1 + len(r.draft)
+        budget = self.step_tokens - n_decode
+        prefills = [r for r in self._running if r.computed < len(r.prompt)]
+        want = min(budget, sum(len(r.pending) for r in prefills)) if budget > 0 else 0
+        budget = min(want, self._make_room(n_decode + want) - n_decode)
+        for r in prefills:
+            if budget <= 0:
+                break
+            chunk = r.pending[:budget]
+            rows.append((r, chunk, False))
+            budget -= len(chunk)
+        if not rows:
+            return
+        self._fill(rows)
+        ret = self.lib.llama_decode(self.ctx, self._batch)
+        if ret != 0:
+            self._decode_failed(ret, rows)
+            return
+        self.counters["steps"] += 1
+        self._after(rows)
+
+    def _draft(self, r: Request) -> list[int]:
+        k = min(r.speculative, r.limit - r.n_out - 1, r.window - r.computed - 2)
+        if k <= 0 or r.options.json_schema is not None or r.options.json_mode:
+            return []
+        return lookup_draft(r.history, k)
+
+    def _alloc_batch(self, n: int) -> None:
+        lib = self.lib
+        self._cap = n
+        self._tok = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._nseq = np.ones(n, dtype=np.int32)
+        self._seq = np.zeros(n, dtype=np.int32)
+        self._out = np.zeros(n, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n)])
+        b = lib.llama_batch()
+        b.token = self._tok.ctypes.data_as(i32p)
+        b.embd = None
+        b.pos = self._pos.ctypes.data_as(i32p)
+        b.n_seq_id = self._nseq.ctypes.data_as(i32p)
+        b.seq_id = ctypes.cast(self._seq_ptrs, type(b.seq_id))
+        b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._batch = b
+
+    def _fill(self, rows: list[tuple[Request, list[int], bool]]) -> None:
+        n = sum(len(t) for _, t, _ in rows)
+        if n > self._cap:
+            self._alloc_batch(n)
+        i = 0
+        for r, toks, decoding in rows:
+            k = len(toks)
+            self._tok[i:i + k] = toks
+            self._pos[i:i + k] = np.arange(r.computed, r.computed + k, dtype=np.int32)
+            self._seq[i:i + k] = r.sid
+            # logits for every token a decoding sequence feeds (its drafts are checked), and for a
+            # prompt's last token
+            self._out[i:i + k] = 1 if decoding else 0
+            if not decoding and r.computed + k == len(r.prompt):
+                self._out[i + k - 1] = 1
+            i += k
+        self._batch.n_tokens = n
+
+    def _decode_failed(self, ret: int, rows) -> None:
+        """1: no room in the KV cache (our books say there is: evict every idle sequence and let
+        the next step retry with what is left); anything else fails this step's requests."""
+        if ret == 1 and self._idle:
+            log.warning("llama.cpp found no KV cells for a step of %d tokens (%d of %d used); freeing the "
+                        "idle prefix cache", sum(len(t) for _, t, _ in rows), self.index.used, self.n_cells)
+            while self._idle:
+                self._evict(next(iter(self._idle)))
+            return
+        what = {1: "the KV cache is full", 2: "the computation was aborted", -1: "an invalid batch"}.get(
+            ret, "a compute error")
+        err = BackendError(f"llama.cpp could not decode ({what}, code {ret}); the request was ended")
+        for r in {id(r): r for r, _, _ in rows}.values():
+            # what the failed step wrote for these sequences is unknown: they give back every cell
+            self._finish_error(r, err)
+            self._running.remove(r)
+            self._seq_rm(r.sid, 0)
+            self._free_ids.append(r.sid)
+        if ret < -1:
+            self.fatal = f"llama.cpp reported a compute error (code {ret})"
+
+    def _after(self, rows) -> None:
+        lib, ctx = self.lib, self.ctx
+        firsts: list[Request] = []
+        i = 0
+        for r, toks, decoding in rows:
+            k = len(toks)
+            first_row = i
+            i += k
+            self.index.append(r.sid, toks)
+            r.computed += k
+            if not decoding:
+                r.pending = r.pending[k:]
+                self.counters["prefill_tokens"] += k
+                if r.computed < len(r.prompt):
+                    continue
+            sampled: list[tuple[int, TokenLogprob | None]] = []
+            for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
+                tok = lib.llama_sampler_sample(r.sampler, ctx, row)
+                sampled.append((tok, self._logprob(row, tok, r.options.top_logprobs) if r.options.logprobs else None))
+                j = len(sampled) - 1  # the draft token this one is checked against
+                if not (decoding and j < len(r.draft) and tok == r.draft[j]):
+                    break
+            if decoding:
+                self.counters["decode_tokens"] += len(sampled)
+            if r.draft:
+                keep = r.computed - k + len(sampled)  # the fed tokens whose successors were accepted
+                self.counters["spec_draft_tokens"] += len(r.draft)
+                self.counters["spec_accepted_tokens"] += len(sampled) - 1
+                self.counters["spec_steps"] += 1
+                r.drafted += len(r.draft)
+                r.accepted += len(sampled) - 1
+                if keep < r.computed:
+                    self._seq_rm(r.sid, keep)
+                    r.computed = keep
+                r.draft = []
+            first = r.t_first is None
+            self._emit(r, sampled)
+            if first and not r.finished:
+                firsts.append(r)
+        for r in [r for r in self._running if r.finished]:
+            self._end(r)
+        if firsts:  # let the consumers hand on their first tokens before the next decode takes the CPU
+            self._flush()
+            deadline = time.monotonic() + FIRST_CHUNK_WAIT
+            for r in firsts:
+                r.delivered.wait(max(0.0, deadline - time.monotonic()))
+
+    def _emit(self, r: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> None:
+        """Feed sampled tokens through r's stop handling and hand on what they give as one chunk."""
+        lib, o = self.lib, r.options
+        now = time.perf_counter()
+        if r.t_first is None:
+            r.t_first = now
+        text_parts: list[str] = []
+        ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        finish = None
+        for tok, lp in sampled:
+            if not o.ignore_eos and (lib.llama_vocab_is_eog(self.vocab, tok) or tok in r.stop_ids):
+                finish = "stop"
+                text_parts.append(r.decoder.decode(b"", final=True) + r.stops.flush())
+                break
+            r.n_out += 1
+            r.history.append(tok)
+            ids.append(tok)
+            if lp is not None:
+                lps.append(lp)
+            text, hit = r.stops.feed(r.decoder.decode(self._piece(tok)))
+            text_parts.append(text)
+            if hit:
+                finish = "stop"
+                break
+            if r.n_out >= r.limit:
+                finish = "length"
+                text_parts.append(r.decoder.decode(b"", final=True) + r.stops.flush())
+                break
+        if finish is None:
+            r.pending = [sampled[-1][0]]
+        chunk = Chunk(text="".join(text_parts), token_ids=ids, logprobs=lps or None)
+        if finish is not None:
+            r.finished = True
+            chunk.finish_reason, chunk.stop_sequence = finish, r.stops.matched
+            chunk.usage = Usage(prompt_tokens=len(r.prompt), completion_tokens=r.n_out, cached_tokens=r.n_cached,
+                                prompt_eval_seconds=r.t_first - r.t0, eval_seconds=now - r.t_first)
+        if chunk.text or chunk.token_ids or chunk.finish_reason:
+            self._outbox.append((r, chunk))
+
+    def _end(self, r: Request) -> None:
+        """r leaves the loop; its sequence keeps its cells as an idle cache entry."""
+        self._running.remove(r)
+        self._free_sampler(r)
+        if self.share_prefixes and self.index.length(r.sid):
+            self._idle[r.sid] = len(r.prompt)
+        else:
+            self._seq_rm(r.sid, 0)
+            self._free_ids.append(r.sid)
+
+    def _finish_error(self, r: Request, exc: BaseException) -> None:
+        r.finished = True
+        self._free_sampler(r)
+        if not r.cancelled:
+            self._outbox.append((r, exc))
+
+    def _flush(self) -> None:
+        """Hand this step's chunks to their consumers: one wake-up per event loop, not per chunk."""
+        if not self._outbox:
+            return
+        by_loop: dict[Any, list[tuple[Request, Any]]] = {}
+        for r, item in self._outbox:
+            by_loop.setdefault(r.loop, []).append((r, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop has closed: nobody is waiting for these
+                pass
+
+    def _free_sampler(self, r: Request) -> None:
+        if r.sampler:
+            self.lib.llama_sampler_free(r.sampler)
+            r.sampler = None
+
+    def _piece(self, tok: int) -> bytes:
+        p = self._pieces.get(tok)
+        if p is None:
+            p = self._pieces[tok] = token_piece(self.lib, self.vocab, tok)
+        return p
+
+    def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
+        """Log-probabilities of the raw model distribution at a batch row."""
+        ptr = self.lib.llama_get_logits_ith(self.ctx, row)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+        m = logits.max()
+        lse = m + np.log(np.exp(logits - m).sum())
+        top: list[tuple[str, float]] = []
+        if top_n > 0:
+            idx = np.argpartition(-logits, top_n)[:top_n]
+            idx = idx[np.argsort(-logits[idx])]
+            top = [(self._piece(int(t)).decode("utf-8", "replace"), float(logits[t] - lse)) for t in idx]
+        return TokenLogprob(token=self._piece(token).decode("utf-8", "replace"), logprob=float(logits[token] - lse),
+                            top=top)
+
+
+def _put_all(items: list[tuple[Request, Any]]) -> None:
+    for r, item in items:
+        r.queue.put_nowait(item)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

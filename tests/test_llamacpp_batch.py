@@ -1,0 +1,288 @@
+"""The batched llama.cpp backend on the real SmolLM2 GGUF: one context, many sequences.
+
+In process (the backend object, no daemon): prefix sharing and its books, eviction when cells or
+sequence ids run short, cancellation, logit bias, grammar and speculative rows batched beside plain
+ones. Through the real daemon over HTTP: 8 concurrent streams each get the answer the same request
+gets alone (up to an honest near tie: localrun.bench.greedy), a cancelled stream frees its sequence,
+a shared system prompt is computed once and reported in cached_tokens, bad input is a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from daemon import MODEL, Daemon
+from fakes import metric_samples
+
+from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+from localrun.bench.greedy import compare, openai_tokens
+
+pytestmark = pytest.mark.timeout(600)
+
+pytest.importorskip("llama_cpp")
+
+QUESTIONS = [
+    "Why is the sky blue?", "Name three primary colors.", "What is the capital of France?", "Count from one to ten.",
+    "What do bees make?", "Describe a cat in five words.", "Give me a short tip for learning.",
+    "Write one sentence about the sea.",
+]
+# a long shared system prompt (~600 tokens), as agents and IDE plugins send with every request
+SYSTEM = "You are a careful assistant. " + " ".join(
+    f"Rule {i}: answer briefly, cite nothing, and never repeat rule {i} back to the user." for i in range(40))
+
+
+def chatml(user: str, system: str | None = None) -> str:
+    sys_part = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    return f"{sys_part}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def backend(smollm2_gguf):
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
+                                 extra={"n_threads": 2}))
+    yield b
+    asyncio.run(b.close())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(backend, prompt: str, **opts):
+    o = SamplingOptions(**{"temperature": 0.0, "max_tokens": 24, **opts})
+    text, last, ids = [], None, []
+    async for ch in backend.generate(GenerationRequest(prompt=prompt, options=o)):
+        text.append(ch.text)
+        ids += ch.token_ids
+        last = ch
+    return "".join(text), last, ids
+
+
+def test_one_context_many_sequences(backend):
+    st = run(backend.stats())
+    assert backend.info.slots == 4 and backend.info.supports_groups and st["parallel"] == 4
+    assert st["cells"] >= 4 * 1024 and "one batched context" in backend.info.reason
+
+
+def test_prefix_shared_across_requests_and_reported(backend):
+    async def main():
+        a = await collect(backend, chatml("What is 2+2?", SYSTEM))
+        b = await collect(backend, chatml("Name a fruit.", SYSTEM))
+        return a, b
+
+    before = run(backend.stats())
+    (_, ua, _), (_, ub, _) = run(main())
+    after = run(backend.stats())
+    n_sys = len(run(backend.tokenize(chatml("", SYSTEM).split("<|im_start|>user")[0])))
+    assert ub.usage.cached_tokens >= n_sys and ub.usage.prompt_tokens > ub.usage.cached_tokens
+    # the second prompt's shared part was not computed again
+    assert after["prefill_tokens"] - before["prefill_tokens"] == (ua.usage.prompt_tokens - ua.usage.cached_tokens
+                                                                    + ub.usage.prompt_tokens - ub.usage.cached_tokens)
+
+
+def test_concurrent_requests_sharing_a_prompt_prefill_it_once(backend):
+    """Four requests with one long system prompt arrive together: one computes it, the others wait
+    for that prefill and share its cells instead of computing the same tokens beside it."""
+    system = "Answer as a pirate would. " + SYSTEM  # not cached yet (differs from its start)
+    before = run(backend.stats())
+
+    async def main():
+        return await asyncio.gather(*(collect(backend, chatml(q, system), max_tokens=8) for q in QUESTIONS[:4]))
+
+    outs = run(main())
+    after = run(backend.stats())
+    prompt_tokens = sum(o[1].usage.prompt_tokens for o in outs)
+    cached = sum(o[1].usage.cached_tokens for o in outs)
+    n_sys = len(run(backend.tokenize(chatml("", system).split("<|im_start|>user")[0])))
+    assert cached >= 3 * (n_sys - 40)  # three of the four reused (nearly) the whole system prompt
+    assert after["prefill_tokens"] - before["prefill_tokens"] == prompt_tokens - cached
+    assert after["shared_waits"] > before["shared_waits"]
+
+
+def test_cancel_frees_the_sequence_within_a_step(backend):
+    async def main():
+        o = SamplingOptions(temperature=0.0, max_tokens=400, ignore_eos=True)
+        gen = backend.generate(GenerationRequest(prompt=chatml("Tell me a long story."), options=o))
+        await gen.__anext__()
+        assert (await backend.stats())["running"] == 1
+        await gen.aclose()
+        t0 = time.monotonic()
+        while (await backend.stats())["running"]:
+            await asyncio.sleep(0.005)
+        return time.monotonic() - t0
+
+    assert run(main()) < 2.0
+    # the model serves the next request as usual
+    text, last, _ = run(collect(backend, chatml("What is 2+2?")))
+    assert last.finish_reason in ("stop", "length") and text
+
+
+def test_cells_and_sequence_ids_run_short_idle_prefixes_give_way(smollm2_gguf):
+    """A small context (2 x 256 cells, 8 sequence ids): twelve distinct prompts one after another,
+    then four at once. Idle prefixes are evicted least recently used first; nothing fails, the
+    books never show more cells than there are."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=256, num_parallel=2,
+                                 extra={"n_threads": 2}))
+    try:
+        async def main():
+            for i in range(12):
+                text, last, _ = await collect(b, chatml(f"{QUESTIONS[i % 8]} (take {i}) " + "please " * 20),
+                                              max_tokens=40, ignore_eos=True)
+                assert last.finish_reason == "length" and last.usage.completion_tokens == 40
+                st = await b.stats()
+                assert st["cells_used"] <= st["cells"]
+            outs = await asyncio.gather(*(collect(b, chatml(q + " " + "again " * 30), max_tokens=60, ignore_eos=True)
+                                          for q in QUESTIONS[:4]))
+            assert all(o[1].finish_reason == "length" for o in outs)
+            return await b.stats()
+
+        st = run(main())
+        assert st["evicted_sequences"] > 0 and st["running"] == 0 and st["cells_used"] <= st["cells"]
+    finally:
+        run(b.close())
+
+
+def test_logit_bias_bans_a_token(backend):
+    text, last, ids = run(collect(backend, chatml("What is the capital of France?"), max_tokens=8))
+    banned = ids[0]
+    _, _, ids2 = run(collect(backend, chatml("What is the capital of France?"), max_tokens=8,
+                             logit_bias={banned: -100.0}))
+    assert ids2[0] != banned and banned not in ids2
+
+
+def test_grammar_speculative_and_plain_rows_share_steps(smollm2_gguf):
+    """A JSON-schema row, a prompt-lookup speculative row and plain rows in the same steps: the
+    JSON is valid, the speculative answer equals the plain one, drafts were accepted."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    echo = chatml("Repeat exactly: the cat sat on the mat, and the dog sat on the log.")
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=512, num_parallel=4,
+                                 extra={"n_threads": 2, "speculative": "ngram", "num_speculative_tokens": 4}))
+    try:
+        alone = run(collect(b, echo, max_tokens=20))[0]
+
+        async def main():
+            return await asyncio.gather(collect(b, chatml("Which city is the capital of France? JSON."), max_tokens=40,
+                                                json_schema=schema),
+                                        collect(b, echo, max_tokens=20),
+                                        collect(b, chatml("Name three colors."), max_tokens=20))
+
+        js, spec, plain = run(main())
+        assert isinstance(json.loads(js[0])["city"], str)
+        assert spec[0] == alone and "cat sat on the mat" in spec[0]
+        st = run(b.stats())
+        assert st["spec_accepted_tokens"] > 0 and st["decode_tokens"] > st["steps"] / 2
+    finally:
+        run(b.close())
+
+
+def test_bad_requests_are_clear_errors(backend):
+    from localrun.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary"):
+        run(collect(backend, chatml("hi"), logit_bias={10**7: 1.0}))
+    with pytest.raises(InvalidRequest, match="context window"):
+        run(collect(backend, "word " * 1100))
+    assert run(backend.stats())["running"] == 0
+
+
+# -- through the real daemon ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home_batch"), LOCALRUN_NUM_PARALLEL="8", LOCALRUN_CONTEXT_LENGTH="1024",
+               LOCALRUN_BACKEND="llamacpp")
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+def _chat(d: Daemon, content: str, max_tokens: int = 32, system: str | None = None) -> dict:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    body = {"model": MODEL, "messages": msgs, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+            "logprobs": True, "top_logprobs": 5, "stream_options": {"include_usage": True}}
+    out = {"text": "", "tokens": [], "usage": None}
+    with httpx.stream("POST", d.url + "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            ev = json.loads(line[5:])
+            for ch in ev.get("choices") or []:
+                out["text"] += (ch.get("delta") or {}).get("content") or ""
+                out["tokens"] += openai_tokens((ch.get("logprobs") or {}).get("content") or [])
+            out["usage"] = ev.get("usage") or out["usage"]
+    return out
+
+
+def _metrics(d: Daemon) -> dict:
+    return metric_samples(d.http.get("/metrics").text)
+
+
+def _metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted({"model": MODEL, **labels}.items()))), 0.0)
+
+
+def test_eight_concurrent_streams_each_get_their_own_answer(daemon):
+    alone = [_chat(daemon, q) for q in QUESTIONS]  # one at a time: the references
+    m0 = _metrics(daemon)
+    with ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(lambda q: _chat(daemon, q), QUESTIONS))
+    m1 = _metrics(daemon)
+    for q, a, t in zip(QUESTIONS, alone, together):
+        cmp = compare(a["tokens"], t["tokens"])
+        assert cmp.acceptable, (q, a["text"], t["text"], cmp)
+        if cmp.verdict == "same":
+            assert t["text"] == a["text"]
+    steps = _metric(m1, "localrun_engine_steps_total") - _metric(m0, "localrun_engine_steps_total")
+    decoded = _metric(m1, "localrun_decode_tokens_total") - _metric(m0, "localrun_decode_tokens_total")
+    assert decoded / steps > 3, (decoded, steps)  # the streams were decoded together, not one by one
+
+
+def test_a_cancelled_stream_frees_its_sequence(daemon):
+    body = {"model": MODEL, "prompt": "Once upon a time", "stream": True, "max_tokens": 500, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert _metric(_metrics(daemon), "localrun_sequences", state="running") == 1
+    deadline = time.monotonic() + 3
+    while _metric(_metrics(daemon), "localrun_sequences", state="running"):
+        assert time.monotonic() < deadline, "the cancelled sequence kept running"
+        time.sleep(0.05)
+    assert _chat(daemon, "What is 2+2?", max_tokens=8)["text"]
+
+
+def test_a_shared_system_prompt_is_cached(daemon):
+    first = _chat(daemon, "What is 2+2?", system=SYSTEM, max_tokens=8)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda q: _chat(daemon, q, system=SYSTEM, max_tokens=8), QUESTIONS[:4]))
+    n_sys = first["usage"]["prompt_tokens"] - 20
+    for o in outs:
+        assert o["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_sys, o["usage"]
+
+
+def test_bad_input_is_a_4xx_and_the_daemon_keeps_serving(daemon):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}
+    r = daemon.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "vocabulary" in r.text
+    r = daemon.http.post("/v1/chat/completions", json={**body, "logit_bias": {"12": 500}})
+    assert r.status_code == 400 and "logit_bias" in r.text
+    r = daemon.http.post("/v1/chat/completions", json={**body, "logit_bias": {"12": -100}, "max_tokens": 4})
+    assert r.status_code == 200
+    r = daemon.http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 1200, "max_tokens": 4})
+    assert r.status_code == 400 and "1024" in r.text
+    assert _chat(daemon, "What is 2+2?", max_tokens=8)["text"]
