@@ -630,8 +630,9 @@ def backend_name(m: dict) -> str:
 def cmd_ps(args, client: DaemonClient) -> int:
     models = client.ps()
     rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
-             processor(m), backend_name(m), human_until(m.get("expires_at"))] for m in models]
-    print(table(["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"], rows))
+             processor(m), m.get("placement") or m.get("device") or "-", backend_name(m),
+             human_until(m.get("expires_at"))] for m in models]
+    print(table(["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "UNTIL"], rows))
     if args.verbose:
         for m in models:
             runner = m.get("runner") or {}

@@ -25,7 +25,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs, chats and stored responses live"),
     "LOCALRUN_HOST": (DEFAULT_HOST, "host:port the daemon binds and the CLI/TUI talk to"),
     "LOCALRUN_KEEP_ALIVE": ("5m", "how long an idle model stays loaded (duration, seconds, -1 = forever, 0 = unload at once)"),
-    "LOCALRUN_NUM_PARALLEL": ("1", "parallel request slots per loaded llama.cpp model (the native engine batches up to max(NUM_PARALLEL, 64))"),
+    "LOCALRUN_NUM_PARALLEL": ("auto", "requests a loaded llama.cpp model decodes at once, in one batched context of NUM_PARALLEL x num_ctx KV cells (auto: up to 4, fewer when their KV cache would not fit the free memory; the native engine batches up to max(NUM_PARALLEL, 64))"),
     "LOCALRUN_MAX_LOADED_MODELS": ("3", "models kept loaded at once; the least recently used is evicted beyond this"),
     "LOCALRUN_MAX_QUEUE": ("512", "requests allowed to wait for a slot; beyond this the daemon answers 503 with Retry-After"),
     "LOCALRUN_ORIGINS": ("(none)", "comma-separated CORS origins allowed to call the API from a browser"),
@@ -156,6 +156,20 @@ def _int(name: str, raw: str | None, default: int, minimum: int) -> int:
     return v
 
 
+MAX_PARALLEL = 128  # llama.cpp holds at most 256 sequences: the running ones and the cached prefixes
+AUTO_PARALLEL = 4  # the most LOCALRUN_NUM_PARALLEL=auto picks (as Ollama's default did)
+
+
+def _parallel(raw: str | None) -> int:
+    """LOCALRUN_NUM_PARALLEL: a number from 1 to MAX_PARALLEL, or auto (0: sized at load from memory)."""
+    if raw is None or raw.strip().lower() in ("", "auto"):
+        return 0
+    v = _int("LOCALRUN_NUM_PARALLEL", raw, 0, 1)
+    if v > MAX_PARALLEL:
+        raise ValueError(f"LOCALRUN_NUM_PARALLEL must be at most {MAX_PARALLEL}, got {v}")
+    return v
+
+
 def parse_hostport(text: str) -> tuple[str, int]:
     """'127.0.0.1:11480', 'localhost', ':8080', 'http://0.0.0.0:9000', '[::1]:80'."""
     t = text.strip()
@@ -236,7 +250,7 @@ class Settings:
             "LOCALRUN_HOME": str(self.home),
             "LOCALRUN_HOST": f"{self.host}:{self.port}",
             "LOCALRUN_KEEP_ALIVE": "forever" if self.keep_alive is None else f"{self.keep_alive:g}s",
-            "LOCALRUN_NUM_PARALLEL": str(self.num_parallel),
+            "LOCALRUN_NUM_PARALLEL": str(self.num_parallel or "auto"),
             "LOCALRUN_MAX_LOADED_MODELS": str(self.max_loaded_models),
             "LOCALRUN_MAX_QUEUE": str(self.max_queue),
             "LOCALRUN_ORIGINS": ",".join(self.origins) or "(none)",
@@ -363,7 +377,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         host=host,
         port=port,
         keep_alive=keep_alive,
-        num_parallel=_int("LOCALRUN_NUM_PARALLEL", e.get("LOCALRUN_NUM_PARALLEL"), 1, 1),
+        num_parallel=_parallel(e.get("LOCALRUN_NUM_PARALLEL")),
         max_loaded_models=_int("LOCALRUN_MAX_LOADED_MODELS", e.get("LOCALRUN_MAX_LOADED_MODELS"), 3, 1),
         max_queue=_int("LOCALRUN_MAX_QUEUE", e.get("LOCALRUN_MAX_QUEUE"), 512, 0),
         origins=origins,

@@ -288,9 +288,9 @@ def test_ps_stop_and_keepalive(pulled):
     r = cli(env, "ps")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "UNTIL"]
+    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "UNTIL"]
     row = next(x for x in rows if x.startswith(MODEL))
-    assert "CPU" in row and "from now" in row
+    assert "100% CPU" in row and re.search(r"CPU\s+llama\.cpp", row) and "from now" in row
     assert re.search(r"\b(9|10) minutes from now", row), row
     r = cli(env, "ps", "--verbose")
     assert r.returncode == 0 and "context" in r.stdout and "slot" in r.stdout

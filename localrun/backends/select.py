@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -70,9 +71,7 @@ def _quantized_gguf_choice(gpu: GPU, info, llamacpp_gpu: bool | None) -> Choice 
         return Choice("llamacpp", f"llama.cpp: {what}, more than CUDA GPU {gpu.name} has free "
                                   f"({_gib(gpu.free_bytes)})")
     if llamacpp_gpu is None:
-        from localrun.backends.llamacpp import gpu_offload_supported
-
-        llamacpp_gpu = gpu_offload_supported()
+        llamacpp_gpu = llamacpp_build().gpu_offload
     if llamacpp_gpu:
         return Choice("llamacpp", f"llama.cpp on CUDA GPU {gpu.name}: {what}; llama.cpp decodes from the "
                                   f"quantized weights ({bf16 / max(size, 1):.1f}x fewer bytes per token)")
@@ -102,6 +101,15 @@ def cuda_gpu() -> GPU | None:
         return None
 
 
+def local_cuda_gpu() -> GPU | None:
+    """cuda_gpu(), probed only where an NVIDIA driver exists, so CPU machines never import torch."""
+    if sys.platform.startswith("linux") and not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
+        return None
+    if sys.platform == "darwin":
+        return None
+    return cuda_gpu()
+
+
 def _nvidia_smi_gpu() -> GPU | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
@@ -115,6 +123,52 @@ def _nvidia_smi_gpu() -> GPU | None:
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         log.info("nvidia-smi gave no usable answer (%s); asking torch", exc)
         return None
+
+
+# The one documented way to get a llama.cpp that runs on NVIDIA GPUs from pip (the README says the same)
+LLAMACPP_CUDA_INSTALL = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
+                         'llama-cpp-python')
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    installed: bool
+    gpu_offload: bool  # llama_supports_gpu_offload(): CUDA, Metal, Vulkan, ...
+    system_info: str = ""  # llama_print_system_info(): the backends and CPU features it was built with
+
+    @property
+    def summary(self) -> str:
+        if not self.installed:
+            return "not installed"
+        gpus = [b for b in ("CUDA", "Metal", "Vulkan", "HIP", "SYCL") if b.lower() in self.system_info.lower()]
+        return ("GPU offload: " + (", ".join(gpus) or "yes")) if self.gpu_offload else "CPU only (no GPU offload)"
+
+
+_PROBE = ("import json, llama_cpp; print(json.dumps({'gpu': bool(llama_cpp.llama_supports_gpu_offload()), "
+          "'info': llama_cpp.llama_print_system_info().decode('utf-8', 'replace')}))")
+
+
+@lru_cache(maxsize=1)
+def llamacpp_build() -> LlamaCppBuild:
+    """What the installed llama-cpp-python was built to do, asked in a child process (cached): loading
+    a CUDA build's libraries initialises the CUDA driver, which the daemon leaves to its runners."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return LlamaCppBuild(False, False)
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        return LlamaCppBuild(True, bool(d["gpu"]), str(d["info"]).strip())
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError) as exc:
+        log.warning("could not ask llama.cpp what its build supports (%s); assuming CPU only", exc)
+        return LlamaCppBuild(True, False)
+
+
+def llamacpp_gpu_advice(gpu: "GPU | None", build: LlamaCppBuild) -> str | None:
+    """The warning `serve` prints when an NVIDIA GPU is here but llama.cpp cannot use it (None otherwise)."""
+    if gpu is None or not build.installed or build.gpu_offload:
+        return None
+    return (f"an NVIDIA GPU is present ({gpu.name}) but the installed llama-cpp-python is built for CPU only, "
+            f"so GGUF models on llama.cpp run on the CPU; for a CUDA build run: {LLAMACPP_CUDA_INSTALL}")
 
 
 def is_apple_silicon() -> bool:
@@ -214,4 +268,5 @@ def backend_module(name: str) -> ModuleType:
     raise BackendError(f"unknown backend {name!r}")
 
 
-__all__ = ["GPU", "Choice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon", "native_import_error"]
+__all__ = ["GPU", "Choice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon",
+           "native_import_error", "llamacpp_build", "llamacpp_gpu_advice", "LLAMACPP_CUDA_INSTALL", "LlamaCppBuild"]

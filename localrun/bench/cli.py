@@ -7,6 +7,7 @@
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
+    localrun bench llama-server [--build DIR | --llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--out results/] [--tiny]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
@@ -230,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
     add_soak_parser(sub, _add_common)
+
+    from localrun.bench import vs_llama_server  # stdlib-only at import
+
+    vs_llama_server.add_parser(sub)
     return p
 
 
@@ -459,6 +464,12 @@ def _debug() -> bool:
         return False
 
 
+def _cmd_vs_llama_server(a: argparse.Namespace) -> int:
+    from localrun.bench.vs_llama_server import main
+
+    return main(a)
+
+
 def _cmd_soak(a: argparse.Namespace) -> int:
     from localrun.bench.soak import command
 
@@ -501,7 +512,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
-            "soak": _cmd_soak, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
+            "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
             "fork": _cmd_fork, "grammar": _cmd_grammar}
 
 

@@ -206,9 +206,11 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
             except OSError as exc:
                 log.warning("could not clean the store's temp area: %s", exc)
         state.manager.start()
+        probe = asyncio.get_running_loop().create_task(_report_llamacpp_build())
         try:
             yield
         finally:
+            probe.cancel()
             await state.manager.shutdown()
 
     app = FastAPI(title="localrun", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -323,6 +325,20 @@ def _server_class():
                     signal.signal(sig, handler)
 
     return Server
+
+
+async def _report_llamacpp_build() -> None:
+    """Once at start: what the installed llama.cpp can do, and the fix when an NVIDIA GPU is here but
+    the build cannot use it (off the event loop: both probes run child processes)."""
+    from localrun.backends.select import llamacpp_build, llamacpp_gpu_advice, local_cuda_gpu
+
+    build = await asyncio.to_thread(llamacpp_build)
+    if not build.installed:
+        return
+    log.info("llama.cpp build: %s", build.summary)
+    advice = llamacpp_gpu_advice(await asyncio.to_thread(local_cuda_gpu), build)
+    if advice:
+        log.warning("%s", advice)
 
 
 def serve(s: Settings | None = None) -> int:

@@ -19,10 +19,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
-import shutil
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,10 +28,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Backend, LoadSpec
 from localrun.backends.process import RunnerDied, describe_exit, likely_cause
-from localrun.backends.select import Choice, backend_module, choose, cuda_gpu, is_apple_silicon, model_architecture
-from localrun.config import Settings
+from localrun.backends.select import (Choice, backend_module, choose, is_apple_silicon, llamacpp_build,
+                                     local_cuda_gpu, model_architecture)
+from localrun.config import AUTO_PARALLEL, Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
-from localrun.server.memory import Plan, free_ram, plan_load
+from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
 
 log = logging.getLogger("localrun.manager")
 
@@ -85,6 +84,7 @@ class Runner:
             "backend": info.name,
             "processor": info.processor if info.name != "llama.cpp" else self.plan.processor,
             "device": info.device,
+            "placement": info.placement or info.device,
             "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
             "slots": info.slots,
             "active": self.active,
@@ -128,15 +128,6 @@ def _param_size(n: int | None) -> str:
         if n >= div:
             return f"{n / div:.1f}{unit}".replace(".0", "")
     return str(n)
-
-
-def _maybe_cuda():
-    """Probe CUDA only where a driver exists, so CPU machines never import torch."""
-    if sys.platform.startswith("linux") and not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
-        return None
-    if sys.platform == "darwin":
-        return None
-    return cuda_gpu()
 
 
 def runner_loader(settings: Settings) -> Loader:
@@ -337,12 +328,12 @@ class ModelManager:
 
     async def _load(self, resolved: Any, num_ctx: int) -> Runner:
         key = resolved.name
-        gpu = await asyncio.to_thread(_maybe_cuda)
+        gpu = await asyncio.to_thread(local_cuda_gpu)
         choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                         arch=model_architecture(resolved.format, resolved.weights, resolved.info))
         module = backend_module(choice.backend)
         spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
-                        num_parallel=self.settings.num_parallel, extra={"gguf_info": resolved.info})
+                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
         if resolved.parameters:
             for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
                       "speculative", "num_speculative_tokens"):
@@ -350,20 +341,31 @@ class ModelManager:
                     spec.extra[k] = resolved.parameters[k]
         if "num_thread" in spec.extra:
             spec.extra["n_threads"] = int(spec.extra["num_thread"])
-        est = await asyncio.to_thread(module.estimate_memory, spec)
-        layers = int(getattr(resolved.info, "block_count", 0) or 1)
+        # what llama.cpp's build can do is asked once, in a child process: off the event loop
+        offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
 
         def where(g) -> tuple[str | None, int | None]:
             if choice.backend == "native":
                 return ("CUDA", g.free_bytes) if g else (None, None)
-            from localrun.backends.llamacpp import gpu_offload_supported
-
-            if gpu_offload_supported():
+            if offload:
                 if g is not None:
                     return "CUDA", g.free_bytes
                 if is_apple_silicon():
                     return "Metal", None
             return None, None
+
+        layers = int(getattr(resolved.info, "block_count", 0) or 1)
+        parallel_why = ""
+        if not self.settings.num_parallel and choice.backend == "llamacpp":  # auto: sized from memory
+            gpu_kind, gpu_free = where(gpu)
+
+            def estimate(n: int):
+                return module.estimate_memory(dataclasses.replace(spec, num_parallel=n))
+
+            spec.num_parallel, parallel_why = await asyncio.to_thread(
+                auto_parallel, estimate, layers, AUTO_PARALLEL, ram_free=free_ram(), gpu_free=gpu_free,
+                gpu_kind=gpu_kind)
+        est = await asyncio.to_thread(module.estimate_memory, spec)
 
         # admission before eviction: refuse a model that cannot fit even with every other model
         # unloaded, without touching the loaded ones
@@ -387,11 +389,12 @@ class ModelManager:
                     raise
                 log.info("evicting %s to make room for %s", idle[0].name, key)
                 await self.unload(idle[0].name)
-                gpu = await asyncio.to_thread(_maybe_cuda)
+                gpu = await asyncio.to_thread(local_cuda_gpu)
         if "num_gpu" in spec.extra and choice.backend == "llamacpp":  # Modelfile PARAMETER num_gpu wins
             plan.n_gpu_layers = int(spec.extra["num_gpu"])
         spec.extra.update(n_gpu_layers=plan.n_gpu_layers, device=plan.device, processor=plan.processor,
-                          reason=f"{choice.reason}; {plan.detail}", size_vram=plan.size_vram)
+                          reason="; ".join(x for x in (choice.reason, plan.detail, parallel_why) if x),
+                          size_vram=plan.size_vram)
         spec.extra.update(size_bytes=est.total_bytes, extra_buffers=self.settings.llamacpp_extra_buffers)
         log.info("loading %s with %s: %s; %s (num_ctx %d, %d slots)", key, choice.backend, choice.reason,
                  plan.summary, num_ctx, spec.num_parallel)

@@ -9,6 +9,7 @@ message naming needed vs free memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from localrun.backends.base import MemoryEstimate
 from localrun.errors import InsufficientMemory
@@ -87,6 +88,29 @@ def _plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int
         return Plan("CPU", 0, "100% CPU", need, 0, f"on CPU ({why}), needs {gib(need)} of {gib(ram_free)} free RAM")
     where = "RAM" if gpu_free is None else "RAM + VRAM"
     raise InsufficientMemory(_refuse(need, ram_free + int(gpu_free or 0), where))
+
+
+def auto_parallel(estimate: Callable[[int], MemoryEstimate], layers: int, most: int, *, ram_free: int,
+                  gpu_free: int | None = None, gpu_kind: str | None = None) -> tuple[int, str]:
+    """LOCALRUN_NUM_PARALLEL=auto: the most parallel sequences (``most``, then halving) whose KV cache
+    (``estimate(n)``: the memory of a load with n of them) fits with the weights: wholly on the GPU
+    where there is one, else in RAM. (n, why) for the log and `ps`; 1 when none fits, and then the
+    memory plan decides (offload part of the model, or refuse)."""
+    n = max(1, most)
+    while n >= 1:
+        est = estimate(n)
+        try:
+            plan = plan_load(est, layers, ram_free=ram_free, gpu_free=gpu_free, gpu_kind=gpu_kind)
+        except InsufficientMemory:
+            plan = None
+        if plan is not None and (gpu_kind is None or plan.n_gpu_layers == -1):
+            where = plan.device if plan.device != "CPU" else "RAM"
+            return n, (f"{n} parallel (auto: the KV cache of {n} x the context, {gib(est.kv_bytes)}, fits in "
+                       f"{where})")
+        if n == 1:
+            break
+        n //= 2
+    return 1, "1 parallel (auto: a larger KV cache would not fit)"
 
 
 def _refuse(need: int, free: int, where: str) -> str:
