@@ -52,6 +52,11 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None
 
 
+# Where an image goes in a rendered prompt: llama.cpp's multimodal library (mtmd) puts each image's
+# embeddings at its marker. The daemon renders image parts as this text; the runner finds them.
+MEDIA_MARKER = "<__media__>"
+
+
 @dataclass
 class GenerationRequest:
     prompt: str  # fully rendered (chat template already applied)
@@ -67,6 +72,9 @@ class GenerationRequest:
     # n > 1 on a backend with info.supports_groups: (group id, n, choice index). The n requests of
     # a group share the prompt's prefill (the native engine computes it once and forks).
     group: tuple[str, int, int] | None = None
+    # encoded images (PNG, JPEG, ...), one for each MEDIA_MARKER in `prompt`, in order (a backend with
+    # info.supports_images; the runner tokenizes such a prompt itself, image tokens included)
+    images: list[bytes] | None = None
 
 
 @dataclass
@@ -152,6 +160,8 @@ class BackendInfo:
     # where the layers run, in words: "CUDA: 31/31 layers", "Metal", "CPU" (llama.cpp; "" = device)
     placement: str = ""
     supports_logit_bias: bool = False
+    # a vision projector is loaded (LoadSpec.extra["projector"]): prompts may carry images
+    supports_images: bool = False
 
 
 @dataclass

@@ -11,6 +11,7 @@ name, status and message so the daemon re-raises the same typed error.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import socket
 from typing import Any
@@ -86,9 +87,12 @@ class Channel:
 
 # -- requests -------------------------------------------------------------------------------
 def request_to_wire(r: GenerationRequest) -> dict:
-    return {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
-            "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids,
-            "group": list(r.group) if r.group is not None else None, "window": r.window}
+    d = {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
+         "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids,
+         "group": list(r.group) if r.group is not None else None, "window": r.window}
+    if r.images:
+        d["images"] = [base64.b64encode(b).decode("ascii") for b in r.images]
+    return d
 
 
 def request_from_wire(d: dict) -> GenerationRequest:
@@ -97,7 +101,8 @@ def request_from_wire(d: dict) -> GenerationRequest:
         options.logit_bias = {int(k): float(v) for k, v in options.logit_bias.items()}
     return GenerationRequest(prompt=d["prompt"], options=options, request_id=d["request_id"],
                              add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
-                             group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"))
+                             group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"),
+                             images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None)
 
 
 # -- chunks ---------------------------------------------------------------------------------

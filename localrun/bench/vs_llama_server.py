@@ -151,7 +151,7 @@ class Server:
 def localrun_server(cfg: Config, home: Path) -> Server:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
-    env.update(LOCALRUN_HOME=str(home / "localrun"), LOCALRUN_HOST=f"127.0.0.1:{port}", LOCALRUN_BACKEND="llamacpp",
+    env.update(LOCALRUN_HOME=str(home / "localrun-home"), LOCALRUN_HOST=f"127.0.0.1:{port}", LOCALRUN_BACKEND="llamacpp",
                LOCALRUN_NUM_PARALLEL=str(cfg.parallel), LOCALRUN_CONTEXT_LENGTH=str(cfg.ctx),
                LOCALRUN_KEEP_ALIVE="-1", LOCALRUN_MAX_QUEUE="4096", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                LOCALRUN_LLAMACPP_EXTRA_BUFFERS="on" if cfg.extra_buffers else "off")
