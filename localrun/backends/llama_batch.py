@@ -110,6 +110,31 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[
 
 
 @dataclass(eq=False)
+class ImageSpan:
+    """An image in a prompt: ``n`` positions from ``start``, whose prompt "tokens" are stand-ins
+    derived from the image's hash (negative: never a vocabulary id), so the prefix cache shares an
+    image's cells only with a prompt that holds the same image at the same place. ``chunk`` is
+    llama.cpp's (mtmd) image chunk; ``embd`` its encoded embeddings once the encoder thread is done."""
+
+    start: int
+    n: int
+    chunk: Any
+    embd: Any = None
+    error: BaseException | None = None
+    encoding: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+def image_standins(digest: bytes, n: int) -> list[int]:
+    """The prompt's stand-ins for an image of n positions (see ImageSpan)."""
+    key = int.from_bytes(digest[:8], "little")
+    return [-1 - ((key + i) % (2**31 - 2)) for i in range(n)]
+
+
+@dataclass(eq=False)
 class Request:
     """One generation inside the loop. Its chunks (and an exception, last, if it fails) go to
     ``queue`` (an asyncio.Queue) on ``loop``; ``delivered`` is set once the consumer took the first."""
@@ -139,6 +164,8 @@ class Request:
     drafted: int = 0
     accepted: int = 0
     waited: bool = False  # counted once in shared_waits
+    images: list[ImageSpan] = field(default_factory=list)  # in prompt order
+    on_end: Any = None  # called once on the loop's thread when the request leaves it (frees its image chunks)
 
     def __post_init__(self) -> None:
         o = self.options
@@ -154,7 +181,7 @@ class BatchedLlama:
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
 
     def __init__(self, lib, model, ctx, *, parallel: int, n_seq_max: int, step_tokens: int,
-                 share_prefixes: bool = True, name: str = "") -> None:
+                 share_prefixes: bool = True, name: str = "", encode=None, decode_image=None) -> None:
         self.lib, self.model, self.ctx = lib, model, ctx
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
@@ -164,6 +191,15 @@ class BatchedLlama:
         self.step_tokens = max(step_tokens, parallel * 2)
         self.share_prefixes = share_prefixes
         self.name = name
+        # images (a vision projector is loaded): encode(span) -> embeddings runs on a thread of its own
+        # (a running stream never waits for another request's image to encode);
+        # decode_image(span, seq, pos) puts them in the KV cache on the loop's thread
+        self._encode, self._decode_image = encode, decode_image
+        self._encoder = None
+        if encode is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-image-{name}")
         self.index = PrefixIndex()
         self._free_ids = list(range(n_seq_max - 1, -1, -1))
         # sequences holding cells for no request, least recently used first -> their last prompt's length
@@ -176,7 +212,7 @@ class BatchedLlama:
         self.fatal: str | None = None
         self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
                              evicted_sequences=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
-                             spec_steps=0)
+                             spec_steps=0, image_tokens=0)
         self._pieces: dict[int, bytes] = {}
         self._outbox: list[tuple[Request, Any]] = []
         self._alloc_batch(self.step_tokens)
@@ -206,6 +242,8 @@ class BatchedLlama:
             self._closing = True
             self._cv.notify()
         self._thread.join()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True, cancel_futures=True)
         gone = BackendError("the model was unloaded while this request ran")
         for r in [*self._running, *self._waiting, *self._inbox]:
             self._finish_error(r, gone)
@@ -244,8 +282,13 @@ class BatchedLlama:
                 self._reap()
                 self._admit()
                 if self._running:
-                    self._step()
+                    worked = self._step()
+                    for r in [r for r in self._running if r.finished]:  # e.g. an image that failed to encode
+                        self._end(r)
                     self._flush()
+                    if not worked:  # every running request waits for its image to encode
+                        with self._cv:
+                            self._cv.wait(0.05)
                 elif self._waiting:  # nothing could start (cannot happen; do not spin)
                     time.sleep(0.001)
         except Exception as exc:  # a bug or a native failure: every request gets the error
@@ -300,6 +343,10 @@ class BatchedLlama:
         # answer that depends on what ran before); batches of two or more agree exactly.
         usable = max(0, len(r.prompt) - MIN_RECOMPUTE)
         n, src = self.index.match(r.prompt[:usable]) if (self.share_prefixes and usable) else (0, None)
+        for img in r.images:  # an image's cells are shared whole or not at all
+            if img.start < n < img.end:
+                n = img.start
+        src = src if n else None
         if n and src in self._idle and n + MIN_RECOMPUTE >= self._idle[src]:
             # r covers the whole prompt src last served (the same prompt again, the next turn of a
             # chat, the next keystroke): r takes src over, cut back to the shared prefix, instead
@@ -356,7 +403,8 @@ class BatchedLlama:
         return self.n_cells - self.index.used
 
     # -- one step -----------------------------------------------------------------------------------
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step; False when nothing could run (the prefilling requests wait for image encodes)."""
         rows: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, decoding)
         n_decode = 0
         for r in self._running:
@@ -365,30 +413,79 @@ class BatchedLlama:
                 rows.append((r, r.pending + r.draft, True))
                 n_decode += 1 + len(r.draft)
         budget = self.step_tokens - n_decode
-        prefills = [r for r in self._running if r.computed < len(r.prompt)]
-        want = min(budget, sum(len(r.pending) for r in prefills)) if budget > 0 else 0
+        prefills = [r for r in self._running if r.computed < len(r.prompt) and self._text_ready(r)]
+        want = min(budget, sum(self._text_ahead(r) for r in prefills)) if budget > 0 else 0
         budget = min(want, self._make_room(n_decode + want) - n_decode)
         for r in prefills:
             if budget <= 0:
                 break
-            chunk = r.pending[:budget]
+            chunk = r.pending[:min(budget, self._text_ahead(r))]
             rows.append((r, chunk, False))
             budget -= len(chunk)
         if not rows:
-            return
+            return bool(prefills)
         self._fill(rows)
         ret = self.lib.llama_decode(self.ctx, self._batch)
         if ret != 0:
             self._decode_failed(ret, rows)
-            return
+            return True
         self.counters["steps"] += 1
         self._after(rows)
+        return True
+
+    # -- images ---------------------------------------------------------------------------------------
+    def _image_at(self, r: Request) -> ImageSpan | None:
+        return next((img for img in r.images if img.start == r.computed), None)
+
+    def _text_ahead(self, r: Request) -> int:
+        """Prompt tokens r can feed before its next image (or the prompt's end)."""
+        nxt = next((img.start for img in r.images if img.start >= r.computed), len(r.prompt))
+        return nxt - r.computed
+
+    def _text_ready(self, r: Request) -> bool:
+        """Whether r's prefill goes on with text now: an image due next is put in the cache first
+        (once encoded: its encode is started here, on the encoder thread, if it is not yet)."""
+        while (img := self._image_at(r)) is not None:
+            if img.error is not None:
+                self._finish_error(r, img.error)
+                return False
+            if img.embd is None:
+                if not img.encoding:
+                    img.encoding = True
+                    self._encoder.submit(self._encode_one, img)
+                return False
+            if self._make_room(img.n) < img.n:
+                return False
+            try:
+                self._decode_image(img, r.sid, r.computed)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the loop goes on
+                self.lib.llama_memory_seq_rm(self.mem, r.sid, r.computed, -1)  # whatever part of it got in
+                self._finish_error(r, exc if isinstance(exc, (InvalidRequest, BackendError)) else
+                                   BackendError(f"llama.cpp could not decode an image: {exc}"))
+                return False
+            img.embd = None  # only the cells keep it
+            self.index.append(r.sid, r.prompt[img.start:img.end])
+            r.computed += img.n
+            r.pending = r.pending[img.n:]
+            self.counters["image_tokens"] += img.n
+        return r.computed < len(r.prompt)
+
+    def _encode_one(self, img: ImageSpan) -> None:
+        try:
+            img.embd = self._encode(img)
+        except BaseException as exc:  # noqa: BLE001 - the request gets it
+            img.error = exc if isinstance(exc, (InvalidRequest, BackendError)) else \
+                BackendError(f"llama.cpp could not encode an image: {exc}")
+        with self._cv:
+            self._cv.notify()
 
     def _draft(self, r: Request) -> list[int]:
         k = min(r.speculative, r.limit - r.n_out - 1, r.window - r.computed - 2)
         if k <= 0 or r.options.json_schema is not None or r.options.json_mode:
             return []
-        return lookup_draft(r.history, k)
+        draft = lookup_draft(r.history, k)
+        cut = next((i for i, t in enumerate(draft) if t < 0), len(draft))  # an image's stand-ins are no tokens
+        return draft[:cut]
 
     def _alloc_batch(self, n: int) -> None:
         lib = self.lib
@@ -567,9 +664,13 @@ class BatchedLlama:
                 pass
 
     def _free_sampler(self, r: Request) -> None:
+        """r's native resources go: its sampler chain, and (on_end) its image chunks."""
         if r.sampler:
             self.lib.llama_sampler_free(r.sampler)
             r.sampler = None
+        if r.on_end is not None:
+            on_end, r.on_end = r.on_end, None
+            on_end()
 
     def _piece(self, tok: int) -> bytes:
         p = self._pieces.get(tok)

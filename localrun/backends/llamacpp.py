@@ -31,7 +31,9 @@ from localrun.backends.base import (
     GenerationRequest,
     INLINE_TOKENIZE_CHARS,
     LoadSpec,
+    MEDIA_MARKER,
     MemoryEstimate,
+    fit_window,
     merge_chunks,
 )
 from localrun.backends.llama_batch import token_piece
@@ -254,8 +256,18 @@ class LlamaCppBackend:
             lib.llama_model_free(model)
             raise BackendError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {spec.name}; "
                                "use a smaller num_ctx or LOCALRUN_NUM_PARALLEL")
+        self._mtmd = None  # llama.cpp's multimodal context: the vision projector (LoadSpec.extra["projector"])
+        if spec.extra.get("projector"):
+            try:
+                self._mtmd = self._load_projector(str(spec.extra["projector"]), model)
+            except BaseException:
+                lib.llama_free(ctx)
+                lib.llama_model_free(model)
+                raise
+        images = dict(encode=self._encode_image, decode_image=self._decode_image) if self._mtmd else {}
+        self._n_batch = int(cparams.n_batch)
         self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, n_seq_max=n_seq_max, step_tokens=step_tokens,
-                                   share_prefixes=share, name=spec.name)
+                                   share_prefixes=share, name=spec.name, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._n_layer = int(lib.llama_model_n_layer(model))
@@ -279,6 +291,7 @@ class LlamaCppBackend:
                                 default=0),
             supports_groups=True,
             supports_logit_bias=True,
+            supports_images=self._mtmd is not None,
             placement=placement(device, self.n_gpu_layers, self._n_layer),
         )
 
@@ -336,31 +349,46 @@ class LlamaCppBackend:
         from localrun.backends.llama_batch import Request, make_sampler
 
         o = request.options
-        tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
         window = min(request.window or self.spec.num_ctx, self.spec.num_ctx)
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        if len(tokens) >= window:
-            raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of {window} tokens")
-        for t in o.logit_bias or {}:
-            if not 0 <= int(t) < self._n_vocab:
-                raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of {self._n_vocab}")
-        grammar = None
-        if o.json_schema is not None or o.json_mode:
-            grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
-        args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
-        # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
-        sampler = make_sampler(*args) if len(grammar or "") < 4096 else await asyncio.to_thread(make_sampler, *args)
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
-                      speculative=self.speculative, rid=request.request_id)
+        spans: list = []
+        chunks = None  # the images' llama.cpp chunks: ours until the loop takes the request
+        sampler = None
         try:
+            if request.images:  # llama.cpp's multimodal library tokenizes text and images together
+                tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
+                if request.window is not None:  # the runner left this request's window check to us
+                    o.max_tokens = fit_window(len(tokens), request.window, o.max_tokens)
+            else:
+                tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
+            if not tokens:
+                raise InvalidRequest("the prompt is empty")
+            if len(tokens) >= window:
+                raise InvalidRequest(f"the prompt is {len(tokens)} tokens, longer than the context window of "
+                                     f"{window} tokens")
+            for t in o.logit_bias or {}:
+                if not 0 <= int(t) < self._n_vocab:
+                    raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of "
+                                         f"{self._n_vocab}")
+            grammar = None
+            if o.json_schema is not None or o.json_mode:
+                grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
+            args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
+            # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
+            sampler = make_sampler(*args) if len(grammar or "") < 4096 else await asyncio.to_thread(make_sampler, *args)
+            loop = asyncio.get_running_loop()
+            out: asyncio.Queue = asyncio.Queue()
+            req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
+                          speculative=self.speculative, rid=request.request_id, images=spans)
+            if chunks is not None:
+                req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)
-        except BaseException:
-            self._lib.llama_sampler_free(req.sampler)
-            req.sampler = None
-            raise
+            sampler = chunks = None  # the loop frees them when the request leaves it
+        finally:
+            if sampler is not None:
+                self._lib.llama_sampler_free(sampler)
+            if chunks is not None:
+                self._mtmd_lib().mtmd_input_chunks_free(chunks)
+        first = bool(request.images)  # the prompt's length (image tokens in it) goes on the first chunk
         try:
             while True:
                 item = await out.get()
@@ -373,6 +401,8 @@ class LlamaCppBackend:
                     item = merge_chunks(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
+                if first:
+                    item.prompt_tokens, first = len(tokens), False
                 yield item
                 req.delivered.set()
                 if item.finish_reason is not None:
@@ -385,6 +415,117 @@ class LlamaCppBackend:
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    # -- images (llama.cpp's multimodal library, mtmd) ----------------------------------------------
+    @staticmethod
+    def _mtmd_lib():
+        import llama_cpp.mtmd_cpp as mtmd
+
+        return mtmd
+
+    def _load_projector(self, path: str, model):
+        from llama_cpp._logger import llama_log_callback
+
+        mtmd = self._mtmd_lib()
+        mtmd.mtmd_helper_log_set(llama_log_callback, None)  # its log as llama.cpp's: errors only, unless debugging
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = self.n_gpu_layers != 0
+        params.print_timings = False
+        params.n_threads = self.n_threads
+        mctx = mtmd.mtmd_init_from_file(path.encode("utf-8"), model, params)
+        if not mctx:
+            raise BackendError(f"llama.cpp could not load the vision projector {path} for {self.spec.name} (see the "
+                               "runner's log): is it the projector of this model?")
+        if not mtmd.mtmd_support_vision(mctx):
+            mtmd.mtmd_free(mctx)
+            raise BackendError(f"{path} is not a vision projector (it has no image encoder)")
+        if mtmd.mtmd_decode_use_mrope(mctx):  # positions are not cells there: no prefix sharing across images
+            log.info("%s uses M-RoPE positions: prompts with images are not shared with others", self.spec.name)
+        return mctx
+
+    def _tokenize_images(self, request: GenerationRequest) -> tuple[list[int], list, Any]:
+        """(tokens, image spans, mtmd chunks) of a prompt with MEDIA_MARKER where each image goes;
+        an image's positions hold stand-ins from its bytes' hash (llama_batch.image_standins).
+        Runs off the event loop: decoding the images is real work."""
+        import ctypes
+        import hashlib
+
+        from localrun.backends.llama_batch import ImageSpan, image_standins
+
+        mtmd = self._mtmd_lib()
+        if self._mtmd is None:
+            raise InvalidRequest(f"{self.spec.name} has no vision projector: it cannot take images")
+        n_markers = request.prompt.count(MEDIA_MARKER)
+        if n_markers != len(request.images):
+            raise InvalidRequest(f"the prompt has {n_markers} image place(s) but {len(request.images)} image(s) came")
+        bitmaps = []
+        chunks = None
+        try:
+            for i, data in enumerate(request.images):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bm = mtmd.mtmd_helper_bitmap_init_from_buf(self._mtmd, buf, len(data), False)
+                if not bm:
+                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF, BMP or WebP image")
+                mtmd.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode("ascii"))
+                bitmaps.append(bm)
+            text = mtmd.mtmd_input_text()
+            raw = request.prompt.replace(MEDIA_MARKER, mtmd.mtmd_default_marker().decode("utf-8")).encode("utf-8")
+            text.text, text.text_len = raw, len(raw)
+            text.add_special, text.parse_special = request.add_special, True
+            chunks = mtmd.mtmd_input_chunks_init()
+            arr = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+            if mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text), arr, len(bitmaps)) != 0:
+                raise InvalidRequest("llama.cpp could not place the images in the prompt")
+            tokens: list[int] = []
+            spans = []
+            digests = [hashlib.sha256(d).digest() for d in request.images]
+            for k in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, k)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    n = ctypes.c_size_t()
+                    ptr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+                    tokens += [ptr[j] for j in range(n.value)]
+                else:
+                    n_tok = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+                    spans.append(ImageSpan(len(tokens), n_tok, chunk))
+                    tokens += image_standins(digests[len(spans) - 1], n_tok)
+            if spans and mtmd.mtmd_decode_use_mrope(self._mtmd):
+                # positions there are not one per cell: make the stand-ins unique to this request
+                salt = os.urandom(8)
+                for sp in spans:
+                    tokens[sp.start:sp.end] = image_standins(hashlib.sha256(salt + bytes(sp.start)).digest(), sp.n)
+            return tokens, spans, chunks
+        except BaseException:
+            if chunks is not None:
+                mtmd.mtmd_input_chunks_free(chunks)
+            raise
+        finally:
+            for bm in bitmaps:
+                mtmd.mtmd_bitmap_free(bm)
+
+    def _encode_image(self, span) -> Any:
+        """Runs on the loop's encoder thread: the image chunk's embeddings (a copy)."""
+        import numpy as np
+
+        mtmd = self._mtmd_lib()
+        if mtmd.mtmd_encode_chunk(self._mtmd, span.chunk) != 0:
+            raise BackendError("llama.cpp could not encode an image (see the runner's log)")
+        n_embd = int(self._lib.llama_model_n_embd_inp(self.engine.model))
+        ptr = mtmd.mtmd_get_output_embd(self._mtmd)
+        return np.ctypeslib.as_array(ptr, shape=(span.n * n_embd,)).copy()
+
+    def _decode_image(self, span, seq: int, pos: int) -> None:
+        """Runs on the loop's thread: the encoded image into sequence `seq` from position `pos`."""
+        import ctypes
+
+        mtmd = self._mtmd_lib()
+        new_pos = self._lib.llama_pos(0)
+        embd = span.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        rc = mtmd.mtmd_helper_decode_image_chunk(self._mtmd, self.engine.ctx, span.chunk, embd, pos, seq,
+                                                 self._n_batch, ctypes.byref(new_pos),
+                                                 mtmd.mtmd_helper_post_decode_callback(), None)
+        if rc != 0:
+            raise BackendError(f"llama.cpp could not decode an image into the context (code {rc})")
 
     # -- embeddings ----------------------------------------------------------------------
     def _embed_sync(self, texts: list[str]) -> list[list[float]]:
@@ -422,6 +563,9 @@ class LlamaCppBackend:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        if getattr(self, "_mtmd", None):
+            self._mtmd_lib().mtmd_free(self._mtmd)
+            self._mtmd = None
         if self._embedder is not None:
             try:
                 self._embedder.close()

@@ -1,0 +1,124 @@
+"""The tiny vision test model (no package ships a small vision GGUF): a random Gemma 3 VLM written by
+../shared/tools/tiny_vlm.py (or tools/tiny_vlm.py beside the tests when shared/ is absent) and converted
+by the converter that ships in the llama-cpp-python sdist (text GGUF + mmproj GGUF), cached under the
+pytest cache directory; and llama.cpp's own multimodal path as the reference (libmtmd's helper
+evaluates the prompt's chunks in order, then greedy decoding), independent of localrun's batched loop."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL_CANDIDATES = [REPO.parent / "shared" / "tools" / "tiny_vlm.py", REPO / "shared" / "tools" / "tiny_vlm.py"]
+
+
+def _sdist(cache: Path) -> Path:
+    """The pinned llama-cpp-python sdist, unpacked (pip's cache makes a second download cheap)."""
+    version = importlib.metadata.version("llama-cpp-python")
+    root = cache / f"llama_cpp_python-{version}"
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
+                            str(cache), f"llama-cpp-python=={version}"], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"the llama-cpp-python {version} sdist (its converter) cannot be had: {r.stderr[-300:]}")
+        with tarfile.open(cache / f"llama_cpp_python-{version}.tar.gz") as t:
+            t.extractall(cache, filter="data")
+    return root
+
+
+def build_tiny_vlm(cache: Path) -> tuple[Path, Path]:
+    """(text GGUF, projector GGUF) of the tiny VLM, built once into ``cache``."""
+    out = cache / "tiny-vlm"
+    gguf, mmproj = out / "tiny-vlm.gguf", out / "mmproj-tiny-vlm.gguf"
+    if gguf.exists() and mmproj.exists():
+        return gguf, mmproj
+    pytest.importorskip("sentencepiece")
+    tool = next((p for p in TOOL_CANDIDATES if p.exists()), None)
+    if tool is None:
+        pytest.skip("tiny_vlm.py (shared/tools) is not here")
+    hf = out / "hf"
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run([sys.executable, str(tool), str(hf)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    vendor = _sdist(cache) / "vendor" / "llama.cpp"
+    env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
+    for args, dst in (([], gguf), (["--mmproj"], mmproj)):
+        r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), *args, "--outfile", str(dst)],
+                           capture_output=True, text=True, env=env)
+        assert r.returncode == 0, r.stderr[-2000:]
+    return gguf, mmproj
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (64, 64), noise_seed: int | None = None) -> bytes:
+    """A small PNG: one color, or random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    if noise_seed is not None:
+        arr = np.random.default_rng(noise_seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        img = Image.fromarray(arr)
+    else:
+        img = Image.new("RGB", size, color)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def mtmd_reference(gguf: Path, mmproj: Path, prompt: str, images: list[bytes], n_tokens: int) -> list[int]:
+    """Greedy token ids for a prompt whose images sit at localrun.backends.base.MEDIA_MARKER, by llama.cpp's
+    own multimodal path: one context, one sequence, libmtmd's helper evaluating every chunk in order."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lib
+    import llama_cpp.mtmd_cpp as mtmd
+
+    from localrun.backends.base import MEDIA_MARKER
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.print_timings, params.n_threads = False, False, 2
+    mctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), llm.model, params)
+    assert mctx
+    bitmaps = []
+    try:
+        for data in images:
+            bm = mtmd.mtmd_helper_bitmap_init_from_buf(mctx, (ctypes.c_uint8 * len(data)).from_buffer_copy(data),
+                                                       len(data), False)
+            mtmd.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode())
+            bitmaps.append(bm)
+        text = mtmd.mtmd_input_text()
+        raw = prompt.replace(MEDIA_MARKER, mtmd.mtmd_default_marker().decode()).encode()
+        text.text, text.text_len, text.add_special, text.parse_special = raw, len(raw), False, True
+        chunks = mtmd.mtmd_input_chunks_init()
+        arr = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+        assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(text), arr, len(bitmaps)) == 0
+        n_past = lib.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(mctx, llm.ctx, chunks, 0, 0, 512, True, ctypes.byref(n_past)) == 0
+        mtmd.mtmd_input_chunks_free(chunks)
+        greedy = lib.llama_sampler_init_greedy()
+        out, pos = [], n_past.value
+        for _ in range(n_tokens):
+            tok = lib.llama_sampler_sample(greedy, llm.ctx, -1)
+            out.append(tok)
+            batch = lib.llama_batch_get_one((lib.llama_token * 1)(tok), 1)
+            assert lib.llama_decode(llm.ctx, batch) == 0
+            pos += 1
+        lib.llama_sampler_free(greedy)
+        return out
+    finally:
+        for bm in bitmaps:
+            mtmd.mtmd_bitmap_free(bm)
+        mtmd.mtmd_free(mctx)
+        llm.close()
