@@ -1,5 +1,5 @@
 """The tiny vision test model (no package ships a small vision GGUF): a random Gemma 3 VLM written by
-../shared/tools/tiny_vlm.py (or tools/tiny_vlm.py beside the tests when shared/ is absent) and converted
+tests/tools/tiny_vlm.py (a copy of the project's shared tool) and converted
 by the converter that ships in the llama-cpp-python sdist (text GGUF + mmproj GGUF), cached under the
 pytest cache directory; and llama.cpp's own multimodal path as the reference (libmtmd's helper
 evaluates the prompt's chunks in order, then greedy decoding), independent of localrun's batched loop."""
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL_CANDIDATES = [REPO.parent / "shared" / "tools" / "tiny_vlm.py", REPO / "shared" / "tools" / "tiny_vlm.py"]
+TOOL_CANDIDATES = [REPO / "tests" / "tools" / "tiny_vlm.py", REPO.parent / "shared" / "tools" / "tiny_vlm.py"]
 
 
 def _sdist(cache: Path) -> Path:
