@@ -1,14 +1,14 @@
-"""llama.cpp's batched loop: one context per model, continuous batching, shared prefixes.
+"""llama.cpp's batched loop: one context per model, continuous batching, cached prefixes.
 
-One :class:`BatchedLlama` owns a model's single ``llama_context``: a unified KV cache (one pool
-of cells for every sequence, ``kv_unified``) of ``parallel x num_ctx`` cells and up to
-``n_seq_max`` sequence ids. One thread runs the loop; each step
+One :class:`BatchedLlama` owns a model's single ``llama_context``: ``parallel`` sequences, each a
+:class:`Slot` with a KV stream of its own (``num_ctx`` cells). One thread runs the loop; each step
 
-1. admits waiting requests while fewer than ``parallel`` run: a request takes a sequence id and
-   starts from the longest prefix of its prompt any sequence holds (running or idle), shared by
-   ``llama_memory_seq_cp`` (the cells are shared, not copied; :mod:`localrun.backends.llama_prefix`
-   keeps the books). A request whose prompt shares a longer prefix with a prompt still being
-   prefilled waits for that prefill instead of computing the same tokens twice;
+1. admits waiting requests while fewer than ``parallel`` run: a request gets the slot whose
+   cells hold the longest prefix of its prompt, cut back to that prefix (it takes an idle slot over,
+   or, when that prefix is in a running slot or an idle one worth keeping, gets a copy of that
+   slot's stream: ``llama_memory_seq_cp`` copies a stream whole, a memcpy, far cheaper than
+   computing the tokens again). A request whose prompt shares a longer prefix with a prompt still
+   being prefilled waits for that prefill instead of computing the same tokens beside it;
 2. builds one ``llama_batch``: every decoding sequence's next token (plus prompt-lookup drafts when
    speculative decoding is on), then prefill chunks of the others, first come first served, up to
    ``step_tokens`` tokens in all, so a long prompt never stalls the streams already running;
@@ -17,10 +17,9 @@ of cells for every sequence, ``kv_unified``) of ``parallel x num_ctx`` cells and
    penalties, grammar, top-k/p, min-p, temperature, its own seeded RNG), handles stop tokens, stop
    strings and limits, and hands each request its chunk.
 
-A finished or cancelled request's sequence stays in the cache, idle, with its tokens: a later
-prompt that starts with them reuses them. Idle sequences give their cells back least recently used
-first, when the running ones need room or a sequence id. Running sequences never run out of cells:
-each is bounded by its window (``num_ctx``) and at most ``parallel`` run.
+A finished or cancelled request's slot keeps its tokens: a later prompt that starts with them
+reuses them (a chat's next turn, an agent's system prompt and tools, an editor's next keystroke).
+Running sequences never run out of cells: each is bounded by its window (``num_ctx``).
 
 Everything here runs on the loop's thread except :meth:`submit` / :meth:`cancel` (any thread).
 """
@@ -33,14 +32,13 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from localrun.backends.base import Chunk, SamplingOptions, TokenLogprob, Usage
-from localrun.backends.llama_prefix import PrefixIndex
 from localrun.errors import BackendError, InvalidRequest
 from localrun.stop_strings import StopScanner
 
@@ -135,6 +133,18 @@ def image_standins(digest: bytes, n: int) -> list[int]:
 
 
 @dataclass(eq=False)
+class Slot:
+    """A sequence id, and with it one stream of the KV cache (``num_ctx`` cells): the tokens its
+    cells hold (positions 0..n-1), the request using it (None: idle, its tokens a cached prefix)."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    request: "Request | None" = None
+    last_used: float = 0.0
+    prompt_len: int = 0  # the length of the prompt it served last
+
+
+@dataclass(eq=False)
 class Request:
     """One generation inside the loop. Its chunks (and an exception, last, if it fails) go to
     ``queue`` (an asyncio.Queue) on ``loop``; ``delivered`` is set once the consumer took the first."""
@@ -180,14 +190,14 @@ class BatchedLlama:
     """The loop (see the module docstring). ``lib`` is ``llama_cpp.llama_cpp``; model and context
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
 
-    def __init__(self, lib, model, ctx, *, parallel: int, n_seq_max: int, step_tokens: int,
-                 share_prefixes: bool = True, name: str = "", encode=None, decode_image=None) -> None:
+    def __init__(self, lib, model, ctx, *, parallel: int, step_tokens: int, share_prefixes: bool = True,
+                 name: str = "", encode=None, decode_image=None) -> None:
         self.lib, self.model, self.ctx = lib, model, ctx
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.mem = lib.llama_get_memory(ctx)
         self.n_cells = int(lib.llama_n_ctx(ctx))
-        self.parallel, self.n_seq_max = parallel, n_seq_max
+        self.parallel = parallel
         self.step_tokens = max(step_tokens, parallel * 2)
         self.share_prefixes = share_prefixes
         self.name = name
@@ -200,10 +210,7 @@ class BatchedLlama:
             from concurrent.futures import ThreadPoolExecutor
 
             self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-image-{name}")
-        self.index = PrefixIndex()
-        self._free_ids = list(range(n_seq_max - 1, -1, -1))
-        # sequences holding cells for no request, least recently used first -> their last prompt's length
-        self._idle: OrderedDict[int, int] = OrderedDict()
+        self.slots = [Slot(i) for i in range(parallel)]
         self._waiting: list[Request] = []
         self._running: list[Request] = []  # admission order
         self._inbox: deque[Request] = deque()
@@ -211,7 +218,7 @@ class BatchedLlama:
         self._closing = False
         self.fatal: str | None = None
         self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
-                             evicted_sequences=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
+                             copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                              spec_steps=0, image_tokens=0)
         self._pieces: dict[int, bytes] = {}
         self._outbox: list[tuple[Request, Any]] = []
@@ -260,9 +267,10 @@ class BatchedLlama:
     def stats(self) -> dict[str, Any]:
         c = self.counters
         spec = c["spec_steps"]
-        return {**c, "cells": self.n_cells, "cells_used": self.index.used,
+        return {**c, "cells": self.n_cells, "cells_used": sum(len(sl.tokens) for sl in self.slots),
                 "running": len(self._running), "waiting": len(self._waiting) + len(self._inbox),
-                "idle_sequences": len(self._idle), "parallel": self.parallel,
+                "idle_sequences": sum(1 for sl in self.slots if sl.request is None and sl.tokens),
+                "parallel": self.parallel,
                 # the names the native engine reports the same things under
                 "prefix_query_tokens": c["prompt_tokens"], "prefix_hit_tokens": c["cached_tokens"],
                 "spec_acceptance_rate": c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else 0.0,
@@ -324,7 +332,7 @@ class BatchedLlama:
         r waits for it and shares it, instead of computing the same tokens alongside."""
         if not self.share_prefixes:
             return False
-        have, _ = self.index.match(r.prompt)
+        have = max(_common(sl.tokens, r.prompt) for sl in self.slots)
         for s in self._running:
             if s.computed >= len(s.prompt):
                 continue
@@ -337,70 +345,50 @@ class BatchedLlama:
         return False
 
     def _start(self, r: Request) -> None:
+        """Give r a slot holding the longest prefix of its prompt the cache has."""
         # At least MIN_RECOMPUTE prompt tokens are evaluated even when the cache holds all of them:
         # llama.cpp computes a batch of one token with other kernels than a longer batch, so a
         # prompt evaluated from its last token alone gets slightly different logits (and a greedy
         # answer that depends on what ran before); batches of two or more agree exactly.
-        usable = max(0, len(r.prompt) - MIN_RECOMPUTE)
-        n, src = self.index.match(r.prompt[:usable]) if (self.share_prefixes and usable) else (0, None)
-        for img in r.images:  # an image's cells are shared whole or not at all
-            if img.start < n < img.end:
-                n = img.start
-        src = src if n else None
-        if n and src in self._idle and n + MIN_RECOMPUTE >= self._idle[src]:
-            # r covers the whole prompt src last served (the same prompt again, the next turn of a
-            # chat, the next keystroke): r takes src over, cut back to the shared prefix, instead
-            # of a copy beside it. Its new tokens then land in the cells src frees, where a fresh
-            # evaluation puts them, so the same greedy request gives the same answer.
-            sid = src
-            del self._idle[src]
-            self._seq_rm(sid, n)
+        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
+        n, src = 0, None
+        for sl in self.slots:
+            k = _common(sl.tokens, usable)
+            for img in r.images:  # an image's cells are reused whole or not at all
+                if img.start < k < img.end:
+                    k = img.start
+            if k > n or (k == n and k and src is not None and src.request is not None and sl.request is None):
+                n, src = k, sl
+        free = [sl for sl in self.slots if sl.request is None]
+        spare = [sl for sl in free if sl is not src]
+        if src is not None and src.request is None and (n + MIN_RECOMPUTE >= src.prompt_len or not spare):
+            # r covers the whole prompt src last served (the same prompt again, a chat's next turn, an
+            # editor's next keystroke), or nothing else is free: r takes src over, cut back to the
+            # shared prefix. Its new tokens land where a fresh evaluation puts them, so the same
+            # greedy request gets the same answer.
+            dst = src
         else:
-            sid = self._take_sid(keep=src if n else None)
-            if n and sid == src:  # the only idle sequence was the one holding the prefix
-                self._seq_rm(sid, n)
-            elif n:
-                self.lib.llama_memory_seq_cp(self.mem, src, sid, 0, n)
-                self.index.share(src, sid, n)
-                if src in self._idle:
-                    self._idle.move_to_end(src)
-        r.sid, r.n_cached, r.computed = sid, n, n
+            # a free slot, empty ones first, else the least recently used; src (running, or idle with
+            # more of its own prompt than r shares) keeps what it holds and r gets a copy of it
+            dst = min(spare, key=lambda sl: (bool(sl.tokens), sl.last_used))
+            if n:
+                self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
+                dst.tokens = list(src.tokens)  # copies streams whole), cut back below
+                self.counters["copied_prefixes"] += 1
+        self._truncate(dst, n)
+        dst.request, dst.last_used = r, time.monotonic()
+        r.sid, r.n_cached, r.computed = dst.id, n, n
         r.pending = r.prompt[n:]
         r.history = list(r.prompt)
         self._running.append(r)
         self.counters["prompt_tokens"] += len(r.prompt)
         self.counters["cached_tokens"] += n
 
-    def _take_sid(self, keep: int | None) -> int:
-        """A sequence id for a new request: a free one, else the least recently used idle one's
-        (evicted), sparing ``keep`` (the prefix's holder) unless it is the only one."""
-        if self._free_ids:
-            return self._free_ids.pop()
-        for sid in self._idle:
-            if sid != keep:
-                self._evict(sid)
-                return self._free_ids.pop()
-        if keep is not None and keep in self._idle:
-            del self._idle[keep]
-            return keep
-        raise BackendError("no llama.cpp sequence is free")  # n_seq_max > parallel makes this unreachable
-
-    def _evict(self, sid: int) -> None:
-        del self._idle[sid]
-        self._seq_rm(sid, 0)
-        self._free_ids.append(sid)
-        self.counters["evicted_sequences"] += 1
-
-    def _seq_rm(self, sid: int, keep: int) -> None:
-        self.lib.llama_memory_seq_rm(self.mem, sid, keep, -1)
-        self.index.truncate(sid, keep)
-
-    def _make_room(self, need: int) -> int:
-        """Evict idle sequences (least recently used first) until ``need`` cells are free; the
-        cells free at the end."""
-        while self.n_cells - self.index.used < need and self._idle:
-            self._evict(next(iter(self._idle)))
-        return self.n_cells - self.index.used
+    def _truncate(self, slot: Slot, keep: int) -> None:
+        """The slot keeps its first ``keep`` cells (llama_memory_seq_rm)."""
+        if keep < len(slot.tokens) or keep == 0:
+            self.lib.llama_memory_seq_rm(self.mem, slot.id, keep, -1)
+            del slot.tokens[keep:]
 
     # -- one step -----------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -414,8 +402,6 @@ class BatchedLlama:
                 n_decode += 1 + len(r.draft)
         budget = self.step_tokens - n_decode
         prefills = [r for r in self._running if r.computed < len(r.prompt) and self._text_ready(r)]
-        want = min(budget, sum(self._text_ahead(r) for r in prefills)) if budget > 0 else 0
-        budget = min(want, self._make_room(n_decode + want) - n_decode)
         for r in prefills:
             if budget <= 0:
                 break
@@ -454,17 +440,15 @@ class BatchedLlama:
                     img.encoding = True
                     self._encoder.submit(self._encode_one, img)
                 return False
-            if self._make_room(img.n) < img.n:
-                return False
             try:
                 self._decode_image(img, r.sid, r.computed)
             except Exception as exc:  # noqa: BLE001 - this request fails, the loop goes on
-                self.lib.llama_memory_seq_rm(self.mem, r.sid, r.computed, -1)  # whatever part of it got in
+                self._truncate(self.slots[r.sid], r.computed)  # whatever part of it got in
                 self._finish_error(r, exc if isinstance(exc, (InvalidRequest, BackendError)) else
                                    BackendError(f"llama.cpp could not decode an image: {exc}"))
                 return False
             img.embd = None  # only the cells keep it
-            self.index.append(r.sid, r.prompt[img.start:img.end])
+            self.slots[r.sid].tokens += r.prompt[img.start:img.end]
             r.computed += img.n
             r.pending = r.pending[img.n:]
             self.counters["image_tokens"] += img.n
@@ -526,23 +510,17 @@ class BatchedLlama:
         self._batch.n_tokens = n
 
     def _decode_failed(self, ret: int, rows) -> None:
-        """1: no room in the KV cache (our books say there is: evict every idle sequence and let
-        the next step retry with what is left); anything else fails this step's requests."""
-        if ret == 1 and self._idle:
-            log.warning("llama.cpp found no KV cells for a step of %d tokens (%d of %d used); freeing the "
-                        "idle prefix cache", sum(len(t) for _, t, _ in rows), self.index.used, self.n_cells)
-            while self._idle:
-                self._evict(next(iter(self._idle)))
-            return
-        what = {1: "the KV cache is full", 2: "the computation was aborted", -1: "an invalid batch"}.get(
+        """The step's requests end with the error; what the step wrote for them is dropped."""
+        what = {1: "no room in the KV cache", 2: "the computation was aborted", -1: "an invalid batch"}.get(
             ret, "a compute error")
         err = BackendError(f"llama.cpp could not decode ({what}, code {ret}); the request was ended")
         for r in {id(r): r for r, _, _ in rows}.values():
-            # what the failed step wrote for these sequences is unknown: they give back every cell
             self._finish_error(r, err)
             self._running.remove(r)
-            self._seq_rm(r.sid, 0)
-            self._free_ids.append(r.sid)
+            slot = self.slots[r.sid]
+            slot.request = None
+            self._truncate(slot, 0)
+            self._free_sampler(r)
         if ret < -1:
             self.fatal = f"llama.cpp reported a compute error (code {ret})"
 
@@ -554,7 +532,7 @@ class BatchedLlama:
             k = len(toks)
             first_row = i
             i += k
-            self.index.append(r.sid, toks)
+            self.slots[r.sid].tokens += toks
             r.computed += k
             if not decoding:
                 r.pending = r.pending[k:]
@@ -578,7 +556,7 @@ class BatchedLlama:
                 r.drafted += len(r.draft)
                 r.accepted += len(sampled) - 1
                 if keep < r.computed:
-                    self._seq_rm(r.sid, keep)
+                    self._truncate(self.slots[r.sid], keep)
                     r.computed = keep
                 r.draft = []
             first = r.t_first is None
@@ -634,14 +612,13 @@ class BatchedLlama:
             self._outbox.append((r, chunk))
 
     def _end(self, r: Request) -> None:
-        """r leaves the loop; its sequence keeps its cells as an idle cache entry."""
+        """r leaves the loop; its slot keeps r's tokens for a later prompt that starts with them."""
         self._running.remove(r)
         self._free_sampler(r)
-        if self.share_prefixes and self.index.length(r.sid):
-            self._idle[r.sid] = len(r.prompt)
-        else:
-            self._seq_rm(r.sid, 0)
-            self._free_ids.append(r.sid)
+        slot = self.slots[r.sid]
+        slot.request, slot.last_used, slot.prompt_len = None, time.monotonic(), len(r.prompt)
+        if not self.share_prefixes:
+            self._truncate(slot, 0)
 
     def _finish_error(self, r: Request, exc: BaseException) -> None:
         r.finished = True
