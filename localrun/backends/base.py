@@ -58,6 +58,13 @@ MEDIA_MARKER = "<__media__>"
 
 
 @dataclass
+class Infill:
+    prefix: str
+    suffix: str
+    extra: list[dict] = field(default_factory=list)  # [{"filename": str, "text": str}]
+
+
+@dataclass
 class GenerationRequest:
     prompt: str  # fully rendered (chat template already applied)
     options: SamplingOptions = field(default_factory=SamplingOptions)
@@ -75,6 +82,10 @@ class GenerationRequest:
     # encoded images (PNG, JPEG, ...), one for each MEDIA_MARKER in `prompt`, in order (a backend with
     # info.supports_images; the runner tokenizes such a prompt itself, image tokens included)
     images: list[bytes] | None = None
+    # fill-in-the-middle (a backend with info.supports_infill): the code before and after the cursor
+    # and other files' chunks; the backend lays the prompt out with the model's FIM tokens (as
+    # llama-server's /infill does), `prompt` going after the prefix
+    infill: "Infill | None" = None
 
 
 @dataclass
@@ -162,6 +173,8 @@ class BackendInfo:
     supports_logit_bias: bool = False
     # a vision projector is loaded (LoadSpec.extra["projector"]): prompts may carry images
     supports_images: bool = False
+    # the vocabulary has fill-in-the-middle tokens (prefix, suffix, middle): requests may carry `infill`
+    supports_infill: bool = False
 
 
 @dataclass

@@ -30,6 +30,7 @@ from localrun.backends.base import (
     Chunk,
     GenerationRequest,
     INLINE_TOKENIZE_CHARS,
+    Infill,
     LoadSpec,
     MEDIA_MARKER,
     MemoryEstimate,
@@ -48,6 +49,7 @@ _EMBED_MAX_CTX = 2048
 # token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
 # chunk, not the whole prompt
 STEP_TOKENS = 512
+INFILL_BATCH = 2048  # llama-server's default n_batch, which its /infill layout cuts the prefix and suffix to
 
 
 def physical_cores() -> int:
@@ -296,6 +298,7 @@ class LlamaCppBackend:
             supports_groups=True,
             supports_logit_bias=True,
             supports_images=self._mtmd is not None,
+            supports_infill=self._fim_tokens() is not None,
             placement=placement(device, self.n_gpu_layers, self._n_layer),
         )
 
@@ -322,16 +325,16 @@ class LlamaCppBackend:
         return int(k)
 
     # -- tokens ------------------------------------------------------------------------
-    def _tokenize(self, text: str, add_special: bool = False) -> list[int]:
+    def _tokenize(self, text: str, add_special: bool = False, special: bool = True) -> list[int]:
         lib = self._lib
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (lib.llama_token * cap)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, special)
         if n < 0:  # more tokens than bytes (added specials): the exact size comes back negated
             cap = -n
             buf = (lib.llama_token * cap)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, special)
             if n < 0:
                 raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
         return list(buf[:n])
@@ -360,10 +363,13 @@ class LlamaCppBackend:
         try:
             if request.images:  # llama.cpp's multimodal library tokenizes text and images together
                 tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
-                if request.window is not None:  # the runner left this request's window check to us
-                    o.max_tokens = fit_window(len(tokens), request.window, o.max_tokens)
+            elif request.infill is not None:
+                tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window,
+                                                 o.max_tokens)
             else:
                 tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
+            if (request.images or request.infill is not None) and request.window is not None:
+                o.max_tokens = fit_window(len(tokens), request.window, o.max_tokens)  # the runner left it to us
             if not tokens:
                 raise InvalidRequest("the prompt is empty")
             if len(tokens) >= window:
@@ -392,7 +398,8 @@ class LlamaCppBackend:
                 self._lib.llama_sampler_free(sampler)
             if chunks is not None:
                 self._mtmd_lib().mtmd_input_chunks_free(chunks)
-        first = bool(request.images)  # the prompt's length (image tokens in it) goes on the first chunk
+        # the prompt's length (image tokens, the infill layout) goes on the first chunk
+        first = bool(request.images) or request.infill is not None
         try:
             while True:
                 item = await out.get()
@@ -419,6 +426,51 @@ class LlamaCppBackend:
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    # -- fill in the middle -------------------------------------------------------------------------
+    def _fim_tokens(self) -> dict[str, int] | None:
+        """The vocabulary's FIM tokens (llama.cpp finds them by id in the GGUF or by their text); None
+        when prefix, suffix or middle is missing."""
+        lib, v = self._lib, self._vocab
+        ids = {k: int(getattr(lib, f"llama_vocab_fim_{k}")(v)) for k in ("pre", "suf", "mid", "rep", "sep")}
+        return ids if min(ids["pre"], ids["suf"], ids["mid"]) >= 0 else None
+
+    def infill_tokens(self, infill: Infill, prompt: str, n_ctx: int, n_predict: int | None) -> list[int]:
+        """The prompt llama-server's /infill builds (format_prompt_infill in tools/server): the repo-level
+        pattern [FIM_REP]myproject [FIM_SEP]file chunk ... [FIM_SEP]filename [FIM_PRE]prefix prompt
+        [FIM_SUF]suffix [FIM_MID], the prefix's tail and the suffix's head cut to fit a batch (3:1), the
+        extra chunks to fit the context; prefix/suffix/extra texts are not parsed for special tokens."""
+        fim = self._fim_tokens()
+        if fim is None:
+            raise InvalidRequest(f"{self.spec.name} cannot fill in the middle: its vocabulary has no "
+                                 "fill-in-the-middle tokens (use a code model such as Qwen2.5-Coder or CodeLlama)")
+        lib, v = self._lib, self._vocab
+
+        def tok(text: str) -> list[int]:
+            return self._tokenize(text, False, special=False)
+
+        extra: list[int] = []
+        if fim["rep"] >= 0:
+            extra += [fim["rep"], *tok("myproject\n")]
+        for chunk in infill.extra:
+            if fim["sep"] >= 0:
+                extra += [fim["sep"], *tok(str(chunk.get("filename") or "tmp") + "\n")]
+            else:
+                extra += tok("\n\n--- snippet ---\n\n")
+            extra += tok(str(chunk.get("text") or ""))
+        if fim["sep"] >= 0:
+            extra += [fim["sep"], *tok("filename\n")]
+        prefix, suffix = tok(infill.prefix), tok(infill.suffix)
+        head = self._tokenize(prompt, False) if prompt else []  # as llama-server tokenizes the prompt
+        n_batch = INFILL_BATCH
+        n_prefix = min(len(prefix), 3 * (n_batch // 4))
+        n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(head))))
+        n_extra = min(max(0, n_ctx - n_batch - 2 * (n_predict if n_predict is not None else -1)), len(extra))
+        inp = [fim["pre"], *prefix[len(prefix) - n_prefix:], *head]
+        end = [fim["suf"], *suffix[:n_suffix]]
+        if lib.llama_vocab_get_add_bos(v):
+            inp.insert(0, int(lib.llama_vocab_bos(v)))
+        return [*extra[len(extra) - n_extra:], *inp, *end, fim["mid"]]
 
     # -- images (llama.cpp's multimodal library, mtmd) ----------------------------------------------
     @staticmethod

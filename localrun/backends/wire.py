@@ -17,7 +17,8 @@ import socket
 from typing import Any
 
 from localrun import errors
-from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, SamplingOptions, TokenLogprob, Usage
+from localrun.backends.base import (BackendInfo, Chunk, GenerationRequest, Infill, LoadSpec, SamplingOptions,
+                                    TokenLogprob, Usage)
 
 
 MAX_MESSAGE = 256 * 2**20  # bytes; embeddings of many long inputs stay well under this
@@ -92,6 +93,8 @@ def request_to_wire(r: GenerationRequest) -> dict:
          "group": list(r.group) if r.group is not None else None, "window": r.window}
     if r.images:
         d["images"] = [base64.b64encode(b).decode("ascii") for b in r.images]
+    if r.infill is not None:
+        d["infill"] = dict(r.infill.__dict__)
     return d
 
 
@@ -102,7 +105,8 @@ def request_from_wire(d: dict) -> GenerationRequest:
     return GenerationRequest(prompt=d["prompt"], options=options, request_id=d["request_id"],
                              add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
                              group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"),
-                             images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None)
+                             images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None,
+                             infill=Infill(**d["infill"]) if d.get("infill") else None)
 
 
 # -- chunks ---------------------------------------------------------------------------------

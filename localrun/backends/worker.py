@@ -116,9 +116,10 @@ class Runner:
         try:
             req = wire.request_from_wire(request)
             n_prompt = None
-            if req.prompt_token_ids is None and req.window is not None and not req.images:
+            if req.prompt_token_ids is None and req.window is not None and not req.images and req.infill is None:
                 # the daemon left tokenizing to us (one round trip, not two): so is the window check (a
-                # prompt with images is tokenized by the backend, which makes the same check)
+                # prompt with images, or a fill-in-the-middle one, is laid out by the backend, which makes
+                # the same check)
                 req.prompt_token_ids = await self.backend.tokenize(req.prompt, req.add_special)
                 req.options.max_tokens = fit_window(len(req.prompt_token_ids), req.window, req.options.max_tokens)
                 n_prompt = len(req.prompt_token_ids)
