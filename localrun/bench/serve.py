@@ -91,6 +91,7 @@ class _Client:
         self.model = model
         self.endpoint = endpoint
         self.ignore_eos = True
+        self.temperature = 1.0  # the field's method; 0 = greedy (localrun bench llama-server)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
             headers=headers,
@@ -101,7 +102,7 @@ class _Client:
     def body(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         b: dict[str, Any] = {
             "model": self.model, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 1.0, "top_p": 1.0,
+            "stream_options": {"include_usage": True}, "temperature": self.temperature, "top_p": 1.0,
         }
         if self.endpoint == "chat":
             b["messages"] = [{"role": "user", "content": prompt}]

@@ -14,9 +14,8 @@ cache carries over between phases. Workloads:
   ``--shared-len``-token system prompt (what agents and IDE plugins send with every request) and ask
   distinct short questions, ``--shared-output-len`` tokens each; both servers freshly started for it.
 
-Requests are raw ``/v1/completions`` (the same text to both: no template differences), greedy off
-(temperature 1, as benchmarks do) with ``ignore_eos``, so both produce exactly the same number of
-tokens. Per server and workload: output tok/s over the phase's wall time, TTFT and inter-token
+Requests are raw ``/v1/completions`` (the same text to both: no template differences), greedy, with
+``ignore_eos``, so both produce exactly the same number of tokens. Per server and workload: output tok/s over the phase's wall time, TTFT and inter-token
 latency percentiles; per workload the ratio localrun / llama-server (median over rounds).
 
 llama-server is built from the very llama.cpp that the installed llama-cpp-python vendors (``--build
@@ -205,6 +204,7 @@ async def run_phase(server: Server, prompts: list[str], output_len: int, concurr
     from localrun.bench.serve import RequestTrace, _Client
 
     client = _Client(server.url + "/v1", server.model, "completions", None, concurrency)
+    client.temperature = 0.0  # greedy, as llama.cpp's published figures are taken
     queue = list(enumerate(prompts))
     traces: list[RequestTrace] = []
 
