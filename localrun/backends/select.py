@@ -201,13 +201,14 @@ def model_architecture(fmt: str, weights: str | Path | None, info=None) -> str |
 
 
 def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
-           llamacpp_gpu: bool | None = None, arch: str | None = None) -> Choice:
+           llamacpp_gpu: bool | None = None, arch: str | None = None, vision: bool = False) -> Choice:
     """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
 
     info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
     tensor_bytes, architecture) of a GGUF model; without them a GGUF on a capable GPU goes to
     the native engine. arch: the model's architecture (default: info's; see
-    model_architecture). llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it)."""
+    model_architecture). llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it).
+    vision: the model has a vision projector (only llama.cpp runs one)."""
     arch = arch or getattr(info, "architecture", None)
     foreign = bool(arch) and not is_native(arch)  # an architecture the native engine does not run
     if setting == "native" and foreign:
@@ -236,6 +237,8 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
             raise BackendError(f"safetensors models need the native engine, which cannot be imported ({err}); "
                                "install localrun[native] or import a GGUF instead")
         return Choice("native", "native engine: safetensors models run only on the native engine")
+    if vision:
+        return Choice("llamacpp", "llama.cpp: the model has a vision projector, which only llama.cpp runs")
     if gpu is not None and gpu.capability >= (8, 0) and foreign:
         return Choice("llamacpp", f"llama.cpp: the native engine does not run architecture {arch!r} "
                                   f"(it runs {', '.join(NATIVE_ARCHS)})")

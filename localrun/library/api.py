@@ -18,7 +18,7 @@ from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfi
 from localrun.library.names import ModelName, parse_name, validate_filename
 from localrun.library.paths import shown as shown_path, user_path_errors
 from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_safetensors
-from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_LICENSE, MT_MESSAGES,
+from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
                                     MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
 
 ProgressFn = Callable[[PullEvent], None] | None
@@ -189,6 +189,9 @@ class Library:
         pins: list[str] = []
         try:
             layers, extra = self._create_from(mf, base, prog, pins)
+            if mf.projector is not None:  # the second FROM replaces any projector the base model had
+                layers = [l for l in layers if l["mediaType"] != MT_PROJECTOR]
+                layers.append(self._import_projector(mf.projector, base, prog, pins))
             params = dict(extra.get("parameters") or {})
             params.update(mf.parameters)
             extra["parameters"] = params
@@ -237,7 +240,7 @@ class Library:
         layers = []
         for l in m["layers"]:
             mt = l["mediaType"]
-            if mt in (MT_MODEL, MT_FILE, MT_ADAPTER):
+            if mt in (MT_MODEL, MT_FILE, MT_ADAPTER, MT_PROJECTOR):
                 self._pin(pins, l["digest"])
                 layers.append(l)
             elif mt in _TEXT_LAYERS:
@@ -274,6 +277,27 @@ class Library:
         self._pin(pins, digest)
         prog.emit(f"using layer {digest[:19]}", digest, size, size)
         return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": _safe_name(path.name)}}
+
+    def _import_projector(self, text: str, base: Path, prog: Progress, pins: list[str]) -> dict:
+        """The projector layer for a second FROM: a local GGUF whose architecture is clip (a vision
+        projector, as llama.cpp's converter writes it with --mmproj), copied into the store."""
+        shown = f"FROM {shown_path(text)}"
+        path = self._local_path(text, base)
+        if path is None:
+            raise InvalidRequest(f"{shown}: a second FROM must be a vision projector file (an mmproj .gguf)")
+        with user_path_errors(shown):
+            if path.is_dir():
+                raise InvalidRequest(f"{shown}: a second FROM must be a vision projector .gguf file, not a directory")
+        info = read_gguf_info(path, display_name=shown)
+        if info.architecture != "clip":
+            raise InvalidRequest(f"{shown}: a second FROM must be a vision projector (a GGUF whose architecture is "
+                                 f"clip), but this one's architecture is {info.architecture!r}")
+        prog.emit("copying projector")
+        digest, size = self.store.import_file(
+            path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying projector", None, info.file_size),
+            check=lambda p: read_gguf_info(p, display_name=shown))
+        self._pin(pins, digest)
+        return _layer(MT_PROJECTOR, digest, size, _safe_name(path.name, "mmproj.gguf"))
 
     # ------------------------------------------------------------------ manifests
     def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:
@@ -355,6 +379,7 @@ class Library:
         params: dict = {}
         messages: list = []
         adapter = None
+        projector: Path | None = None
         weights: Path | None = None
         files: list[tuple[str, str]] = []
         fmt = "gguf"
@@ -368,6 +393,10 @@ class Library:
                 files.append((l["filename"], l["digest"]))
             elif mt == MT_ADAPTER:
                 adapter = str(self.store.blob_path(l["digest"]))
+            elif mt == MT_PROJECTOR:
+                projector = self.store.blob_path(l["digest"])
+                if not projector.is_file():
+                    raise NotFound(f"the vision projector of '{mn.display}' is missing from the store; pull or create it again")
             elif mt in _TEXT_LAYERS:
                 vals[_TEXT_LAYERS[mt]] = self.store.read_small(l["digest"]).decode("utf-8", errors="replace")
             elif mt == MT_PARAMS:
@@ -394,7 +423,7 @@ class Library:
             name=mn.display, digest=digest, weights=weights, format=fmt, template=vals["template"],
             system=vals["system"], parameters=params, messages=messages, license=vals["license"], adapter=adapter,
             info=info, size=sum(int(l["size"]) for l in m["layers"]),
-            modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc), details=details,
+            modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc), details=details, projector=projector,
         )
 
     def list(self) -> list[ModelSummary]:

@@ -34,6 +34,7 @@ class ResolvedModel:
     size: int
     modified_at: datetime
     details: dict[str, Any] = field(default_factory=dict)
+    projector: Path | None = None  # the vision projector GGUF (its own layer), when the model takes images
 
 
 @dataclass

@@ -69,6 +69,7 @@ class Modelfile:
     messages: list[dict] = field(default_factory=list)
     license: str | None = None
     adapter: str | None = None
+    projector: str | None = None  # a second FROM: the vision projector (a GGUF whose architecture is clip)
 
     def to_text(self, from_: str | None = None, header: str | None = None) -> str:
         return render_modelfile(from_ or self.from_ or "", self.parameters, self.template, self.system,
@@ -181,12 +182,16 @@ def parse_modelfile(text: str) -> Modelfile:
             return _unquote_line(arg, lineno)
 
         if instr == "FROM":
-            if mf.from_ is not None:
-                raise _err(lineno, "FROM appears twice (a Modelfile has exactly one FROM)")
             v = take_value(rest).strip()
             if not v:
                 raise _err(lineno, "FROM needs a model name, a .gguf file or a safetensors directory")
-            mf.from_ = v
+            if mf.from_ is None:
+                mf.from_ = v
+            elif mf.projector is None:  # a second FROM: a vision projector GGUF (checked when it is read)
+                mf.projector = v
+            else:
+                raise _err(lineno, "FROM appears three times (a Modelfile has one FROM for the model and at "
+                                   "most one more for its vision projector)")
         elif instr == "PARAMETER":
             key, val = _split_first(rest)
             key = key.lower()

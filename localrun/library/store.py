@@ -54,6 +54,7 @@ MT_PARAMS = "application/vnd.ollama.image.params"
 MT_MESSAGES = "application/vnd.ollama.image.messages"
 MT_LICENSE = "application/vnd.ollama.image.license"
 MT_ADAPTER = "application/vnd.ollama.image.adapter"
+MT_PROJECTOR = "application/vnd.ollama.image.projector"  # a vision projector GGUF (architecture clip)
 
 CHUNK = 1 << 20
 MAX_SMALL_LAYER = 4 * 1024 * 1024  # template/system/params/... layers are read into memory

@@ -330,10 +330,13 @@ class ModelManager:
         key = resolved.name
         gpu = await asyncio.to_thread(local_cuda_gpu)
         choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
-                        arch=model_architecture(resolved.format, resolved.weights, resolved.info))
+                        arch=model_architecture(resolved.format, resolved.weights, resolved.info),
+                        vision=getattr(resolved, "projector", None) is not None)
         module = backend_module(choice.backend)
         spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
                         num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
+        if getattr(resolved, "projector", None) is not None:
+            spec.extra["projector"] = str(resolved.projector)
         if resolved.parameters:
             for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
                       "speculative", "num_speculative_tokens"):
