@@ -190,7 +190,7 @@ def test_modelfile_parse_and_render_round_trip():
     ("FROM a\nPARAMETER temperature", 2, "needs a name and a value"),
     ("FROM a\nSYSTEM \"\"\"never closed\nstill open", 2, "never closed"),
     ("FROM a\nMESSAGE robot hi", 2, "role"),
-    ("FROM a\nFROM b", 2, "FROM appears twice"),
+    ("FROM a\nFROM b\nFROM c", 3, "FROM appears three times"),  # a second FROM is the vision projector
     ("FROM a\nTEMPLATE {% for %}", 2, "TEMPLATE does not compile"),
     ("FROM a\nSYSTEM \"unterminated", 2, "quoted string"),
 ])
