@@ -118,6 +118,12 @@ def test_image_daemon_starts_and_answers_localhost_only(df, tmp_path):
         assert any(c.laddr.port == port and c.laddr.ip in ("0.0.0.0", "::") and c.status == "LISTEN"
                    for c in conns), "not bound to 0.0.0.0"
         assert "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1" in (tmp_path / "serve.log").read_text()
+        if df.path.name == "Dockerfile":
+            # `docker exec localrun localrun run smollm2:135m ...`: the CLI in the container, same ENV
+            r = subprocess.run(command(["localrun", "--no-autostart", "run", "smollm2:135m", "Say hi.", "-o",
+                                        "num_predict=8", "-o", "temperature=0", "-o", "num_ctx=512"]),
+                               env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+            assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
         # the HEALTHCHECK passes against it
         hc = subprocess.run(command(df.final.healthcheck), env=env, capture_output=True, text=True, timeout=30)
         assert hc.returncode == 0, hc.stderr
