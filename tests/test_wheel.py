@@ -6,6 +6,7 @@ bundled model from outside the source tree."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -60,7 +61,9 @@ def wheel(tmp_path_factory) -> Path:
     for new in NEW_SUBPACKAGES:
         (src / new).mkdir(parents=True)
         (src / new / "__init__.py").write_text('"""probe"""\n')
-    r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(base / "dist"),
+    # with this environment's setuptools when it has one (quick, offline), else in build's own venv
+    isolation = ["--no-isolation"] if importlib.util.find_spec("setuptools") else []
+    r = subprocess.run([sys.executable, "-m", "build", "--wheel", *isolation, "--outdir", str(base / "dist"),
                         str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     wheels = list((base / "dist").glob("localrun-*.whl"))
