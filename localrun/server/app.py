@@ -121,6 +121,8 @@ class SecurityMiddleware:
                 return await self._deny(scope, send, 413, f"request body too large (limit {MAX_BODY_BYTES // 2**20} MiB)",
                                         "request_too_large")
             return await self.app(scope, receive, send)
+        if b"transfer-encoding" not in headers:  # neither header: no body (HTTP/1.1), nothing to count
+            return await self.app(scope, receive, send)
         # chunked bodies: count as they arrive. Past the limit the 413 goes out at once, from here, and
         # the app's read fails with _TooLarge; whatever the app (or its error handling) sends after that
         # is dropped, so the answer is the 413 in this API's shape, never a 500 or a 400.
