@@ -30,6 +30,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_MAX_QUEUE": ("512", "requests allowed to wait for a slot; beyond this the daemon answers 503 with Retry-After"),
     "LOCALRUN_ORIGINS": ("(none)", "comma-separated CORS origins allowed to call the API from a browser"),
     "LOCALRUN_API_KEY": ("(none)", "when set, every API route requires 'Authorization: Bearer <key>'"),
+    "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": ("0", "1 = listen on a non-loopback address (e.g. 0.0.0.0 in a container) without LOCALRUN_API_KEY; only requests addressed to localhost are answered then (publish the port on 127.0.0.1 only). 0 = such a bind is refused"),
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
@@ -218,6 +219,7 @@ class Settings:
     tensor_parallel: int = 1  # native engine ranks per model
     speculative: str = "off"  # off | ngram | draft:PATH
     speculative_tokens: int = 4
+    allow_unauthenticated_bind: bool = False  # a non-loopback bind without an API key (containers)
 
     @property
     def models_dir(self) -> Path:
@@ -255,6 +257,7 @@ class Settings:
             "LOCALRUN_MAX_QUEUE": str(self.max_queue),
             "LOCALRUN_ORIGINS": ",".join(self.origins) or "(none)",
             "LOCALRUN_API_KEY": "(set)" if self.api_key else "(none)",
+            "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": "1" if self.allow_unauthenticated_bind else "0",
             "LOCALRUN_BACKEND": self.backend,
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
@@ -316,6 +319,19 @@ def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
     return mode, draft, k
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _flag(name: str, raw: str | None) -> bool:
+    v = (raw or "").strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {raw!r}")
 
 
 def settings(env: dict[str, str] | None = None) -> Settings:
@@ -395,6 +411,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         tensor_parallel=tensor_parallel,
         speculative=speculative,
         speculative_tokens=speculative_tokens,
+        allow_unauthenticated_bind=_flag("LOCALRUN_ALLOW_UNAUTHENTICATED_BIND",
+                                         e.get("LOCALRUN_ALLOW_UNAUTHENTICATED_BIND")),
     )
 
 

@@ -342,18 +342,34 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                      dict(INTER=9216, BLOCK=1024, GELU=True), num_warps=4)
 
 
+def _jit_params(kernel):
+    """The parameters Triton compiles a @triton.jit kernel with (name, constexpr, do_not_specialize).
+    Under TRITON_INTERPRET=1 the decorator returns an InterpretedFunction, which keeps the decorator's
+    arguments but has no `params`: the compiler's own JITFunction is built from the same function and
+    arguments then, so both ways read what the compiler would specialise."""
+    if hasattr(kernel, "params"):
+        return kernel.params
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(kernel.fn, **{k: v for k, v in kernel.kwargs.items()
+                                     if k in ("do_not_specialize", "do_not_specialize_on_alignment")}).params
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 def test_decode_split_count_is_a_runtime_argument():
     """No kernel variant per batch size: the split count is neither a constexpr nor specialised
     (Triton would otherwise compile again for 1 and for multiples of 16), and the partial-result
-    buffers have a fixed split dimension (their strides never change)."""
+    buffers have a fixed split dimension (their strides never change). Runs compiled and under
+    TRITON_INTERPRET=1."""
     from localrun.kernels import decode_attention
 
     for kernel in (decode_attention._decode_split_kernel, decode_attention._decode_merge_kernel):
-        assert [p.name for p in kernel.params if p.do_not_specialize and p.name != "window"] == ["num_splits"]
+        params = _jit_params(kernel)
+        assert [p.name for p in params if p.do_not_specialize and p.name != "window"] == ["num_splits"]
+        assert not next(p for p in params if p.name == "num_splits").is_constexpr
         assert "NUM_SPLITS" not in kernel.arg_names
     # the sliding window is a runtime value too (one variant for every window size)
-    assert [p.name for p in decode_attention._decode_split_kernel.params if p.do_not_specialize] == \
+    assert [p.name for p in _jit_params(decode_attention._decode_split_kernel) if p.do_not_specialize] == \
         ["num_splits", "window"]
 
 

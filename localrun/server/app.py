@@ -2,8 +2,10 @@
 
 Security (security.md 11-18): loopback binds refuse foreign Host headers (DNS
 rebinding, 403); LOCALRUN_API_KEY, when set, is required on every route (401); CORS
-headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413; binding a
-non-loopback address without an API key is refused.
+headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones
+too, as soon as they pass it); binding a non-loopback address without an API key is refused
+unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1 (containers), and then the Host check stays on:
+only requests addressed to localhost are answered.
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ class SecurityMiddleware:
 
     def __init__(self, app, settings: Settings):
         self.app = app
-        self.check_host = is_loopback(settings.host)
+        # a loopback bind, or any bind without a key (LOCALRUN_ALLOW_UNAUTHENTICATED_BIND, e.g. 0.0.0.0 in a
+        # container whose port is published on the host's 127.0.0.1): a browser page must not reach it
+        self.check_host = is_loopback(settings.host) or not settings.api_key
         self.api_key = settings.api_key.encode() if settings.api_key else None
 
     async def __call__(self, scope, receive, send):
@@ -117,22 +121,40 @@ class SecurityMiddleware:
                 return await self._deny(scope, send, 413, f"request body too large (limit {MAX_BODY_BYTES // 2**20} MiB)",
                                         "request_too_large")
             return await self.app(scope, receive, send)
-        # chunked bodies: count as they arrive
+        if b"transfer-encoding" not in headers:  # neither header: no body (HTTP/1.1), nothing to count
+            return await self.app(scope, receive, send)
+        # chunked bodies: count as they arrive. Past the limit the 413 goes out at once, from here, and
+        # the app's read fails with _TooLarge; whatever the app (or its error handling) sends after that
+        # is dropped, so the answer is the 413 in this API's shape, never a 500 or a 400.
         seen = 0
+        started = False
+        refused = False
+
+        async def guarded_send(msg):
+            nonlocal started
+            if refused:
+                return
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
 
         async def limited_receive():
-            nonlocal seen
+            nonlocal seen, refused
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > MAX_BODY_BYTES:
+                    if not started and not refused:
+                        refused = True
+                        await self._deny(scope, send, 413, f"request body too large (limit "
+                                         f"{MAX_BODY_BYTES // 2**20} MiB)", "request_too_large")
                     raise _TooLarge()
             return msg
 
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, guarded_send)
         except _TooLarge:
-            await self._deny(scope, send, 413, "request body too large", "request_too_large")
+            pass
 
     @staticmethod
     async def _deny(scope, send, status: int, message: str, code: str) -> None:
@@ -169,6 +191,8 @@ class ErrorMiddleware:
 
         try:
             await self.app(scope, receive, send_tracked)
+        except _TooLarge:
+            raise  # SecurityMiddleware has answered 413 already
         except Exception as exc:  # noqa: BLE001 - the last place an error can still be an answer
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
@@ -278,13 +302,21 @@ def _version() -> str:
 
 
 def check_bind(s: Settings) -> None:
-    """Refuse a non-loopback bind without an API key (security.md item 11)."""
-    if not is_loopback(s.host) and not s.api_key:
-        raise SystemExit(
-            f"refusing to listen on {s.host}:{s.port} without an API key: anyone on the network could run "
-            "models and change the library. Set LOCALRUN_API_KEY=<secret> (clients send it as a Bearer token), "
-            "or bind 127.0.0.1 (LOCALRUN_HOST=127.0.0.1:PORT)."
-        )
+    """Refuse a non-loopback bind without an API key (security.md item 11), unless
+    LOCALRUN_ALLOW_UNAUTHENTICATED_BIND says so (a container, its port published on 127.0.0.1)."""
+    if is_loopback(s.host) or s.api_key:
+        return
+    if s.allow_unauthenticated_bind:
+        log.warning("listening on %s:%s without an API key (LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1): only requests "
+                    "addressed to localhost are answered; publish this port on 127.0.0.1 only, or set "
+                    "LOCALRUN_API_KEY", s.host, s.port)
+        return
+    raise SystemExit(
+        f"refusing to listen on {s.host}:{s.port} without an API key: anyone on the network could run "
+        "models and change the library. Set LOCALRUN_API_KEY=<secret> (clients send it as a Bearer token), "
+        "or bind 127.0.0.1 (LOCALRUN_HOST=127.0.0.1:PORT); in a container whose port is published on the "
+        "host's 127.0.0.1 only, LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1 allows it."
+    )
 
 
 def setup_logging(s: Settings) -> None:
