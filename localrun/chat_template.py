@@ -32,11 +32,13 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import Environment, TemplateError
+from jinja2 import Environment, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import utils as jinja2_utils
 
 from localrun.errors import InvalidRequest
 
@@ -233,10 +235,62 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-    if isinstance(indent, int) and indent > 64:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: json.dumps with its options (no HTML escaping), indent bounded."""
+    if isinstance(indent, int) and indent > 64 or isinstance(indent, str) and len(indent) > 64:
         raise SecurityError("tojson's indent is too large (64 at most)")
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    if separators is not None:
+        if not (isinstance(separators, (list, tuple)) and len(separators) == 2
+                and all(isinstance(x, str) and len(x) <= 64 for x in separators)):
+            raise SecurityError("tojson's separators must be two short strings")
+        separators = tuple(separators)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's own text with
+    it (to build an assistant-token mask); rendering a prompt, the block is its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """The ``dict`` global transformers gives templates: dict(...) and dict.fromkeys(...) only."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return _sized(dict(*args, **kwargs))
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return _sized(dict.fromkeys(*args, **kwargs))
+
+
+class _Namespace(jinja2_utils.Namespace):
+    """jinja's namespace(), refusing underscore names as transformers' does."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2_utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2_utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a chat template cannot store underscore-prefixed attributes on a namespace ({name!r})")
 
 
 def _strftime_now(fmt: str) -> str:
@@ -245,11 +299,14 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=1)
 def _env() -> _Env:
-    env = _Env(trim_blocks=True, lstrip_blocks=True, autoescape=False, keep_trailing_newline=True)
+    # the environment transformers renders chat templates in (apply_chat_template), bounds added
+    env = _Env(trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
     return env
 
 
@@ -266,6 +323,22 @@ def check_template(template: str) -> None:
         _compile(template)
     except Exception as exc:  # TemplateSyntaxError and friends
         raise TemplateRenderError(f"chat template does not compile: {exc}") from None
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A message's reasoning under each name templates read it by (``reasoning_content``;
+    ``thinking`` for gpt-oss), as transformers passes it."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            r = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+            if r is not None:
+                m = {"thinking": r, **m, "reasoning_content": r}
+        out.append(m)
+    return out
 
 
 def render_chat(
@@ -285,6 +358,7 @@ def render_chat(
     template = template or CHATML_TEMPLATE
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
+    messages = _alias_reasoning(messages)
     budget = _Budget(RENDER_SECONDS, RENDER_MEMORY_BYTES)
     parts: list[str] = []
     size = 0
