@@ -202,6 +202,15 @@ class _Budget:
         # (lipsum, wordwrap, slice, ...) loop there, and the deadline must reach them too
         return self.line if event == "call" else None
 
+    def compiling(self, frame, event, arg):
+        # compiling runs jinja's own lexer, parser and code generator (work linear in the capped
+        # template size) and folds constant filter calls: the deadline is checked on every call
+        # there, and per line only inside the filters and globals (whose loops a template steers)
+        if event == "call":
+            self.line(frame, event, arg)
+            return self.line if frame.f_globals.get("__name__") in _TEMPLATE_CODE else None
+        return None
+
     def line(self, frame, event, arg):
         self.lines += 1
         if self.lines % _CHECK_EVERY == 0:
@@ -216,6 +225,10 @@ class _Budget:
             self.tripped = f"the chat template used more than {self.memory // 2**20} MiB of memory"
         if self.tripped:
             raise _Abort(self.tripped)
+
+
+# modules whose Python code a template's constants can run while it compiles (filters, globals)
+_TEMPLATE_CODE = frozenset(["jinja2.filters", "jinja2.utils", "jinja2.runtime", "localrun.chat_template"])
 
 
 class _Abort(Exception):
@@ -365,7 +378,9 @@ def render_chat(
     previous = sys.gettrace()
     sys.settrace(budget.trace)
     try:
+        sys.settrace(budget.compiling)
         compiled = _compile(template)
+        sys.settrace(budget.trace)
         for piece in compiled.generate(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
