@@ -5,6 +5,7 @@ and a tool call a tool-declaring template renders into an assistant turn parses 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
                                                      "days": {"type": "integer"}}, "required": ["city"]}}}]
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+CALL = {"id": "call0abcd", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
 CONVERSATIONS = {
     "plain": [{"role": "user", "content": "Hello"}],
     "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}],
@@ -24,7 +25,7 @@ CONVERSATIONS = {
                    {"role": "assistant", "content": "Hi there."}, {"role": "user", "content": "How are you?"}],
     "tools": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"},
               {"role": "assistant", "content": "", "tool_calls": [CALL]},
-              {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp": 20}'},
+              {"role": "tool", "tool_call_id": "call0abcd", "name": "get_weather", "content": '{"temp": 20}'},
               {"role": "user", "content": "Thanks"}],
 }
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -111,3 +112,76 @@ def test_the_bounds_still_hold_with_the_new_tags():
 def test_reasoning_reaches_templates_under_each_name():
     t = "{% for m in messages %}{{ m.thinking }}/{{ m.reasoning_content }};{% endfor %}"
     assert render_chat(t, [{"role": "assistant", "content": "a", "reasoning": "r"}]) == "r/r;"
+
+
+def _model_output(template: str, call: dict) -> tuple[str, str] | None:
+    """(prompt, output): what the template renders for an assistant turn making `call`, split where
+    the model's own output starts (after the generation prompt), or None when the template writes no
+    call into the turn."""
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    try:
+        prompt = render_chat(template, user, tools=TOOLS, **SPECIAL)
+    except TemplateRenderError:
+        return None
+    full = None
+    for arguments in (call["function"]["arguments"], json.dumps(call["function"]["arguments"])):  # object, else string
+        turn = {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}
+        try:
+            full = render_chat(template, user + [turn], add_generation_prompt=False, tools=TOOLS, **SPECIAL)
+            break
+        except TemplateRenderError:
+            continue
+    if full is None:
+        return None
+    i = 0
+    while i < min(len(prompt), len(full)) and prompt[i] == full[i]:
+        i += 1
+    if i < len(prompt):  # the generation prompt opens a think block the call turn does not: back to a boundary
+        while i > 0 and full[i - 1] not in "\n>":
+            i -= 1
+    out = full[i:]
+    return (full[:i], out) if "get_weather" in out else None
+
+
+@pytest.mark.slow
+def test_a_tool_call_each_template_renders_parses_back_into_the_same_call(templates):
+    import random
+
+    from localrun.server.output import OutputParser
+    from localrun.server.tool_formats import learn
+
+    rng = random.Random(7)
+    args = CALL["function"]["arguments"]
+    passed, failed, no_call, refused = [], [], [], []
+    for name, template in templates.items():
+        if "tool" not in template:
+            continue
+        got = _model_output(template, CALL)
+        if got is None:
+            (refused if _refuses(template) else no_call).append(name)
+            continue
+        _, out = got
+        fmt = learn(template)
+        cuts = sorted(rng.sample(range(1, len(out)), min(len(out) - 1, 6)))
+        pieces = [out[a:b] for a, b in zip([0] + cuts, cuts + [len(out)])]
+        p = OutputParser(None, {"get_weather"}, tool_format=fmt, tools=TOOLS)
+        streamed = "".join(p.feed(x)[1] for x in pieces)
+        _, _, calls = p.finish()
+        if [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", args)] \
+                and "get_weather" not in streamed:  # the call itself never went out as content
+            passed.append(name)
+        else:
+            failed.append(f"{name}: {fmt} -> {calls}, streamed {streamed!r}, output {out!r}")
+    print(f"\n{len(passed)} of {len(passed) + len(failed)} templates that write tool calls round-trip them; "
+          f"{len(no_call)} mention tools but write no call into the turn ({', '.join(no_call)}); "
+          f"{len(refused)} refuse the tool conversation in transformers too ({', '.join(refused)})")
+    assert not failed, "\n".join(failed)
+    assert len(passed) >= 50
+
+
+def _refuses(template: str) -> bool:
+    try:
+        _transformers(template, CONVERSATIONS["tools"], TOOLS)
+    except Exception:  # noqa: BLE001
+        return True
+    return False

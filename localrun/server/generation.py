@@ -36,6 +36,7 @@ from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import OutputParser, Reasoning, reasoning_for
+from localrun.server.tool_formats import learn as learn_tool_format
 
 
 @dataclass
@@ -179,7 +180,9 @@ class Generation:
                 else:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
-                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None)
+                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None,
+                                      tool_format=learn_tool_format(self.job.resolved.template) if self.job.tools else None,
+                                      tools=self.job.tools)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -422,6 +425,8 @@ def render_prompt(job: Job) -> str:
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
+        if job.tools:
+            learn_tool_format(r.template)  # learned here, off the event loop (cached per template)
         return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=job.tools or None, **extra)
     assert job.prompt is not None
     if job.raw:

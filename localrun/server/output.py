@@ -8,9 +8,12 @@ calls it found. Text is held back only while it could still turn into a marker
 - Reasoning: models whose template thinks in ``<think>…</think>`` (Qwen3, DeepSeek-R1
   distills, or a model's own markers). When the rendered prompt already opened the think
   block (the template appended ``<think>``), the output starts inside it.
-- Tool calls: Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks anywhere in the output,
-  or an output that is one JSON object (or list) naming a known tool (what a forced call
-  produces). Content before a ``<tool_call>`` streams; the call itself is held to the end.
+- Tool calls: in the syntax the model's own template writes them (learned from the template by
+  :mod:`localrun.server.tool_formats`: Mistral ``[TOOL_CALLS]``, Qwen3-Coder XML, GLM, DeepSeek,
+  Kimi, gpt-oss, Gemma 4, LFM2, ...); else Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks
+  anywhere in the output, or an output that is one JSON object (or list) naming a known tool
+  (what a forced call produces). Content before a call's opening marker streams; the call
+  itself is held to the end.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from localrun.server.tool_formats import ToolFormat
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
@@ -76,9 +81,17 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
 class OutputParser:
     """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
 
-    def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None) -> None:
+    def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
+                 tool_format: ToolFormat | None = None, tools: list[dict] | None = None) -> None:
         self.reasoning = reasoning
         self.tool_names = tool_names or set()
+        self.tool_format = tool_format
+        self.tools = {t["function"]["name"]: t["function"] for t in tools or [] if isinstance(t.get("function"), dict)}
+        for name in self.tool_names:
+            self.tools.setdefault(name, {})
+        self.markers = [TOOL_OPEN]  # a call may start at any of these
+        if tool_format is not None and tool_format.marker and tool_format.marker != TOOL_OPEN:
+            self.markers.insert(0, tool_format.marker)
         # "think?": the output may open a think block; "think": inside one; "content": after
         self.state = "content" if reasoning is None else ("think" if reasoning.started else "think?")
         self.pending = ""  # text not yet classified (a possible marker)
@@ -141,13 +154,22 @@ class OutputParser:
         if not self.content_sent.strip() and lead[:1] in ("{", "["):  # a bare JSON call
             self.holding, self.held = True, start
             return ""
-        i = start.find(TOOL_OPEN)
+        if not self.content_sent.strip() and self.tool_format is not None and not self.tool_format.opener:
+            # the template writes a call as the tool's name first (functionary's `name\n{...}`)
+            if any(lead.startswith(n) for n in self.tool_names):
+                self.holding, self.held = True, start
+                return ""
+            if any(n.startswith(lead) for n in self.tool_names):  # maybe a name still coming
+                self.held = start
+                return ""
+        found = [k for k in (start.find(m) for m in self.markers) if k >= 0]
+        i = min(found) if found else -1
         if i < 0:
-            i = len(start) - _partial(start, TOOL_OPEN)
+            i = len(start) - max(_partial(start, m) for m in self.markers)
             if i == len(start):
                 self.content_sent += start
                 return start
-            self.held = start[i:]  # maybe the start of <tool_call>: wait for more
+            self.held = start[i:]  # maybe the start of a call's marker: wait for more
             self.content_sent += start[:i]
             return start[:i]
         self.holding, self.held = True, start[i:]
@@ -165,6 +187,12 @@ class OutputParser:
         self.held = ""
         if not self.tool_names:
             return reasoning, rest, []
+        if self.tool_format is not None:
+            left, found = self.tool_format.parse(rest, self.tools)
+            if found:
+                calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
+                          "arguments": json.dumps(args, ensure_ascii=False)} for name, args in found]
+                return reasoning, left.strip(), calls
         content_left, calls = parse_tool_calls(rest, self.tool_names)
         return (reasoning, content_left, calls) if calls else (reasoning, rest, [])
 
