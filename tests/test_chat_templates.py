@@ -185,3 +185,49 @@ def _refuses(template: str) -> bool:
     except Exception:  # noqa: BLE001
         return True
     return False
+
+
+# -- through the daemon: a model carrying a vendored template, the fake backend answering in its syntax --
+REPLIES = {  # what each model "writes": some text, then a call in its own template's syntax
+    "Qwen3-Coder.jinja": "Let me look that up.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                         "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "unsloth-mistral-Devstral-Small-2507.jinja": 'Let me look that up.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
+    "GLM-4.6.jinja": "Let me look that up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+                     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+    "moonshotai-Kimi-K2.jinja": "Let me look that up.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                                '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
+}
+
+
+@pytest.fixture(scope="module")
+def template_daemon(templates, tmp_path_factory):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fakes import FakeModel, InProcessDaemon, library_home
+
+    models = {f"tpl{i}": f'FROM smollm2:135m\nTEMPLATE """{templates[name]}"""\n' for i, name in enumerate(REPLIES)}
+    home = library_home(tmp_path_factory.mktemp("tpl_home"), models)
+    fake = FakeModel(rules={"Weather in Paris": "unused"})
+    fake.reply = lambda prompt: next(REPLIES[n] for i, n in enumerate(REPLIES) if f"[model tpl{i}]" in prompt)
+    d = InProcessDaemon(home, fake, LOCALRUN_NUM_PARALLEL="1")
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("index", range(len(REPLIES)), ids=list(REPLIES))
+def test_a_model_calls_tools_in_its_own_templates_syntax_over_the_api(template_daemon, index):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=template_daemon.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model=f"tpl{index}", tools=TOOLS, extra_body={"num_ctx": 32768},  # the fake counts characters
+              messages=[{"role": "user", "content": f"[model tpl{index}] Weather in Paris for 3 days?"}])
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.content.strip() == "Let me look that up."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(pieces).strip() == "Let me look that up." and len(pieces) > 1  # the text streamed as it came
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
