@@ -18,6 +18,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"},
                                                      "days": {"type": "integer"}}, "required": ["city"]}}}]
 CALL = {"id": "call0abcd", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+CALL2 = {"id": "call1efgh", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "London", "days": 5}}}
 CONVERSATIONS = {
     "plain": [{"role": "user", "content": "Hello"}],
     "system": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}],
@@ -114,7 +115,7 @@ def test_reasoning_reaches_templates_under_each_name():
     assert render_chat(t, [{"role": "assistant", "content": "a", "reasoning": "r"}]) == "r/r;"
 
 
-def _model_output(template: str, call: dict) -> tuple[str, str] | None:
+def _model_output(template: str, call: dict | list[dict]) -> tuple[str, str] | None:
     """(prompt, output): what the template renders for an assistant turn making `call`, split where
     the model's own output starts (after the generation prompt), or None when the template writes no
     call into the turn."""
@@ -124,8 +125,11 @@ def _model_output(template: str, call: dict) -> tuple[str, str] | None:
     except TemplateRenderError:
         return None
     full = None
-    for arguments in (call["function"]["arguments"], json.dumps(call["function"]["arguments"])):  # object, else string
-        turn = {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {**call["function"], "arguments": arguments}}]}
+    calls = call if isinstance(call, list) else [call]
+    for string in (False, True):  # arguments as an object, else as a JSON string
+        turn = {"role": "assistant", "content": "", "tool_calls": [
+            {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"]) if string
+                               else c["function"]["arguments"]}} for c in calls]}
         try:
             full = render_chat(template, user + [turn], add_generation_prompt=False, tools=TOOLS, **SPECIAL)
             break
@@ -152,7 +156,7 @@ def test_a_tool_call_each_template_renders_parses_back_into_the_same_call(templa
 
     rng = random.Random(7)
     args = CALL["function"]["arguments"]
-    passed, failed, no_call, refused = [], [], [], []
+    passed, failed, no_call, refused, two_ok, two_failed = [], [], [], [], [], []
     for name, template in templates.items():
         if "tool" not in template:
             continue
@@ -172,11 +176,23 @@ def test_a_tool_call_each_template_renders_parses_back_into_the_same_call(templa
             passed.append(name)
         else:
             failed.append(f"{name}: {fmt} -> {calls}, streamed {streamed!r}, output {out!r}")
+            continue
+        # two calls in one turn (parallel tool calls), where the template writes both
+        got = _model_output(template, [CALL, CALL2])
+        if got is not None and got[1].count("London") == 1:
+            p = OutputParser(None, {"get_weather"}, tool_format=fmt, tools=TOOLS)
+            streamed = p.feed(got[1])[1]
+            _, _, calls = p.finish()
+            ok = [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+                ("get_weather", args), ("get_weather", CALL2["function"]["arguments"])] and "London" not in streamed
+            (two_ok if ok else two_failed).append(name)
     print(f"\n{len(passed)} of {len(passed) + len(failed)} templates that write tool calls round-trip them; "
           f"{len(no_call)} mention tools but write no call into the turn ({', '.join(no_call)}); "
           f"{len(refused)} refuse the tool conversation in transformers too ({', '.join(refused)})")
+    print(f"two calls in one turn: {len(two_ok)} of {len(two_ok) + len(two_failed)} round-trip"
+          f"{' (not: ' + ', '.join(two_failed) + ')' if two_failed else ''}")
     assert not failed, "\n".join(failed)
-    assert len(passed) >= 50
+    assert len(passed) >= 50 and len(two_ok) >= 40
 
 
 def _refuses(template: str) -> bool:

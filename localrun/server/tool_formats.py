@@ -40,6 +40,7 @@ _USER = {"role": "user", "content": "lr probe question"}
 _ANSWER = "lr probe answer"
 _NAME_RE = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
 _PUNCT = set("{}[],:")
+_PY_NEXT = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)\(")
 
 
 def _flex(literal: str) -> str:
@@ -83,6 +84,7 @@ class ToolFormat:
     head: re.Pattern  # from the opener through the name (json: up to the arguments)
     tail: re.Pattern | None = None  # json: after the arguments; kv: after the last argument
     arg: re.Pattern | None = None  # kv: one argument (groups k, v)
+    cont: re.Pattern | None = None  # from one call's arguments to the next call's (several calls in one block)
 
     @property
     def marker(self) -> str | None:
@@ -107,21 +109,52 @@ class ToolFormat:
                 kept.append(text[pos:m.start() + 1])
                 pos = m.start() + 1
                 continue
-            end, name, args = got
+            end, found = got
             kept.append(text[pos:m.start()])
-            calls.append((name, args))
+            calls.extend(found)
             pos = end
         kept.append(text[pos:])
         return "".join(kept), calls
 
-    def _one(self, text: str, m: re.Match, tools: dict[str, dict]) -> tuple[int, str, dict] | None:
+    def _one(self, text: str, m: re.Match, tools: dict[str, dict]) -> tuple[int, list[tuple[str, dict]]] | None:
+        """The call (or calls: a block may hold several) that `m` starts: (end, [(name, args)])."""
         name = m.group("name")
         if name not in tools:
             return None
-        if self.kind == "pythonic":
-            return _pythonic(text, m, name)
+        if self.kind == "pythonic":  # [a(k=1), b(k=2)]
+            found: list[tuple[str, dict]] = []
+            while m is not None and m.group("name") in tools:
+                got = _pythonic(text, m, m.group("name"))
+                if got is None:
+                    break
+                end = got[0]
+                found.append((got[1], got[2]))
+                m = _PY_NEXT.match(text, end)
+            return (end, found) if found else None
+        calls: list[tuple[str, dict]] = []
+        i = m.end()
+        while True:
+            got = self._args(text, i, name, tools)
+            if got is None:
+                if not calls:
+                    return None
+                break
+            i, args = got
+            calls.append((name, args))
+            c = self.cont.match(text, i) if self.cont is not None else None
+            if c is None or c.group("name") not in tools:
+                break
+            name, before = c.group("name"), i
+            i = c.end()
+            if self._args(text, i, name, tools) is None:
+                i = before
+                break
+        t = self.tail.match(text, i) if self.tail is not None else None
+        return (t.end() if t else i), calls
+
+    def _args(self, text: str, i: int, name: str, tools: dict[str, dict]) -> tuple[int, dict] | None:
+        """A call's arguments at text[i:]: (end, arguments)."""
         if self.kind == "json":
-            i = m.end()
             while i < len(text) and text[i].isspace():
                 i += 1
             try:
@@ -133,13 +166,9 @@ class ToolFormat:
                     args = json.loads(args)
                 except ValueError:
                     return None
-            if not isinstance(args, dict):
-                return None
-            t = self.tail.match(text, j) if self.tail is not None else None
-            return (t.end() if t else j), name, args
+            return (j, args) if isinstance(args, dict) else None
         props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
         args: dict[str, Any] = {}
-        i = m.end()
         while True:
             a = self.arg.match(text, i)
             if a is None:
@@ -147,8 +176,7 @@ class ToolFormat:
             key, quoted = a.group("k"), a.groupdict().get("q")
             args[key] = quoted if quoted is not None else _typed(a.group("v"), (props.get(key) or {}).get("type"))
             i = a.end()
-        t = self.tail.match(text, i) if self.tail is not None else None
-        return (t.end() if t else i), name, args
+        return i, args
 
 
 def _typed(raw: str, kind: Any) -> Any:
@@ -193,8 +221,8 @@ def _pythonic(text: str, m: re.Match, name: str) -> tuple[int, str, dict] | None
     return j, name, args
 
 
-def _region(template: str) -> str | None:
-    """The text a probe call adds to an assistant turn (the turn's framing removed)."""
+def _region(template: str, n: int = 1) -> str | None:
+    """The text `n` probe calls add to an assistant turn (the turn's framing removed)."""
     from localrun.chat_template import render_chat
 
     try:
@@ -207,7 +235,7 @@ def _region(template: str) -> str | None:
     for arguments in (dict(PROBE_ARGS), json.dumps(PROBE_ARGS)):
         call = {"id": PROBE_ID, "type": "function", "function": {"name": PROBE_NAME, "arguments": arguments}}
         try:
-            with_call = render_chat(template, [_USER, {"role": "assistant", "content": "", "tool_calls": [call]}],
+            with_call = render_chat(template, [_USER, {"role": "assistant", "content": "", "tool_calls": [call] * n}],
                                     add_generation_prompt=False, tools=_PROBE_TOOLS)
             break
         except Exception:  # noqa: BLE001
@@ -245,8 +273,8 @@ def _literal(s: str, name_seen: bool) -> str:
             parts.append("(?P=name)")
         elif piece == PROBE_ID:
             parts.append(r"[A-Za-z0-9_\-]+")
-        elif piece:
-            parts.append(_flex(piece))
+        elif piece:  # a call's index in a block (Kimi's functions.name:0, Cohere's "tool_call_id": "0") counts up
+            parts.extend(r"\d+" if k % 2 else _flex(x) for k, x in enumerate(re.split(r"(\d+)", piece)) if x)
     return "".join(parts)
 
 
@@ -271,7 +299,8 @@ def learn(template: str | None) -> ToolFormat | None:
         if obj == PROBE_ARGS:
             between, rest = after[:i], after[j:]
             head = re.compile(head_re + _literal(between, True), re.S)
-            return ToolFormat("json", opener.strip(), head, re.compile(_literal(rest, True), re.S))
+            fmt = ToolFormat("json", opener.strip(), head, re.compile(_literal(rest, True), re.S))
+            return _with_cont(template, fmt, region, _literal(between, True))
     # pythonic: name(k='v', ...)
     if after.startswith("(") and "lr_key_a='lr value a'" in after or "lr_key_a=\"lr value a\"" in after:
         return ToolFormat("pythonic", opener.strip(), re.compile(head_re + r"\(", re.S))
@@ -304,7 +333,30 @@ def learn(template: str | None) -> ToolFormat | None:
     if post.startswith(arg_close):
         post = post[len(arg_close):]
     head = re.compile(head_re + _literal(name_tail, True), re.S)
-    return ToolFormat("kv", opener.strip(), head, re.compile(r"\s*" + _literal(post, True), re.S), arg)
+    fmt = ToolFormat("kv", opener.strip(), head, re.compile(r"\s*" + _literal(post, True), re.S), arg)
+    return _with_cont(template, fmt, region, _literal(name_tail, True))
+
+
+def _with_cont(template: str, fmt: ToolFormat, region: str, after_name: str) -> ToolFormat:
+    """`fmt`, with what joins one call to the next when the template writes two calls in one block
+    (a JSON list, a section holding several calls), learned from a render of two probe calls."""
+    two = _region(template, 2)
+    per_call = region.count(PROBE_NAME)
+    if two is None or two.count(PROBE_NAME) != 2 * per_call:
+        return fmt
+    m = fmt.head.search(two)
+    tools = {PROBE_NAME: _PROBE_TOOLS[0]["function"]}
+    got = fmt._args(two, m.end(), PROBE_NAME, tools) if m else None
+    if got is None:
+        return fmt
+    second = m.start()
+    for _ in range(per_call + 1):
+        second = two.find(PROBE_NAME, second) + (0 if _ == per_call else len(PROBE_NAME))
+    joint = two[got[0]:second]
+    if not joint.strip() or PROBE_NAME in joint:
+        return fmt
+    cont = re.compile(_literal(joint, False) + f"(?P<name>{_NAME_RE})" + after_name, re.S)
+    return ToolFormat(fmt.kind, fmt.opener, fmt.head, fmt.tail, fmt.arg, cont)
 
 
 __all__ = ["ToolFormat", "learn", "PROBE_NAME", "PROBE_ARGS"]
