@@ -13,7 +13,10 @@ llama.cpp's common/chat-auto-parser learns a format). Two shapes are learned:
   ``<parameter=k>v</parameter>``, GLM ``<arg_key>k</arg_key><arg_value>v</arg_value>``, DeepSeek
   DSML, MiniMax, Seed, Hy, MiniCPM, ...); values are typed by the tool's JSON schema.
 
-Hand-written where a format needs one: the LFM2 pythonic list (``[name(k='v', n=2)]``).
+Several calls in one turn: a render of two probe calls teaches what joins one call to the next
+(``</tool_call><tool_call>``, ``}, {`` inside a JSON list, Kimi's next ``<|tool_call_begin|>``, with a
+call's index generalized). Hand-written where a format needs one: Gemma 4's ``<|"|>``-quoted
+strings and the LFM2 pythonic list (``[name(k='v', n=2)]``, read with ``ast.literal_eval``).
 A template that cannot render the probe (or whose call carries neither shape) learns nothing and
 the generic Hermes/bare-JSON parsing applies. Learning is cached per template text and bounded
 like any render (the sandbox's size, time and memory limits).
