@@ -247,3 +247,49 @@ def test_a_model_calls_tools_in_its_own_templates_syntax_over_the_api(template_d
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# -- special tokens a call is marked with reach the parser as text ------------------------------
+def test_a_templates_call_markers_are_kept_by_the_backend(templates):
+    from localrun.backends.base import GenerationRequest, SamplingOptions
+    from localrun.backends.wire import request_from_wire, request_to_wire
+    from localrun.server.tool_formats import learn
+
+    assert {"[TOOL_CALLS]", "[ARGS]"} <= set(learn(templates["unsloth-mistral-Devstral-Small-2507.jinja"]).specials)
+    assert "<|tool_calls_section_begin|>" in learn(templates["moonshotai-Kimi-K2.jinja"]).specials
+    r = GenerationRequest(prompt="p", options=SamplingOptions(), preserve=["[TOOL_CALLS]"])
+    assert request_from_wire(request_to_wire(r)).preserve == ["[TOOL_CALLS]"]  # through the runner's wire
+
+
+@pytest.fixture(scope="module")
+def smol_backend():
+    import asyncio
+
+    pytest.importorskip("llama_cpp")
+    from localrun.backends.base import LoadSpec
+    from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.library.catalog import bundled_gguf
+
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", bundled_gguf(), "gguf", num_ctx=512, num_parallel=1,
+                                 extra={"n_threads": 2}))
+    yield b
+    asyncio.run(b.close())
+
+
+def test_llamacpp_keeps_the_text_of_preserved_special_tokens(smol_backend):
+    """A control token's piece is empty when detokenized (llama.cpp drops it); the tokens a request
+    preserves (its tool-call markers) come out as their text, others still do not."""
+    import asyncio
+
+    from localrun.backends.base import GenerationRequest, SamplingOptions
+
+    async def run(preserve):
+        [im_start] = await smol_backend.tokenize("<|im_start|>")
+        o = SamplingOptions(temperature=0.0, max_tokens=3, logit_bias={im_start: 100.0})  # the model must emit it
+        req = GenerationRequest(prompt="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", options=o,
+                                preserve=preserve)
+        return "".join([c.text async for c in smol_backend.generate(req)])
+
+    assert asyncio.run(run(None)) == ""
+    assert asyncio.run(run(["<|im_start|>"])) == "<|im_start|>" * 3
+    assert asyncio.run(run(["<|im_end|>x", "not one token"])) == ""  # only single special tokens count

@@ -86,6 +86,9 @@ class GenerationRequest:
     # and other files' chunks; the backend lays the prompt out with the model's FIM tokens (as
     # llama-server's /infill does), `prompt` going after the prefix
     infill: "Infill | None" = None
+    # texts of special (control) tokens the output keeps as text: a tool-call format's markers
+    # (Mistral's [TOOL_CALLS], gpt-oss's <|channel|>, ...), which detokenizing drops otherwise
+    preserve: list[str] | None = None
 
 
 @dataclass

@@ -176,6 +176,7 @@ class Request:
     waited: bool = False  # counted once in shared_waits
     images: list[ImageSpan] = field(default_factory=list)  # in prompt order
     on_end: Any = None  # called once on the loop's thread when the request leaves it (frees its image chunks)
+    preserved: frozenset = frozenset()  # special tokens whose text this request's output keeps
 
     def __post_init__(self) -> None:
         o = self.options
@@ -591,7 +592,7 @@ class BatchedLlama:
             ids.append(tok)
             if lp is not None:
                 lps.append(lp)
-            text, hit = r.stops.feed(r.decoder.decode(self._piece(tok)))
+            text, hit = r.stops.feed(r.decoder.decode(self._piece(tok, tok in r.preserved)))
             text_parts.append(text)
             if hit:
                 finish = "stop"
@@ -649,7 +650,9 @@ class BatchedLlama:
             on_end, r.on_end = r.on_end, None
             on_end()
 
-    def _piece(self, tok: int) -> bytes:
+    def _piece(self, tok: int, special: bool = False) -> bytes:
+        if special:  # a preserved special token: its text, not the empty piece
+            return token_piece(self.lib, self.vocab, tok, special=True)
         p = self._pieces.get(tok)
         if p is None:
             p = self._pieces[tok] = token_piece(self.lib, self.vocab, tok)

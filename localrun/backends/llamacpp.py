@@ -342,6 +342,18 @@ class LlamaCppBackend:
     def _detokenize(self, token_ids: list[int]) -> str:
         return b"".join(token_piece(self._lib, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per runner process
+    def _preserved_ids(self, texts: tuple[str, ...]) -> frozenset:
+        out = set()
+        for t in texts:
+            ids = self._tokenize(t, False, True) if len(t) <= 64 else []
+            if len(ids) == 1:  # a single (special) token: keep its text in the output
+                out.add(ids[0])
+        return frozenset(out)
+
+    def _preserved(self, texts: list[str] | None) -> frozenset:
+        return self._preserved_ids(tuple(texts[:64])) if texts else frozenset()
+
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         # about 1 us a character: a short text costs less than the hop to a thread and back
         if len(text) <= INLINE_TOKENIZE_CHARS:
@@ -388,7 +400,8 @@ class LlamaCppBackend:
             loop = asyncio.get_running_loop()
             out: asyncio.Queue = asyncio.Queue()
             req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
-                          speculative=self.speculative, rid=request.request_id, images=spans)
+                          speculative=self.speculative, rid=request.request_id, images=spans,
+                          preserved=self._preserved(request.preserve))
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)

@@ -91,6 +91,8 @@ def request_to_wire(r: GenerationRequest) -> dict:
     d = {"prompt": r.prompt, "options": dict(r.options.__dict__), "request_id": r.request_id,
          "add_special": r.add_special, "prompt_token_ids": r.prompt_token_ids,
          "group": list(r.group) if r.group is not None else None, "window": r.window}
+    if r.preserve:
+        d["preserve"] = list(r.preserve)
     if r.images:
         d["images"] = [base64.b64encode(b).decode("ascii") for b in r.images]
     if r.infill is not None:
@@ -106,7 +108,8 @@ def request_from_wire(d: dict) -> GenerationRequest:
                              add_special=d["add_special"], prompt_token_ids=d["prompt_token_ids"],
                              group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"),
                              images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None,
-                             infill=Infill(**d["infill"]) if d.get("infill") else None)
+                             infill=Infill(**d["infill"]) if d.get("infill") else None,
+                             preserve=list(d["preserve"]) if d.get("preserve") else None)
 
 
 # -- chunks ---------------------------------------------------------------------------------

@@ -398,15 +398,21 @@ class GenerationService:
         o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
         if ids is None:
             return [GenerationRequest(prompt=prompt, options=o, request_id=uuid.uuid4().hex,
-                                      add_special=job.add_special, window=lease.num_ctx)]
+                                      add_special=job.add_special, window=lease.num_ctx, preserve=_preserve(job))]
         o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
         out = []
         gid = uuid.uuid4().hex if job.n > 1 and lease.backend.info.supports_groups else None
         for i in range(job.n):
             oi = replace(o, seed=o.seed + i) if (o.seed is not None and i) else o
             out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                         group=(gid, job.n, i) if gid else None))
+                                         group=(gid, job.n, i) if gid else None, preserve=_preserve(job)))
         return out
+
+
+def _preserve(job: Job) -> list[str] | None:
+    """The tool-call markers of the model's template, kept as text in the output (tools only)."""
+    fmt = learn_tool_format(job.resolved.template) if job.tools else None
+    return list(fmt.specials) or None if fmt is not None else None
 
 
 def _renormalize(v: list[float]) -> list[float]:

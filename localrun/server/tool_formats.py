@@ -25,6 +25,7 @@ like any render (the sandbox's size, time and memory limits).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class ToolFormat:
     tail: re.Pattern | None = None  # json: after the arguments; kv: after the last argument
     arg: re.Pattern | None = None  # kv: one argument (groups k, v)
     cont: re.Pattern | None = None  # from one call's arguments to the next call's (several calls in one block)
+    specials: tuple[str, ...] = ()  # marker texts in the call (the backend keeps those that are special tokens)
 
     @property
     def marker(self) -> str | None:
@@ -281,11 +283,23 @@ def _literal(s: str, name_seen: bool) -> str:
     return "".join(parts)
 
 
+# what a special token looks like: <|x|>, <｜x｜>, [TOOL_CALLS], <tool_call>, <|tool_call>, <TOOLCALL>
+_SPECIAL_RE = re.compile(r"</?｜[^<>｜\s]{1,40}｜|<\|[^<>|\s]{1,40}\|>|<｜[^<>｜\s]{1,40}｜>|\[[A-Z_]{2,30}\]|</?[A-Za-z_|:.\-]{1,40}\|?>")
+
+
 @lru_cache(maxsize=64)
 def learn(template: str | None) -> ToolFormat | None:
     """The tool-call format `template` writes, or None (then the generic parsing applies)."""
     if not template or "tool" not in template:
         return None
+    fmt = _learn(template)
+    if fmt is None:
+        return None
+    region = _region(template, 2) or _region(template) or ""
+    return dataclasses.replace(fmt, specials=tuple(sorted(set(_SPECIAL_RE.findall(region)))))
+
+
+def _learn(template: str) -> ToolFormat | None:
     region = _region(template)
     if region is None:
         return None
