@@ -212,6 +212,9 @@ REPLIES = {  # what each model "writes": some text, then a call in its own templ
                      "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
     "moonshotai-Kimi-K2.jinja": "Let me look that up.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                                 '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
+    "openai-gpt-oss-120b.jinja": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary"
+                                 "<|message|>Let me look that up.<|end|><|start|>assistant<|channel|>commentary "
+                                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
 }
 
 
@@ -247,6 +250,8 @@ def test_a_model_calls_tools_in_its_own_templates_syntax_over_the_api(template_d
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    if "gpt-oss" in list(REPLIES)[index]:  # harmony: the analysis channel is the reasoning
+        assert msg.model_extra.get("reasoning_content") == "Need the weather."
 
 
 # -- special tokens a call is marked with reach the parser as text ------------------------------

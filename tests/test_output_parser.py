@@ -83,3 +83,31 @@ def test_reasoning_for_templates():
     assert reasoning_for(t, "user: hi\nassistant: <think>\n").started
     assert not reasoning_for(t, "user: hi\nassistant:").started
     assert not reasoning_for(t, "<think>\n\n</think>\n\n").started  # thinking switched off by the template
+
+
+def test_harmony_channels_any_split():
+    """gpt-oss: analysis -> reasoning, final -> content, a message to functions.NAME -> a tool call
+    (the model's header order and the template's), text without channels -> content."""
+    from localrun.server.output import HarmonyParser
+
+    cases = [
+        ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
+         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "Need weather.", "",
+         [("get_weather", {"city": "Paris"})]),
+        ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hello there!",
+         "Think.", "Hello there!", []),
+        ("Plain answer <b>", "", "Plain answer <b>", []),
+        (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>', "", "",
+         [("get_weather", {"city": "Paris"})]),
+    ]
+    rng = random.Random(3)
+    for text, want_r, want_c, want_calls in cases:
+        for _ in range(30):
+            p = HarmonyParser(TOOLS)
+            r_all = c_all = ""
+            for piece in _splits(text, rng):
+                r, c = p.feed(piece)
+                r_all, c_all = r_all + r, c_all + c
+            r, c, calls = p.finish()
+            assert (r_all + r, c_all + c) == (want_r, want_c), text
+            assert [(k["name"], json.loads(k["arguments"])) for k in calls] == want_calls

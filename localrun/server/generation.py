@@ -35,7 +35,7 @@ from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, To
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server.manager import DEFAULT, Lease, ModelManager
-from localrun.server.output import OutputParser, Reasoning, reasoning_for
+from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_harmony, reasoning_for
 from localrun.server.tool_formats import learn as learn_tool_format
 
 
@@ -180,9 +180,10 @@ class Generation:
                 else:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
-                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None,
-                                      tool_format=learn_tool_format(self.job.resolved.template) if self.job.tools else None,
-                                      tools=self.job.tools)
+                names = {t["function"]["name"] for t in self.job.tools or []} or None
+                parser = HarmonyParser(names) if is_harmony(self.job.resolved.template) and self.job.messages is not None \
+                    else OutputParser(self.reasoning, names, tool_format=learn_tool_format(self.job.resolved.template)
+                                      if self.job.tools else None, tools=self.job.tools)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -410,7 +411,10 @@ class GenerationService:
 
 
 def _preserve(job: Job) -> list[str] | None:
-    """The tool-call markers of the model's template, kept as text in the output (tools only)."""
+    """The tool-call markers of the model's template, kept as text in the output (tools only), and
+    a harmony template's message framing (its channels are parsed from the text)."""
+    if job.messages is not None and is_harmony(job.resolved.template):
+        return list(HARMONY_TOKENS)
     fmt = learn_tool_format(job.resolved.template) if job.tools else None
     return list(fmt.specials) or None if fmt is not None else None
 
