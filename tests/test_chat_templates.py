@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 
 from localrun.chat_template import TemplateRenderError, render_chat
-from tests.vlm_model import _sdist
+from vlm_model import _sdist
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -220,9 +219,6 @@ REPLIES = {  # what each model "writes": some text, then a call in its own templ
 
 @pytest.fixture(scope="module")
 def template_daemon(templates, tmp_path_factory):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from fakes import FakeModel, InProcessDaemon, library_home
 
     models = {f"tpl{i}": f'FROM smollm2:135m\nTEMPLATE """{templates[name]}"""\n' for i, name in enumerate(REPLIES)}
