@@ -235,6 +235,20 @@ def test_several_images_and_earlier_turns(daemon, expect):
     assert [c.message.content for c in r.choices] == [want, want]
 
 
+def test_responses_keep_the_image_for_the_next_turn(daemon, expect, text_only_prompt_tokens):
+    """A stored response's input image is sent again with previous_response_id."""
+    c = oai(daemon)
+    first = c.responses.create(model=VLM, max_output_tokens=N, temperature=0, input=responses_input(GREEN))
+    assert first.output_text == expect(gemma(("user", MEDIA_MARKER + Q)), [GREEN])
+    items = c.responses.input_items.list(first.id)
+    assert [p.type for p in items.data[0].content] == ["input_image", "input_text"]
+    second = c.responses.create(model=VLM, max_output_tokens=N, temperature=0, previous_response_id=first.id,
+                                input="and now?")
+    assert second.usage.input_tokens >= text_only_prompt_tokens + 16
+    assert second.output_text == expect(gemma(("user", MEDIA_MARKER + Q), ("model", first.output_text),
+                                              ("user", "and now?")), [GREEN])
+
+
 # -- red team ------------------------------------------------------------------------------------------
 def _png_header_lie(width: int, height: int) -> bytes:
     """A tiny PNG whose header claims width x height (a decompression bomb's calling card)."""
@@ -335,6 +349,9 @@ def test_bad_images_are_4xx_naming_the_part(daemon, api):
             assert {"openai": "messages[0].content[0]", "responses": "input[0].content[0]",
                     "anthropic": "messages[0].content[0]", "ollama-chat": "messages[0].images[0]",
                     "ollama-generate": "images[0]"}[api] in msg, (api, case, msg)
+    path, body = BODIES[api]([BOMB])  # streamed: refused before the stream starts, in the same shape
+    r = daemon.http.post(path, json={**body, "stream": True})
+    assert r.status_code == 400 and "LOCALRUN_IMAGE_MAX_PIXELS" in _error_message(api, r), r.text
     _still_serving(daemon)
 
 
