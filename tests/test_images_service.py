@@ -75,3 +75,26 @@ def test_a_backend_without_images_and_a_model_without_a_projector(home):
         assert m.requests == []
     finally:
         d.stop()
+
+
+def test_anthropic_tool_result_images_reach_the_backend(home):
+    m = FakeModel(supports_images=True)
+    d = InProcessDaemon(home, m)
+    try:
+        blocks = [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "the screenshot:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(GREEN).decode()}}]},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(BLUE).decode()}},
+            {"type": "text", "text": "what changed?"}]
+        r = httpx.post(d.url + "/v1/messages", timeout=30, json={"model": "vision", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "shoot"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": blocks}]})
+        assert r.status_code == 200, r.text
+        req = m.requests[-1]
+        assert req.images == [GREEN, BLUE]
+        assert f"the screenshot:{MEDIA_MARKER}" in req.prompt and f"{MEDIA_MARKER}what changed?" in req.prompt
+    finally:
+        d.stop()

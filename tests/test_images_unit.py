@@ -193,3 +193,27 @@ def test_fetch_caps_and_redirect_checks(loopback_server, monkeypatch):
     # through load_images: the fetched bytes are checked like inline ones
     got = asyncio.run(load_images([ImageInput("u", url=f"{base}/ok.png")], limits(LOCALRUN_IMAGE_URLS="1")))
     assert got == [RED]
+
+
+def test_images_are_checked_off_the_event_loop(monkeypatch):
+    """Decoding and the header checks run on a worker thread: the event loop's thread never does them."""
+    import threading
+
+    from localrun.server import images
+
+    seen = []
+    real = images.check_image
+
+    def spy(data, where, max_pixels):
+        seen.append(threading.current_thread())
+        return real(data, where, max_pixels)
+
+    monkeypatch.setattr(images, "check_image", spy)
+
+    async def main():
+        loop_thread = threading.current_thread()
+        await load_images([ImageInput("a", data=b64(RED)), ImageInput("b", data=b64(RED))], limits())
+        return loop_thread
+
+    loop_thread = asyncio.run(main())
+    assert len(seen) == 2 and all(t is not loop_thread for t in seen)
