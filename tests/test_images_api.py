@@ -349,6 +349,8 @@ def _still_serving(d: Daemon) -> None:
 
 @pytest.mark.parametrize("api", list(BODIES))
 def test_bad_images_are_4xx_naming_the_part(daemon, api):
+    _still_serving(daemon)
+    pid = daemon.runner_pid(VLM + ":latest")
     for case, (images, says) in CASES.items():
         r = _post(daemon, BODIES[api](images))
         assert 400 <= r.status_code < 500, (api, case, r.status_code, r.text[:300])
@@ -362,6 +364,7 @@ def test_bad_images_are_4xx_naming_the_part(daemon, api):
     r = daemon.http.post(path, json={**body, "stream": True})
     assert r.status_code == 400 and "LOCALRUN_IMAGE_MAX_PIXELS" in _error_message(api, r), r.text
     _still_serving(daemon)
+    assert daemon.runner_pid(VLM + ":latest") == pid  # the runner never saw them: no crash, no reload
 
 
 @pytest.mark.parametrize("api", ["openai", "responses", "anthropic"])  # Ollama's API takes base64 only
