@@ -97,7 +97,7 @@ async def load_images(images: list[ImageInput], settings: Any) -> list[bytes]:
             raise InvalidRequest(f"{img.where}: localrun does not fetch image URLs unless the daemon runs with "
                                  "LOCALRUN_IMAGE_URLS=1; send the image inline (base64 / a data URL)")
         if img.data is not None:
-            budget -= len(img.data) * 3 // 4 - 2  # the decoded size, to within the padding
+            budget -= max(0, len(img.data) * 3 // 4 - 2)  # the decoded size, to within the padding
             if budget < 0:
                 raise _too_many_bytes(img.where, settings)
     raw: list[bytes | None] = [None] * len(images)
