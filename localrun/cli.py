@@ -352,6 +352,8 @@ def render_show(info: dict, verbose: bool = False) -> str:
     section("System", info.get("system"), limit=None if verbose else 4)
     section("License", info.get("license"), limit=None if verbose else 2)
     weights = [f"path      {info['weights_path']}"] if info.get("weights_path") else []
+    if info.get("projector_path"):
+        weights.append(f"projector {info['projector_path']}")
     if info.get("digest"):
         weights.append(f"digest    {info['digest']}")
     section("Weights", "\n".join(weights))
@@ -601,10 +603,16 @@ def cmd_pull(args, client: DaemonClient) -> int:
     return 0 if last and last.get("status") == "success" else 1
 
 
+def list_capabilities(m: dict) -> str:
+    """What `list` shows of a model's capabilities: all but plain completion (vision, tools, ...)."""
+    caps = [str(c) for c in m.get("capabilities") or [] if c != "completion"]
+    return ", ".join(caps) or "-"
+
+
 def cmd_list(args, client: DaemonClient) -> int:
     rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
-             human_ago(m.get("modified_at"))] for m in client.tags()]
-    print(table(["NAME", "ID", "SIZE", "MODIFIED"], rows))
+             human_ago(m.get("modified_at")), list_capabilities(m)] for m in client.tags()]
+    print(table(["NAME", "ID", "SIZE", "MODIFIED", "CAPABILITIES"], rows))
     return 0
 
 
