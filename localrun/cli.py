@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from localrun import __version__
+from localrun.attachments import Attachment, AttachmentError, read_images, split_image_paths
 from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for, normalize_name
 from localrun.config import ENV_VARS, parse_duration, settings
 from localrun.errors import LocalrunError
@@ -557,8 +558,20 @@ def parse_format(value: str | None) -> str | dict | None:
     return schema
 
 
+def run_images(args, prompt: str) -> tuple[str, list[Attachment]]:
+    """The --image files and the image paths written inside the prompt (which leave it), read and
+    checked before anything is sent; a missing, unreadable, too large or non-image file is a CLIError."""
+    prompt, in_prompt = split_image_paths(prompt)
+    try:
+        return prompt, read_images([*(args.image or []), *in_prompt])
+    except AttachmentError as e:
+        raise CLIError(str(e)) from None
+
+
 def cmd_run(args, client: DaemonClient) -> int:
-    prompt = " ".join(args.prompt)
+    if getattr(args, "attachments", None) is None:
+        args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
+    prompt, images = args.prompt_text, args.attachments
     piped = not sys.stdin.isatty()
     if piped and not args.plain:
         text = sys.stdin.read()
@@ -572,8 +585,11 @@ def cmd_run(args, client: DaemonClient) -> int:
     rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
                      wordwrap=not args.nowordwrap)
     ensure_model(client, args.model)
-    if prompt.strip():
-        stream_chat(client, args.model, [{"role": "user", "content": prompt}], rs)
+    if prompt.strip() or images:
+        msg: dict = {"role": "user", "content": prompt}
+        if images:
+            msg["images"] = [a.b64 for a in images]
+        stream_chat(client, args.model, [msg], rs)
         return 0
     if piped and not args.plain:  # empty stdin: just load the model, as `ollama run M </dev/null` does
         for _ in client.generate(args.model, "", keep_alive=args.keepalive):
@@ -783,6 +799,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nowordwrap", action="store_true", help="don't break lines between words on a terminal")
     s.add_argument("--plain", action="store_true",
                    help="chat in a plain line REPL instead of the TUI (with piped stdin: one message per line)")
+    s.add_argument("--image", action="append", metavar="PATH",
+                   help="attach an image file to the prompt (repeatable; for vision models). An image file's "
+                        "path written inside the prompt is attached too")
 
     s = add("chat", "open the chat TUI")
     s.add_argument("model", nargs="?")
@@ -878,6 +897,8 @@ def _dispatch(argv: list[str]) -> int:
     if args.command == "serve":
         args.host = args.serve_host or args.host
         return cmd_serve(args)
+    if args.command == "run":  # a bad image file is the user's to fix before any daemon is asked
+        args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
     with DaemonClient(base_url_for(args.host)) as client:
         if args.version or args.command == "version":
             return cmd_version(args, client)
