@@ -7,7 +7,9 @@ it gets back into its own wire shape. The checks live here, once:
 
 1. render the prompt (the model's template in the sandbox; Modelfile SYSTEM/MESSAGE),
 2. lease the model (queue, admission, load: the model manager),
-3. check the backend can do what the job asks (JSON schema, ...): 400 up front,
+3. check the backend can do what the job asks (JSON schema, images, ...): 400 up front; images
+   are checked and decoded before the lease (server/images.py: a model without a projector, too
+   many, too big, a bomb, corrupt, a URL while fetching is off: 400 naming the part),
 4. tokenize once (n choices share the prompt), check the context window (400 naming it),
    cap max_tokens at the room left (``fit_window``). A runner process tokenizes a single
    choice's prompt itself, with that same check, as part of starting it: one round trip to
@@ -31,9 +33,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage, fit_window
+from localrun.backends.base import MEDIA_MARKER, Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage, fit_window
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
+from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import OutputParser, Reasoning, reasoning_for
 
@@ -56,6 +59,9 @@ class Job:
     n: int = 1
     add_special: bool = True
     api: str = "openai"  # for metrics and logs
+    # images (server.images.ImageInput), in the order of the MEDIA_MARKERs the rendered prompt holds:
+    # a translator puts a marker in the message text (or prompt) where each image goes
+    images: list | None = None
 
 
 @dataclass
@@ -292,15 +298,19 @@ class GenerationService:
         on anything the request itself got wrong, before any response is sent."""
         self._admit()
         t0 = time.perf_counter()
+        images = await self._images(job)
         prompt, reasoning = await self._render(job)
+        if images:
+            self._check_markers(prompt, images)
         lease, release = await self._lease(job)
         gen = None
         try:
             self._admit()  # it may have waited in the queue while the daemon began to stop
             self._check_capabilities(job, lease)
             self._check_length(prompt, lease)
-            if job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False):
-                requests = self._requests(job, lease, prompt, None)
+            if images or (job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False)):
+                # the runner tokenizes (a prompt with images only it can: image tokens come from the projector)
+                requests = self._requests(job, lease, prompt, None, images)
             else:
                 ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
                 requests = self._requests(job, lease, prompt, ids)
@@ -320,6 +330,10 @@ class GenerationService:
         """The length in tokens of the prompt `job` renders to, by its model's own template and
         tokenizer; nothing is generated (the model is loaded, or kept, for its tokenizer)."""
         self._admit()
+        if job.images:
+            raise InvalidRequest("counting the tokens of a prompt with images is not supported yet: the image "
+                                 "tokens are known only when the model's projector encodes them; send it without "
+                                 "images, or read usage from the answer")
         prompt, _ = await self._render(job)
         lease, release = await self._lease(job)
         try:
@@ -353,6 +367,25 @@ class GenerationService:
                                  "<think> block); leave thinking unset or turn it off")
         return prompt, reasoning
 
+    async def _images(self, job: Job) -> list[bytes] | None:
+        """The job's images as bytes, every bound checked (server/images.py), or None. A model
+        without a vision projector is refused here, before anything is loaded or fetched."""
+        if not job.images:
+            return None
+        if getattr(job.resolved, "projector", None) is None:
+            raise InvalidRequest(f"{job.resolved.name} cannot take images: it has no vision projector. Send text "
+                                 "only, or use a vision model (one pulled with its projector, or created with a "
+                                 "second FROM naming its mmproj GGUF)")
+        return await load_images(job.images, self.manager.settings)
+
+    @staticmethod
+    def _check_markers(prompt: str, images: list[bytes]) -> None:
+        found = prompt.count(MEDIA_MARKER)
+        if found != len(images):
+            raise InvalidRequest(f"the rendered prompt holds {found} image place(s) for {len(images)} image(s): the "
+                                 f"text {MEDIA_MARKER} is reserved for images, and the model's template must keep "
+                                 "every message that carries one")
+
     async def _lease(self, job: Job) -> tuple[Lease, Callable[[], Awaitable[None]]]:
         cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive)
         lease = await cm.__aenter__()
@@ -375,6 +408,9 @@ class GenerationService:
                                  "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+        if job.images and not info.supports_images:
+            raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot take images yet; "
+                                 "run it with LOCALRUN_BACKEND=llamacpp (or auto) to send it images")
         if o.logit_bias and not info.supports_logit_bias:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which does not take "
                                  "logit_bias; use LOCALRUN_BACKEND=llamacpp for it")
@@ -390,19 +426,25 @@ class GenerationService:
                                  "num_ctx")
 
     @staticmethod
-    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None) -> list[GenerationRequest]:
-        """The backend requests of `job`; `ids` None: the runner tokenizes and checks the window."""
+    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None,
+                  images: list[bytes] | None = None) -> list[GenerationRequest]:
+        """The backend requests of `job`; `ids` None: the runner tokenizes and checks the window.
+        Every choice carries the images (the same bytes objects)."""
         o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
-        if ids is None:
-            return [GenerationRequest(prompt=prompt, options=o, request_id=uuid.uuid4().hex,
-                                      add_special=job.add_special, window=lease.num_ctx)]
-        o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
+        if ids is not None:
+            o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
         out = []
         gid = uuid.uuid4().hex if job.n > 1 and lease.backend.info.supports_groups else None
         for i in range(job.n):
             oi = replace(o, seed=o.seed + i) if (o.seed is not None and i) else o
-            out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                         group=(gid, job.n, i) if gid else None))
+            if ids is None:
+                oi = replace(oi, stop=list(oi.stop), stop_token_ids=list(oi.stop_token_ids))  # the runner caps each
+                out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
+                                             add_special=job.add_special, window=lease.num_ctx, images=images,
+                                             group=(gid, job.n, i) if gid else None))
+            else:
+                out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
+                                             prompt_token_ids=ids, group=(gid, job.n, i) if gid else None))
         return out
 
 

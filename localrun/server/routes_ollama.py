@@ -16,10 +16,11 @@ from localrun.library.modelfile import parse_modelfile
 from localrun.library.names import parse_name
 
 import localrun
-from localrun.backends.base import SamplingOptions
+from localrun.backends.base import MEDIA_MARKER, SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.images import from_base64, take_images
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
@@ -373,13 +374,21 @@ async def generate(request: Request):
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string")
-    if body.get("images"):
-        raise InvalidRequest("images are not supported by localrun's models yet")
-    if not prompt:
+    images = body.get("images")
+    if images is not None and not isinstance(images, list):
+        raise InvalidRequest("'images' must be a list of base64 strings")
+    images = [from_base64(b, f"images[{k}]") for k, b in enumerate(images or [])] or None
+    if not prompt and not images:
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
-    job = Job(resolved, opts, prompt=prompt, raw=raw, system=c.get_str(body, "system"),
+    prompt = prompt or ""
+    if images and raw and prompt.count(MEDIA_MARKER) != len(images):
+        raise InvalidRequest(f"a raw prompt with images must hold {MEDIA_MARKER} where each image goes "
+                             f"({len(images)} of them)")
+    if images and not raw:
+        prompt = MEDIA_MARKER * len(images) + prompt  # before the text, as Ollama places them
+    job = Job(resolved, opts, prompt=prompt, raw=raw, images=images, system=c.get_str(body, "system"),
               template=c.get_str(body, "template"), think=_think(body), num_ctx=num_ctx,
               keep_alive=st.keep_alive(body), api="ollama.generate")
     return await _run(request, st, body, job, chat=False)
@@ -393,11 +402,11 @@ async def chat(request: Request):
     messages = body.get("messages")
     if messages is None or messages == []:
         return await _load_only(st, resolved, body, num_ctx, chat=True)
-    messages = c.normalize_messages(messages)
+    messages = c.normalize_messages(messages, ollama_images=True)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
     job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.chat")
+              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages))
     return await _run(request, st, body, job, chat=True)
 
 

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
+from localrun.server.images import take_images
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.state import State, generation_response, json_body
 
@@ -207,7 +208,7 @@ async def chat_completions(request: Request):
         if forced is not None:
             opts.json_schema = forced
     job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), n=n, api="openai.chat")
+              keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
