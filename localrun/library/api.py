@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
-from localrun.library.capabilities import capabilities
+from localrun.library.capabilities import capabilities, capabilities_of
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
@@ -460,14 +460,33 @@ class Library:
             except LocalrunError:
                 continue
             cfg = self._config(m)
-            try:
-                caps = capabilities(self.resolve(mn.display))
-            except LocalrunError:  # a model with a missing blob is still listed (show and run say what is wrong)
-                caps = []
+            caps = self._list_capabilities(m)
             out.append(ModelSummary(name=mn.display, digest=digest, size=sum(int(l["size"]) for l in m["layers"]),
                                     modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc),
                                     details=dict(cfg.get("details") or {}), capabilities=caps))
         return sorted(out, key=lambda s: s.name)
+
+    def _list_capabilities(self, m: dict) -> list[str]:
+        """capabilities() from a manifest's layers, without resolve()'s side effects (a safetensors
+        model's view directory); [] when a part is missing or damaged (show and run say what is wrong)."""
+        info = projector = template = None
+        files: dict[str, Path] = {}
+        try:
+            for l in m["layers"]:
+                mt = l["mediaType"]
+                if mt == MT_MODEL:
+                    info = _gguf_info(self.store.blob_path(l["digest"]))
+                elif mt == MT_FILE:
+                    files[validate_filename(l["filename"])] = self.store.blob_path(l["digest"])
+                elif mt == MT_PROJECTOR:
+                    projector = self.store.blob_path(l["digest"])
+                elif mt == MT_TEMPLATE:
+                    template = self.store.read_small(l["digest"]).decode("utf-8", errors="replace")
+            if template is None:
+                template = info.chat_template if info is not None else (template_from_files(files) if files else None)
+        except (LocalrunError, OSError, ValueError, KeyError, TypeError):
+            return []
+        return capabilities_of(info, projector, template)
 
     def show(self, name: str) -> dict:
         r = self.resolve(name)
