@@ -431,11 +431,21 @@ class Repl:
                 continue
             if not text.strip():
                 continue
-            if text.strip().startswith("/") and not text.startswith('"""'):
+            stripped, paths = split_image_paths(text)
+            starts_with_path = bool(paths) and text.strip().split()[0].strip("'\"").startswith(paths[0].split()[0])
+            if text.strip().startswith("/") and not text.startswith('"""') and not starts_with_path:
                 if self.command(text.strip()) == "bye":
                     return 0
                 continue
-            self.messages.append({"role": "user", "content": text})
+            msg: dict = {"role": "user", "content": text}
+            if paths:  # image files named in the message go with it as images (as `ollama run` does)
+                try:
+                    msg = {"role": "user", "content": stripped, "images": [a.b64 for a in read_images(paths)]}
+                except AttachmentError as exc:
+                    _err(str(exc))
+                    continue
+                print(f"Added image{'s' if len(paths) > 1 else ''} {', '.join(paths)}", file=sys.stderr)
+            self.messages.append(msg)
             try:
                 answer = stream_chat(self.client, self.model, self.messages, self.rs)
             except KeyboardInterrupt:

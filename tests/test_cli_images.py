@@ -116,3 +116,16 @@ def test_run_with_an_image_on_a_text_model_says_why(daemon, pics):
     err = assert_clean_error(r, code=1)
     assert "projector" in err or "image" in err, err
     assert daemon.http.get("/api/tags").status_code == 200
+
+
+def test_plain_repl_attaches_image_paths_in_a_message(daemon, pics):
+    """`run --plain` with piped lines (one message each): image paths in a line go with it as images,
+    an absolute path at the start is not taken for a /command, a bad file is reported and skipped."""
+    env = make_env(pics, daemon.port)
+    lines = f"describe ./red.png\n./notes.png describe\n{pics}/noise.png describe\n"
+    r = cli(env, "--no-autostart", "run", "vlm", "--plain", *FAST, input=lines, cwd=pics)
+    assert r.returncode == 0, r.stderr
+    assert "Added image ./red.png" in r.stderr and f"Added image {pics}/noise.png" in r.stderr
+    assert "notes.png is not an image" in r.stderr and "Unknown command" not in r.stderr + r.stdout
+    red = sdk_answer(daemon, RED)
+    assert r.stdout.startswith(red), (r.stdout, red)  # the first turn: the same as the API's answer
