@@ -87,13 +87,13 @@ def vlm(tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module")
-def daemon(vlm, tmp_path_factory):
+def daemon(vlm, smollm2_gguf, tmp_path_factory):
     gguf, mmproj = vlm
     d = Daemon(tmp_path_factory.mktemp("tui-images-home"), LOCALRUN_CONTEXT_LENGTH="1024")
     try:
-        r = d.http.post("/api/create", json={"model": "vlm", "modelfile": f"FROM {gguf}\nFROM {mmproj}\n",
-                                             "stream": False})
-        assert r.status_code == 200, r.text
+        for name, mf in (("vlm", f"FROM {gguf}\nFROM {mmproj}\n"), ("text", f"FROM {smollm2_gguf}\n")):
+            r = d.http.post("/api/create", json={"model": name, "modelfile": mf, "stream": False})
+            assert r.status_code == 200, r.text
         yield d
     finally:
         d.stop()
@@ -164,3 +164,22 @@ def test_chat_in_tmux_sends_attached_images(daemon, pics):
              "the app did not quit")
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
+
+
+async def test_an_image_for_a_text_model_is_refused_and_stays_attached(daemon, pics, tmp_path):
+    from test_tui import ready, type_and_send, wait_for
+
+    app = ChatApp(model="text", base_url=daemon.url, store=ChatStore(tmp_path / "chats"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, "text:latest")
+        await type_and_send(pilot, f"/image {pics}/red.png")
+        await wait_for(pilot, lambda: len(app.pending) == 1, 10, "the attachment")
+        warnings = [n.text for n in app.query(Notice) if n.kind == "warning"]
+        assert any("text:latest has no vision projector" in w for w in warnings), warnings
+        await type_and_send(pilot, "describe")
+        await wait_for(pilot, lambda: app.last_error is not None and app.idle, 60, "the daemon's refusal")
+        assert "projector" in app.last_error or "image" in app.last_error, app.last_error
+        # nothing lost: the question is back in the input box, the image still attached, nothing stored
+        assert app.input_box.text == "describe" and [a.data for a in app.pending] == [RED]
+        assert app.conv.messages == [] and not [v for v in app.query(MessageView) if v.role == "assistant"]
+        assert daemon.http.get("/api/tags").status_code == 200
