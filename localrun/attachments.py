@@ -3,7 +3,8 @@ TUI's ``/image``), read on the client and sent as Ollama's ``images`` (base64) o
 
 Client-side only (no server imports). A file is checked before anything is sent: it must exist, be
 readable, be at most MAX_IMAGE_FILE_BYTES and start like a PNG, JPEG, WebP, GIF or BMP; anything else
-raises AttachmentError with a message for the user. The daemon applies its own bounds again.
+raises AttachmentError with a message for the user. A WebP (which llama.cpp's decoder does not read)
+is sent as PNG. The daemon applies its own bounds again.
 """
 
 from __future__ import annotations
@@ -100,7 +101,33 @@ def read_image(path: str | os.PathLike, base: Path | None = None) -> Attachment:
     kind = sniff_image(data[:16])
     if kind is None:
         raise AttachmentError(f"{shown} is not an image localrun can send (PNG, JPEG, WebP, GIF or BMP)")
+    if kind == "webp":  # llama.cpp's image decoder reads no WebP: send it as PNG
+        data, kind = _webp_to_png(data, shown), "webp→png"
     return Attachment(p, data, kind)
+
+
+def _webp_to_png(data: bytes, shown: str) -> bytes:
+    """The first frame of a WebP as PNG; its size is read from the header and bounded
+    (LOCALRUN_IMAGE_MAX_PIXELS) before anything is decoded."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    from localrun.config import settings
+
+    limit = settings().image_max_pixels
+    try:
+        with Image.open(io.BytesIO(data), formats=["WEBP"]) as im:
+            w, h = im.size
+            if w * h > limit:
+                raise AttachmentError(f"image {shown} is {w}x{h} pixels; at most {limit} (LOCALRUN_IMAGE_MAX_PIXELS)")
+            out = io.BytesIO()
+            im.convert("RGBA" if "A" in im.getbands() else "RGB").save(out, format="PNG")
+            return out.getvalue()
+    except AttachmentError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise AttachmentError(f"image {shown} could not be decoded as WebP ({e})") from None
 
 
 def read_images(paths: list[str], base: Path | None = None) -> list[Attachment]:

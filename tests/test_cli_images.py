@@ -43,6 +43,35 @@ def test_image_paths_inside_a_prompt_leave_it(pics):
     assert is_image_path(f"{pics}/red.png please") is None and is_image_path("/help") is None
 
 
+def noise_webp() -> bytes:
+    """NOISE's pixels as a lossless WebP."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.open(io.BytesIO(NOISE)).save(out, format="WEBP", lossless=True)
+    return out.getvalue()
+
+
+def test_a_webp_is_sent_as_png_of_the_same_pixels(pics, monkeypatch):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    (pics / "noise.webp").write_bytes(noise_webp())
+    a = read_image("noise.webp", pics)
+    assert a.kind == "webp→png" and a.data.startswith(b"\x89PNG")
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(a.data))), np.asarray(Image.open(io.BytesIO(NOISE))))
+    (pics / "bad.webp").write_bytes(b"RIFF\x10\x00\x00\x00WEBPVP8 junk")
+    with pytest.raises(AttachmentError, match="could not be decoded as WebP"):
+        read_image("bad.webp", pics)
+    monkeypatch.setenv("LOCALRUN_IMAGE_MAX_PIXELS", "1000")  # 80x80 is more: refused before decoding
+    with pytest.raises(AttachmentError, match="80x80 pixels; at most 1000"):
+        read_image("noise.webp", pics)
+
+
 def test_bad_image_files_are_clear_errors(pics):
     assert read_image("red.png", pics).data == RED and read_image(pics / "red.png").kind == "png"
     for name, msg in (("nope.png", "no such file"), ("notes.png", "not an image"), ("huge.jpg", "too large"),
@@ -104,6 +133,10 @@ def test_run_with_an_image_answers_as_the_api_does(daemon, pics):
     r3 = cli(env, "--no-autostart", "run", "vlm", QUESTION, "--image", str(pics / "noise.png"), *FAST)
     noise = sdk_answer(daemon, NOISE)
     assert r3.returncode == 0 and r3.stdout.rstrip("\n") == noise.rstrip("\n") and noise != red, r3.stderr
+    # the same pixels as a WebP (sent as PNG): the same answer
+    (pics / "noise.webp").write_bytes(noise_webp())
+    r5 = cli(env, "--no-autostart", "run", "vlm", f"{QUESTION} ./noise.webp", *FAST, cwd=pics)
+    assert r5.returncode == 0 and r5.stdout == r3.stdout, r5.stderr
     # two images (repeatable --image)
     r4 = cli(env, "--no-autostart", "run", "vlm", "compare", "--image", "red.png", "--image", "noise.png", *FAST,
              cwd=pics)
