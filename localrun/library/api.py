@@ -7,11 +7,12 @@ import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
-from localrun.library.capabilities import capabilities, capabilities_of
+from localrun.library.capabilities import model_capabilities
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
@@ -467,15 +468,16 @@ class Library:
         return sorted(out, key=lambda s: s.name)
 
     def _list_capabilities(self, m: dict) -> list[str]:
-        """capabilities() from a manifest's layers, without resolve()'s side effects (a safetensors
+        """model_capabilities() from a manifest's layers, without resolve()'s side effects (a safetensors
         model's view directory); [] when a part is missing or damaged (show and run say what is wrong)."""
-        info = projector = template = None
+        info = projector = template = weights = None
         files: dict[str, Path] = {}
         try:
             for l in m["layers"]:
                 mt = l["mediaType"]
                 if mt == MT_MODEL:
-                    info = _gguf_info(self.store.blob_path(l["digest"]))
+                    weights = self.store.blob_path(l["digest"])
+                    info = _gguf_info(weights)
                 elif mt == MT_FILE:
                     files[validate_filename(l["filename"])] = self.store.blob_path(l["digest"])
                 elif mt == MT_PROJECTOR:
@@ -486,7 +488,9 @@ class Library:
                 template = info.chat_template if info is not None else (template_from_files(files) if files else None)
         except (LocalrunError, OSError, ValueError, KeyError, TypeError):
             return []
-        return capabilities_of(info, projector, template)
+        return model_capabilities(SimpleNamespace(info=info, projector=projector, template=template,
+                                                  format="gguf" if info is not None else "safetensors",
+                                                  weights=weights))
 
     def show(self, name: str) -> dict:
         r = self.resolve(name)
@@ -498,7 +502,7 @@ class Library:
                   f"FROM {r.name}")
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
                               r.adapter, str(r.projector) if r.projector else None).to_text(header=header)
-        caps = capabilities(r)
+        caps = model_capabilities(r)
         out = {
             "modelfile": modelfile,
             "parameters": "\n".join(f"{k:<30} {v}" for k, v in parameter_lines(r.parameters)),

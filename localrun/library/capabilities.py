@@ -1,46 +1,51 @@
-"""What a model can do, in Ollama's words (``capabilities`` on /api/show and /api/tags):
+"""What a model can do, in Ollama's words (``capabilities`` on /api/show and /api/tags, list's
+CAPABILITIES column), from its files alone (nothing is loaded):
 
 - ``completion``: it generates text (every model that is not an embedding model);
 - ``embedding``: an embedding model (its GGUF sets a pooling type, or it is a BERT-family encoder);
-- ``vision``: it has a vision projector, so it takes images;
+  nothing else is listed for one;
 - ``tools``: its chat template renders tool definitions;
+- ``vision``: it has a vision projector, so it takes images;
 - ``thinking``: its chat template has a ``<think>`` block (the daemon's reasoning split).
 
-One function, so every place that lists capabilities (show, list, tags) says the same.
+One function, so every place that lists capabilities says the same.
 """
 
 from __future__ import annotations
 
-from localrun.library.gguf_info import GGUFInfo
-from localrun.library.model import ResolvedModel
+from typing import Any
 
-ENCODER_ARCHS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "t5encoder", "neo-bert", "modern-bert"}
+# encoder-only architectures: embeddings, no completion
+EMBEDDING_ARCHS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
+                   "t5encoder"}
 
 
-def is_embedding_model(info: GGUFInfo | None) -> bool:
-    if info is None:
+def is_embedding_model(r: Any) -> bool:
+    if r.info is None:
         return False
-    arch = info.architecture
-    return f"{arch}.pooling_type" in info.metadata or arch in ENCODER_ARCHS
+    arch = r.info.architecture
+    return arch in EMBEDDING_ARCHS or f"{arch}.pooling_type" in r.info.metadata
 
 
-def capabilities_of(info: GGUFInfo | None, projector: object | None, template: str | None) -> list[str]:
-    """From a model's parts: its GGUF header (None for safetensors), its projector (or None), its template."""
+def model_capabilities(r: Any) -> list[str]:
+    """Ollama's capability list for a resolved model (localrun.library.model.ResolvedModel, or anything
+    with its ``info``, ``template`` and ``projector``)."""
     from localrun.chat_template import template_supports_tools
-    from localrun.server.output import THINK_OPEN
 
-    caps = ["embedding"] if is_embedding_model(info) else ["completion"]
-    if projector is not None:
+    if is_embedding_model(r):
+        return ["embedding"]
+    caps = ["completion"]
+    template = r.template or ""
+    try:
+        if template and template_supports_tools(template):
+            caps.append("tools")
+    except Exception:  # noqa: BLE001 - capabilities are informational
+        pass
+    if getattr(r, "projector", None) is not None:
         caps.append("vision")
-    if template and template_supports_tools(template):
-        caps.append("tools")
-    if template and THINK_OPEN in template:
+    if "<think>" in template:
         caps.append("thinking")
     return caps
 
 
-def capabilities(r: ResolvedModel) -> list[str]:
-    return capabilities_of(r.info, r.projector, r.template)
-
-
-__all__ = ["capabilities", "capabilities_of", "is_embedding_model"]
+__all__ = ["EMBEDDING_ARCHS", "is_embedding_model", "model_capabilities"]
