@@ -131,6 +131,9 @@ def test_pull_fetches_the_matching_projector(daemon, hub):
     info = show(daemon, f"hf.co/{VLM_REPO}:Q8_0")
     assert info["capabilities"][0] == "completion" and "vision" in info["capabilities"]
     assert info["source"]["projector"] == "mmproj-tiny-vlm-Q8_0.gguf"
+    import ollama  # the real SDK reads them too
+
+    assert "vision" in ollama.Client(host=daemon.url).show(f"hf.co/{VLM_REPO}:Q8_0").capabilities
 
     # another tag of the same quant family shares the projector blob: not downloaded again
     daemon.pull(f"hf.co/{VLM_REPO}:Q4_K_M")
