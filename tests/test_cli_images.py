@@ -74,8 +74,11 @@ def test_a_webp_is_sent_as_png_of_the_same_pixels(pics, monkeypatch):
 
 def test_bad_image_files_are_clear_errors(pics):
     assert read_image("red.png", pics).data == RED and read_image(pics / "red.png").kind == "png"
+    import os
+
+    os.mkfifo(pics / "pipe.png")  # reading it would block: refused without opening it
     for name, msg in (("nope.png", "no such file"), ("notes.png", "not an image"), ("huge.jpg", "too large"),
-                      (".", "not a regular file")):
+                      (".", "not a regular file"), ("pipe.png", "not a regular file")):
         with pytest.raises(AttachmentError, match=msg):
             read_image(name, pics)
 
