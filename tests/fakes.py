@@ -73,6 +73,7 @@ class FakeModel:
     slots: int = 1
     supports_json_schema: bool = True
     supports_groups: bool = False  # n > 1 arrives as one group (GenerationRequest.group), all started at once
+    supports_images: bool = False  # takes GenerationRequest.images (counted as one token each)
     fail_first: set[int] = field(default_factory=set)  # choice indexes (of a group) refused before any token
     fail_with: str | None = None  # a backend error raised mid-stream after 3 tokens
     loads: list[str] = field(default_factory=list)
@@ -101,7 +102,7 @@ class FakeBackend:
         self.info = BackendInfo(name="fake", device="CPU", processor="100% CPU", reason="a fake backend for tests",
                                 context_length=spec.num_ctx, slots=model.slots, size_bytes=1000,
                                 supports_json_schema=model.supports_json_schema,
-                                supports_groups=model.supports_groups)
+                                supports_groups=model.supports_groups, supports_images=model.supports_images)
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return [ord(c) for c in text]

@@ -249,6 +249,15 @@ def test_responses_keep_the_image_for_the_next_turn(daemon, expect, text_only_pr
                                               ("user", "and now?")), [GREEN])
 
 
+def test_anthropic_count_tokens_counts_the_image(daemon):
+    c = claude(daemon)
+    msgs = [{"role": "user", "content": claude_blocks(GREEN)}]
+    counted = c.messages.count_tokens(model=VLM, messages=msgs).input_tokens
+    r = c.messages.create(model=VLM, max_tokens=1, messages=msgs)
+    assert counted == r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    assert counted >= c.messages.count_tokens(model=VLM, messages=[{"role": "user", "content": Q}]).input_tokens + 16
+
+
 # -- red team ------------------------------------------------------------------------------------------
 def _png_header_lie(width: int, height: int) -> bytes:
     """A tiny PNG whose header claims width x height (a decompression bomb's calling card)."""

@@ -122,3 +122,74 @@ def test_a_loopback_url_is_refused_before_connecting(monkeypatch):
         with pytest.raises(InvalidRequest, match="not a public address|cannot resolve"):
             asyncio.run(fetch_image(url, "p", 1 << 20, 5.0))
     assert connects == []
+
+
+@pytest.fixture
+def loopback_server():
+    """A small HTTP server on 127.0.0.1: an image, an endless body, a slow one, redirects."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path == "/ok.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(RED)))
+                self.end_headers()
+                self.wfile.write(RED)
+            elif self.path == "/endless":
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(10_000):
+                        self.wfile.write(b"\0" * 65536)
+                except OSError:
+                    pass
+            elif self.path == "/slow":
+                time.sleep(3)
+                self.send_response(200)
+                self.end_headers()
+            elif self.path.startswith("/to/"):
+                self.send_response(302)
+                self.send_header("Location", self.path[len("/to"):] if self.path[4] != "h" else self.path[4:])
+                self.end_headers()
+            else:
+                self.send_response(404)
+                self.end_headers()
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_fetch_caps_and_redirect_checks(loopback_server, monkeypatch):
+    """The fetch path itself, against a loopback server (loopback allowed for this test only, by
+    name: 127.0.0.1; a redirect to a private address is still refused)."""
+    from localrun.server import images
+
+    monkeypatch.setattr(images, "public_address", lambda ip: str(ip) == "127.0.0.1")
+    base = loopback_server
+    assert asyncio.run(fetch_image(f"{base}/ok.png", "p", 1 << 20, 5.0)) == RED
+    assert asyncio.run(fetch_image(f"{base}/to/ok.png", "p", 1 << 20, 5.0)) == RED
+    with pytest.raises(InvalidRequest, match=r"the image at the URL is \d+ bytes, over"):
+        asyncio.run(fetch_image(f"{base}/ok.png", "p", 10, 5.0))  # Content-Length over the cap
+    with pytest.raises(InvalidRequest, match="over the request's image budget"):
+        asyncio.run(fetch_image(f"{base}/endless", "p", 1 << 20, 5.0))  # streamed past the cap
+    with pytest.raises(InvalidRequest, match="took over 1s"):
+        asyncio.run(fetch_image(f"{base}/slow", "p", 1 << 20, 1.0))
+    with pytest.raises(InvalidRequest, match="10.0.0.1, not a public address"):
+        asyncio.run(fetch_image(f"{base}/to/http://10.0.0.1/x.png", "p", 1 << 20, 5.0))
+    with pytest.raises(InvalidRequest, match="HTTP 404"):
+        asyncio.run(fetch_image(f"{base}/missing", "p", 1 << 20, 5.0))
+    with pytest.raises(InvalidRequest, match="redirects more than"):
+        asyncio.run(fetch_image(f"{base}/to/to/to/to/to/ok.png", "p", 1 << 20, 5.0))
+    # through load_images: the fetched bytes are checked like inline ones
+    got = asyncio.run(load_images([ImageInput("u", url=f"{base}/ok.png")], limits(LOCALRUN_IMAGE_URLS="1")))
+    assert got == [RED]

@@ -521,7 +521,7 @@ class LlamaCppBackend:
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bm = mtmd.mtmd_helper_bitmap_init_from_buf(self._mtmd, buf, len(data), False)
                 if not bm:
-                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF, BMP or WebP image")
+                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF or BMP image")
                 mtmd.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode("ascii"))
                 bitmaps.append(bm)
             text = mtmd.mtmd_input_text()

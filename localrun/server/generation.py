@@ -331,9 +331,15 @@ class GenerationService:
         tokenizer; nothing is generated (the model is loaded, or kept, for its tokenizer)."""
         self._admit()
         if job.images:
-            raise InvalidRequest("counting the tokens of a prompt with images is not supported yet: the image "
-                                 "tokens are known only when the model's projector encodes them; send it without "
-                                 "images, or read usage from the answer")
+            # image tokens are known once the runner has laid the prompt out with the projector: start it
+            # (prefill and one token, its prefix then cached for the real request) and read its length
+            opts = replace(job.options, max_tokens=1, json_schema=None, json_mode=False, logit_bias=None,
+                           logprobs=False, stop=[], stop_token_ids=[])
+            gen = await self.start(replace(job, options=opts, n=1, tools=job.tools))
+            try:
+                return gen.prompt_tokens
+            finally:
+                await gen.release()
         prompt, _ = await self._render(job)
         lease, release = await self._lease(job)
         try:
