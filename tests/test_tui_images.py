@@ -77,6 +77,29 @@ async def test_attach_errors_drops_and_detach_without_a_daemon(pics, tmp_path):
         assert app.conv.messages == [] and app.is_running
 
 
+async def test_a_resumed_conversation_shows_its_attachments(tmp_path):
+    from test_tui import wait_for
+
+    from localrun.tui.store import Conversation
+
+    store = ChatStore(tmp_path / "chats")
+    b64 = base64.b64encode(RED).decode()
+    conv = Conversation(model="vlm:latest", messages=[
+        {"role": "user", "content": "describe", "images": [b64], "attachments": ["red.png (png, 70 B)"]},
+        {"role": "assistant", "content": "red"}])
+    store.save(conv)
+    loaded = store.load(conv.id)
+    assert loaded.messages[0]["images"] == [b64] and loaded.messages[0]["attachments"] == ["red.png (png, 70 B)"]
+    app = ChatApp(model=None, base_url="http://127.0.0.1:9", store=store)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.last_error is not None, 20, "the app to start (no daemon there)")
+        await app.resume(conv.id)
+        await wait_for(pilot, lambda: any(v.role == "user" for v in app.query(MessageView)), 10, "the resume")
+        view = next(v for v in app.query(MessageView) if v.role == "user")
+        assert view.attachments == ["red.png (png, 70 B)"]
+        assert "[image] red.png (png, 70 B)" in [str(lbl.render()) for lbl in view.query(".attachment")]
+
+
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, request):
     try:

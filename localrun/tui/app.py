@@ -439,13 +439,13 @@ class ChatApp(App[int]):
 
     async def attach(self, path: str) -> None:
         """Read one image file (checked: exists, readable, size, format) for the next message."""
+        if len(self.pending) >= MAX_ATTACHMENTS:
+            await self.note(f"at most {MAX_ATTACHMENTS} images per message; /detach drops them", "error")
+            return
         try:
             a = await asyncio.to_thread(read_image, path)
         except AttachmentError as exc:
             await self.note(str(exc), "error")
-            return
-        if len(self.pending) >= MAX_ATTACHMENTS:
-            await self.note(f"at most {MAX_ATTACHMENTS} images per message; /detach drops them", "error")
             return
         self.pending.append(a)
         n = len(self.pending)
