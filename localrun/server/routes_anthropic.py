@@ -99,13 +99,19 @@ class _Content:
 
     def __init__(self) -> None:
         self.text, self.images, self._after_text = "", [], False
+        self.blocks = 0
+
+    def __bool__(self) -> bool:  # any block at all (an empty text block too, as before)
+        return self.blocks > 0
 
     def add_text(self, t: str) -> None:
         self.text += ("\n" if self._after_text else "") + t
+        self.blocks += 1
         self._after_text = True
 
     def add_image(self, image: ImageInput) -> None:
         self.text += MEDIA_MARKER
+        self.blocks += 1
         self.images.append(image)
         self._after_text = False
 
@@ -177,7 +183,7 @@ def _messages(body: dict) -> list[dict]:
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_tool_use(b, w))
             elif kind == "tool_result" and role == "user":
-                if texts.text:  # keep the order: text that came before the result goes first
+                if texts:  # keep the order: text that came before the result goes first
                     out.append(texts.message("user"))
                     texts = _Content()
                 out.append(_tool_result(b, w))
@@ -185,7 +191,7 @@ def _messages(body: dict) -> list[dict]:
                 continue  # earlier turns' reasoning: chat templates leave it out
             else:
                 raise _unsupported(b, w)
-        if texts.text or calls:
+        if texts or calls:
             msg: dict[str, Any] = texts.message(role)
             if calls:
                 msg["tool_calls"] = calls
