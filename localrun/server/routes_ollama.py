@@ -53,7 +53,8 @@ async def tags(request: Request):
     st: State = request.app.state.lr
     models = await st.list_models()
     return {"models": [{"name": m.name, "model": m.name, "modified_at": _iso(m.modified_at), "size": m.size,
-                        "digest": m.digest.removeprefix("sha256:"), "details": m.details} for m in models]}
+                        "digest": m.digest.removeprefix("sha256:"), "details": m.details,
+                        "capabilities": m.capabilities} for m in models]}
 
 
 @router.get("/ps")
