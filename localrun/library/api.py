@@ -420,14 +420,10 @@ class Library:
                   f"FROM {r.name}")
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
                               r.adapter).to_text(header=header)
-        caps = ["completion"]
-        try:
-            from localrun.chat_template import template_supports_tools
+        from localrun.library.capabilities import model_capabilities, model_info as with_ide_keys
 
-            if r.template and template_supports_tools(r.template):
-                caps.append("tools")
-        except Exception:  # noqa: BLE001 - capabilities are informational
-            pass
+        caps = model_capabilities(r)
+        model_info = with_ide_keys(r, model_info)
         return {
             "modelfile": modelfile,
             "parameters": "\n".join(f"{k:<30} {v}" for k, v in parameter_lines(r.parameters)),

@@ -16,7 +16,7 @@ from localrun.library.modelfile import parse_modelfile
 from localrun.library.names import parse_name
 
 import localrun
-from localrun.backends.base import SamplingOptions
+from localrun.backends.base import Infill, SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
@@ -42,9 +42,13 @@ def _iso(dt: datetime) -> str:
     return dt.astimezone().isoformat()
 
 
+# The Ollama API level localrun speaks: clients gate on it (GitHub Copilot Chat refuses servers below 0.6.4).
+OLLAMA_API_VERSION = "0.12.6"
+
+
 @router.get("/version")
 async def version():
-    return {"version": localrun.__version__}
+    return {"version": OLLAMA_API_VERSION, "localrun_version": localrun.__version__}
 
 
 @router.get("/tags")
@@ -70,7 +74,14 @@ async def show(request: Request):
         mi = info.get("model_info")
         if isinstance(mi, dict):  # Ollama drops the big token arrays unless verbose
             info = {**info, "model_info": {k: v for k, v in mi.items() if not isinstance(v, list)}}
+    if "insert" in info.get("capabilities", ()) and ".Suffix" not in (info.get("template") or ""):
+        # Continue decides a model can fill in the middle by ".Suffix" in its Ollama (Go) template; ours is
+        # Jinja, and localrun lays the FIM tokens out itself: an inert Jinja comment says so
+        info = {**info, "template": (info.get("template") or "") + FIM_TEMPLATE_NOTE}
     return info
+
+
+FIM_TEMPLATE_NOTE = "{# .Suffix: fill-in-the-middle requests (suffix) are laid out with the model's FIM tokens #}"
 
 
 @router.post("/copy")
@@ -295,6 +306,8 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
     def final(gen: Generation, reason: str) -> dict:
         out = piece()
         out.update(done=True, done_reason="stop" if reason in ("abort", "tool_calls") else reason, **_stats(gen, t0))
+        if not chat and gen.prompt_ids is not None:  # /api/generate: the prompt's and the answer's token ids
+            out["context"] = [*gen.prompt_ids, *gen.output_ids.get(0, [])]
         return out
 
     if not stream:
@@ -374,13 +387,20 @@ async def generate(request: Request):
         raise InvalidRequest("'prompt' must be a string")
     if body.get("images"):
         raise InvalidRequest("images are not supported by localrun's models yet")
-    if not prompt:
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string")
+    if not prompt and not suffix:
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
-    job = Job(resolved, opts, prompt=prompt, raw=raw, system=c.get_str(body, "system"),
-              template=c.get_str(body, "template"), think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.generate")
+    # a suffix asks for the code between prompt and suffix (fill in the middle), laid out with the model's
+    # FIM tokens as Ollama's insert templates do; the model's chat template is not used then
+    infill = Infill(prefix=prompt or "", suffix=suffix) if suffix else None
+    job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=raw or infill is not None,
+              system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=_think(body),
+              num_ctx=num_ctx, keep_alive=st.keep_alive(body), api="ollama.generate", infill=infill,
+              prompt_ids=True)
     return await _run(request, st, body, job, chat=False)
 
 

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from localrun.backends.base import Infill
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
@@ -261,7 +262,10 @@ async def completions(request: Request):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string")
-    if not prompt.strip():
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string")
+    if not prompt.strip() and not suffix:
         raise InvalidRequest("'prompt' must not be empty")
     stream = p.get_bool(body, "stream")
     resolved = await st.resolve(model)
@@ -271,11 +275,13 @@ async def completions(request: Request):
     lp = p.get_int(body, "logprobs", 0, 5)
     if lp is not None:
         opts.logprobs, opts.top_logprobs = True, lp
-    if body.get("suffix"):
-        raise InvalidRequest("'suffix' is not supported")
     echo = p.get_bool(body, "echo")
-    job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body), n=n,
-              api="openai.completions")
+    # a suffix: fill in the middle between prompt and suffix (the model's FIM tokens; 400 without them)
+    infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
+    if infill is not None and echo:
+        raise InvalidRequest("'echo' cannot be used with 'suffix'")
+    job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=True, num_ctx=num_ctx,
+              keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill)
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
