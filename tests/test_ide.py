@@ -256,3 +256,19 @@ def test_continue_sequence(daemon, ref):
     g = client.generate(model=FIM, prompt=prefix, suffix=suffix, options={"temperature": 0, "num_predict": N})
     assert g.response == want and g.context[:g.prompt_eval_count] == ref.layout(prefix, suffix)
     assert "insert" in client.show(FIM).capabilities
+
+
+@pytest.mark.parametrize("route", ["infill", "ollama", "openai"])
+def test_bench_typing_smoke(daemon, route):
+    """`localrun bench typing` with tiny numbers: keystrokes at 20/s, stale requests given up (their
+    connections closed), the daemon serves the rest from the prefix cache and ends with nothing running."""
+    import asyncio
+
+    from localrun.bench.typing_edits import run_typing
+
+    res = asyncio.run(run_typing(daemon.url, route, FIM, file_tokens=300, edits=6, rate=20, max_tokens=4,
+                                 api_key=KEY))
+    assert res["edits"] == 6 and res["finished"] >= 1 and res["finished"] + res["given_up"] == 6
+    assert res["last_token_ms_p50"] > 0 and res["prompt_tokens_mean"] > 200
+    assert res["cached_tokens_max"] > 100  # the file's head came from the cache
+    daemon.wait_ps(lambda ms: all(m["active"] == 0 for m in ms))
