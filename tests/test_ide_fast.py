@@ -98,3 +98,29 @@ def test_infill_model_choice_without_a_model_field(home):
         assert r.status_code == 200 and r.json()["content"] == "a + b" and r.json()["model"] == MODEL
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/infill", {"input_prefix": "def add(", "input_suffix": ")", "stream": True}),
+    ("/api/generate", {"prompt": "def add(", "suffix": ")", "stream": True}),
+    ("/v1/completions", {"prompt": "def add(", "suffix": ")", "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "def add"}], "stream": True}),
+])
+def test_a_stale_completion_given_up_before_its_first_token_stops_the_work(home, path, body):
+    """An IDE gives the completion of the last keystroke up when the next one comes, often while the
+    prompt is still being computed: the backend request ends then, not after its first token."""
+    import time
+
+    fake, d = _daemon(home, supports_infill=True)
+    fake.token_delay = 3.0  # the first token takes 3 s (a long prefill)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(d.url + path, json={"model": MODEL, **body}, timeout=httpx.Timeout(30, read=0.3))
+        wait_until = time.monotonic() + 2.0
+        while not fake.aborted and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        assert len(fake.aborted) == 1 and fake.finished == [], (fake.aborted, fake.finished)
+        assert time.monotonic() - t0 < 2.0  # well before the first token would have come
+    finally:
+        d.stop()

@@ -496,10 +496,12 @@ class ClientGone(LocalrunError):
     code = "client_closed_request"
 
 
-async def until_disconnected(request: Any, coro) -> Any:
-    """Run `coro`, cancelling it when the HTTP client goes away (non-streamed requests); the
-    work stops (the backend aborts the request) and the route ends with ClientGone, which
-    nobody is left to read, instead of an exception escaping to the server."""
+async def until_disconnected(request: Any, coro, interval: float = 0.25) -> Any:
+    """Run `coro`, cancelling it when the HTTP client goes away (checked every `interval` seconds):
+    a non-streamed request, or a streamed one's start (queue, load, prefill: an IDE gives a stale
+    completion up at the next keystroke); the work stops (the backend aborts the request) and the
+    route ends with ClientGone, which nobody is left to read, instead of an exception escaping to
+    the server."""
     task = asyncio.ensure_future(coro)
     gone = False
 
@@ -510,7 +512,7 @@ async def until_disconnected(request: Any, coro) -> Any:
                 gone = True
                 task.cancel()
                 return
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(interval)
 
     watcher = asyncio.ensure_future(watch())
     try:

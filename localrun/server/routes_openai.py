@@ -16,6 +16,7 @@ from localrun.backends.base import Infill
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.routes_llama import START_POLL_S
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
@@ -225,7 +226,7 @@ async def chat_completions(request: Request):
                             "logprobs": _chat_logprobs(ch.logprobs) if opts.logprobs else None})
         return _body("chat.completion", cid, created, gen, choices)
 
-    gen = await st.generation.start(job)
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
     opened: set[int] = set()
 
     def render(ev, chunk):
@@ -292,7 +293,7 @@ async def completions(request: Request):
                     "logprobs": _completion_logprobs(ch.logprobs) if opts.logprobs else None} for ch in results]
         return _body("text_completion", cid, created, gen, choices)
 
-    gen = await st.generation.start(job)
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)  # stale IDE completions
     echoed: set[int] = set()
 
     def render(ev, chunk):
