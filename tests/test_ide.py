@@ -235,9 +235,10 @@ def test_continue_sequence(daemon, ref):
 
     h = daemon.http
     show = h.post("/api/show", json={"name": FIM}).json()
-    for line in show["parameters"].split("\n"):
-        if line:
-            assert re.match(r'^(\S+)\s+((?:".*")|\S+)$', line), line
+    for name in (FIM, MODEL):  # a line its pattern does not match throws before it looks for .Suffix
+        for line in h.post("/api/show", json={"name": name}).json()["parameters"].split("\n"):
+            if line:
+                assert re.match(r'^(\S+)\s+((?:".*")|\S+)$', line), line
     assert ".Suffix" in show["template"] and "insert" in show["capabilities"]
     assert ".Suffix" not in h.post("/api/show", json={"name": MODEL}).json()["template"]
     prefix, suffix = CASES[1]

@@ -6,6 +6,7 @@ The same routes run against llama.cpp and a real FIM model in test_ide.py."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -109,8 +110,6 @@ def test_infill_model_choice_without_a_model_field(home):
 def test_a_stale_completion_given_up_before_its_first_token_stops_the_work(home, path, body):
     """An IDE gives the completion of the last keystroke up when the next one comes, often while the
     prompt is still being computed: the backend request ends then, not after its first token."""
-    import time
-
     fake, d = _daemon(home, supports_infill=True)
     fake.token_delay = 3.0  # the first token takes 3 s (a long prefill)
     try:
@@ -122,5 +121,36 @@ def test_a_stale_completion_given_up_before_its_first_token_stops_the_work(home,
             time.sleep(0.02)
         assert len(fake.aborted) == 1 and fake.finished == [], (fake.aborted, fake.finished)
         assert time.monotonic() - t0 < 2.0  # well before the first token would have come
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_infill_t_max_predict_ms_ends_after_a_new_line(home, stream):
+    """llama-server's time limit (llama.vscode sends it): past t_max_predict_ms since the first token, once a
+    new line was generated, the answer ends there (stop_type "limit") and the backend request is aborted."""
+    fake = FakeModel(rules={"def add": "a\n" + "b" * 200}, token_delay=0.02, supports_infill=True)
+    d = InProcessDaemon(home, fake)
+    try:
+        body = {"model": MODEL, "input_prefix": "def add(", "input_suffix": ")", "t_max_predict_ms": 150,
+                "stream": stream}
+        r = httpx.post(d.url + "/infill", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+            content, last = "".join(e["content"] for e in events), events[-1]
+        else:
+            last = r.json()
+            content = last["content"]
+        assert content.startswith("a\nb") and len(content) < 100, content
+        assert last["stop_type"] == "limit" and last["has_new_line"] is True
+        assert last["tokens_predicted"] == len(content)  # one token a character
+        deadline = time.monotonic() + 5
+        while not fake.aborted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(fake.aborted) == 1 and fake.finished == []
+        # without the limit the whole answer comes
+        r = httpx.post(d.url + "/infill", json={**body, "t_max_predict_ms": None, "stream": False}, timeout=30)
+        assert r.json()["content"] == "a\n" + "b" * 200 and r.json()["stop_type"] == "eos"
     finally:
         d.stop()

@@ -11,6 +11,7 @@ llama-server's answer: ``content``, ``stop``, ``tokens_predicted``, ``tokens_eva
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -125,6 +126,30 @@ def _timings(gen: Generation) -> dict:
             "predicted_per_second": 1e3 * u.completion_tokens / predicted_ms if predicted_ms > 0 else 0.0}
 
 
+async def _bounded(gen: Generation, t_max_predict_ms: int | None) -> AsyncIterator[Delta | Done]:
+    """The generation's events; with t_max_predict_ms, llama-server's time limit: once a new line has
+    been generated and more than that many ms went by since the first token, it ends there (the backend
+    request is aborted), finish reason "length" (llama-server's stop_type "limit")."""
+    events = gen.events()
+    first, new_line = None, False
+    try:
+        async for ev in events:
+            if isinstance(ev, Done) or not t_max_predict_ms:
+                yield ev
+                continue
+            if isinstance(ev, Delta) and ev.content:
+                now = time.perf_counter()
+                first = first or now
+                new_line = new_line or "\n" in ev.content
+                yield ev
+                if new_line and (now - first) * 1e3 > t_max_predict_ms:
+                    gen.usage.completion_tokens = len(gen.output_ids.get(0, []))
+                    yield Done(0, "length", gen.usage)
+                    return
+    finally:
+        await events.aclose()
+
+
 def _stop_type(reason: str, stop_sequence: str | None) -> str:
     if reason == "length":
         return "limit"
@@ -152,6 +177,7 @@ async def infill(request: Request):
     resolved = await _model(st, body)
     opts, num_ctx = _options(body, resolved)
     fields = body.get("response_fields")
+    t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
     job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
               api="llama.infill", infill=Infill(prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra))
 
@@ -166,11 +192,18 @@ async def infill(request: Request):
     if not stream:
         async def run():
             gen = await st.generation.start(job)
+            parts: list[str] = []
+            done = None
             try:
-                ch = (await gen.collect())[0]
+                async for ev in _bounded(gen, t_max):
+                    if isinstance(ev, Delta):
+                        parts.append(ev.content)
+                    else:
+                        done = ev
             finally:
                 await gen.release()
-            return _fields(fields, final(gen, ch.content, ch.finish_reason, ch.stop_sequence))
+            reason, word = (done.finish_reason, done.stop_sequence) if done is not None else ("stop", None)
+            return _fields(fields, final(gen, "".join(parts), reason, word))
 
         return await until_disconnected(request, run())
 
@@ -180,14 +213,17 @@ async def infill(request: Request):
         return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
     async def produce() -> AsyncIterator[bytes]:
-        n = 0
-        async for ev in gen.events():
+        n, new_line = 0, False
+        async for ev in _bounded(gen, t_max):
             if isinstance(ev, Delta) and ev.content:
                 n += len(ev.token_ids)
+                new_line = new_line or "\n" in ev.content
                 yield data({"index": 0, "content": ev.content, "tokens": ev.token_ids, "stop": False, "id_slot": -1,
                             "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens})
             elif isinstance(ev, Done):
-                yield data(_fields(fields, final(gen, "", ev.finish_reason, ev.stop_sequence)))
+                out = final(gen, "", ev.finish_reason, ev.stop_sequence)
+                out["has_new_line"] = new_line
+                yield data(_fields(fields, out))
 
     def failed(exc: Exception) -> list[bytes]:
         if not isinstance(exc, LocalrunError):
