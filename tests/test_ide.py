@@ -273,3 +273,18 @@ def test_bench_typing_smoke(daemon, route):
     assert res["last_token_ms_p50"] > 0 and res["prompt_tokens_mean"] > 200
     assert res["cached_tokens_max"] > 100  # the file's head came from the cache
     daemon.wait_ps(lambda ms: all(m["active"] == 0 for m in ms))
+
+
+def test_zed_raw_fim_prompt(daemon, ref):
+    """Zed's Ollama edit prediction writes the FIM tokens into a raw /api/generate prompt itself (Qwen's
+    spelling for qwen2.5-coder models): they are read as the model's special tokens, and the answer is
+    the one llama.cpp gives to the same tokens."""
+    prefix, suffix = CASES[0]
+    r = daemon.http.post("/api/generate", json={
+        "model": FIM, "prompt": f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>", "raw": True,
+        "stream": False, "options": {"num_predict": N, "temperature": 0, "stop": ["<|endoftext|>", "<|fim_pad|>"]}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt_ids = body["context"][:body["prompt_eval_count"]]
+    assert prompt_ids[1] == ref.fim("pre") and prompt_ids[-1] == ref.fim("mid") and ref.fim("suf") in prompt_ids
+    assert body["response"] == ref.text(ref.greedy(prompt_ids, N))
