@@ -288,3 +288,23 @@ def test_zed_raw_fim_prompt(daemon, ref):
     prompt_ids = body["context"][:body["prompt_eval_count"]]
     assert prompt_ids[1] == ref.fim("pre") and prompt_ids[-1] == ref.fim("mid") and ref.fim("suf") in prompt_ids
     assert body["response"] == ref.text(ref.greedy(prompt_ids, N))
+
+
+def test_localrun_version_names_localrun_versions(daemon):
+    """`localrun --version` is unchanged; `localrun version` shows the daemon's localrun version, not the
+    Ollama API level /api/version answers for clients."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")},
+           "LOCALRUN_HOST": daemon.url.removeprefix("http://"), "LOCALRUN_API_KEY": KEY,
+           "LOCALRUN_HOME": str(daemon.home)}
+    r = subprocess.run([sys.executable, "-m", "localrun", "version"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"localrun version {localrun.__version__}" in r.stdout
+    assert f"daemon version {localrun.__version__} at" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "localrun", "--version"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and f"localrun version {localrun.__version__}" in r.stdout
