@@ -733,7 +733,8 @@ def cmd_version(args, client: DaemonClient) -> int:
     print(f"localrun version {__version__}")
     if client.is_up():
         try:
-            print(f"daemon version {client.version().get('version', '?')} at {client.base_url}")
+            v = client.version()
+            print(f"daemon version {v.get('localrun_version') or v.get('version', '?')} at {client.base_url}")
         except APIError as exc:
             print(f"daemon at {client.base_url}: {exc.message}")
     else:

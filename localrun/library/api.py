@@ -13,6 +13,7 @@ from typing import Any, Callable
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
 from localrun.library.capabilities import model_capabilities
+from localrun.library.capabilities import model_info as with_ide_keys
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
@@ -503,6 +504,7 @@ class Library:
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
                               r.adapter, str(r.projector) if r.projector else None).to_text(header=header)
         caps = model_capabilities(r)
+        model_info = with_ide_keys(r, model_info)
         out = {
             "modelfile": modelfile,
             "parameters": "\n".join(f"{k:<30} {v}" for k, v in parameter_lines(r.parameters)),
