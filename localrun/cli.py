@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from localrun import __version__
+from localrun.attachments import Attachment, AttachmentError, read_images, split_image_paths
 from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for, normalize_name
 from localrun.config import ENV_VARS, parse_duration, settings
 from localrun.errors import LocalrunError
@@ -352,6 +353,8 @@ def render_show(info: dict, verbose: bool = False) -> str:
     section("System", info.get("system"), limit=None if verbose else 4)
     section("License", info.get("license"), limit=None if verbose else 2)
     weights = [f"path      {info['weights_path']}"] if info.get("weights_path") else []
+    if info.get("projector_path"):
+        weights.append(f"projector {info['projector_path']}")
     if info.get("digest"):
         weights.append(f"digest    {info['digest']}")
     section("Weights", "\n".join(weights))
@@ -428,11 +431,21 @@ class Repl:
                 continue
             if not text.strip():
                 continue
-            if text.strip().startswith("/") and not text.startswith('"""'):
+            stripped, paths = split_image_paths(text)
+            starts_with_path = bool(paths) and text.strip().split()[0].strip("'\"").startswith(paths[0].split()[0])
+            if text.strip().startswith("/") and not text.startswith('"""') and not starts_with_path:
                 if self.command(text.strip()) == "bye":
                     return 0
                 continue
-            self.messages.append({"role": "user", "content": text})
+            msg: dict = {"role": "user", "content": text}
+            if paths:  # image files named in the message go with it as images (as `ollama run` does)
+                try:
+                    msg = {"role": "user", "content": stripped, "images": [a.b64 for a in read_images(paths)]}
+                except AttachmentError as exc:
+                    _err(str(exc))
+                    continue
+                print(f"Added image{'s' if len(paths) > 1 else ''} {', '.join(paths)}", file=sys.stderr)
+            self.messages.append(msg)
             try:
                 answer = stream_chat(self.client, self.model, self.messages, self.rs)
             except KeyboardInterrupt:
@@ -555,8 +568,20 @@ def parse_format(value: str | None) -> str | dict | None:
     return schema
 
 
+def run_images(args, prompt: str) -> tuple[str, list[Attachment]]:
+    """The --image files and the image paths written inside the prompt (which leave it), read and
+    checked before anything is sent; a missing, unreadable, too large or non-image file is a CLIError."""
+    prompt, in_prompt = split_image_paths(prompt)
+    try:
+        return prompt, read_images([*(args.image or []), *in_prompt])
+    except AttachmentError as e:
+        raise CLIError(str(e)) from None
+
+
 def cmd_run(args, client: DaemonClient) -> int:
-    prompt = " ".join(args.prompt)
+    if getattr(args, "attachments", None) is None:
+        args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
+    prompt, images = args.prompt_text, args.attachments
     piped = not sys.stdin.isatty()
     if piped and not args.plain:
         text = sys.stdin.read()
@@ -570,8 +595,11 @@ def cmd_run(args, client: DaemonClient) -> int:
     rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
                      wordwrap=not args.nowordwrap)
     ensure_model(client, args.model)
-    if prompt.strip():
-        stream_chat(client, args.model, [{"role": "user", "content": prompt}], rs)
+    if prompt.strip() or images:
+        msg: dict = {"role": "user", "content": prompt}
+        if images:
+            msg["images"] = [a.b64 for a in images]
+        stream_chat(client, args.model, [msg], rs)
         return 0
     if piped and not args.plain:  # empty stdin: just load the model, as `ollama run M </dev/null` does
         for _ in client.generate(args.model, "", keep_alive=args.keepalive):
@@ -601,10 +629,16 @@ def cmd_pull(args, client: DaemonClient) -> int:
     return 0 if last and last.get("status") == "success" else 1
 
 
+def list_capabilities(m: dict) -> str:
+    """What `list` shows of a model's capabilities: all but plain completion (vision, tools, ...)."""
+    caps = [str(c) for c in m.get("capabilities") or [] if c != "completion"]
+    return ", ".join(caps) or "-"
+
+
 def cmd_list(args, client: DaemonClient) -> int:
     rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
-             human_ago(m.get("modified_at"))] for m in client.tags()]
-    print(table(["NAME", "ID", "SIZE", "MODIFIED"], rows))
+             human_ago(m.get("modified_at")), list_capabilities(m)] for m in client.tags()]
+    print(table(["NAME", "ID", "SIZE", "MODIFIED", "CAPABILITIES"], rows))
     return 0
 
 
@@ -699,7 +733,8 @@ def cmd_version(args, client: DaemonClient) -> int:
     print(f"localrun version {__version__}")
     if client.is_up():
         try:
-            print(f"daemon version {client.version().get('version', '?')} at {client.base_url}")
+            v = client.version()
+            print(f"daemon version {v.get('localrun_version') or v.get('version', '?')} at {client.base_url}")
         except APIError as exc:
             print(f"daemon at {client.base_url}: {exc.message}")
     else:
@@ -775,6 +810,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--nowordwrap", action="store_true", help="don't break lines between words on a terminal")
     s.add_argument("--plain", action="store_true",
                    help="chat in a plain line REPL instead of the TUI (with piped stdin: one message per line)")
+    s.add_argument("--image", action="append", metavar="PATH",
+                   help="attach an image file to the prompt (repeatable; for vision models). An image file's "
+                        "path written inside the prompt is attached too")
 
     s = add("chat", "open the chat TUI")
     s.add_argument("model", nargs="?")
@@ -870,6 +908,8 @@ def _dispatch(argv: list[str]) -> int:
     if args.command == "serve":
         args.host = args.serve_host or args.host
         return cmd_serve(args)
+    if args.command == "run":  # a bad image file is the user's to fix before any daemon is asked
+        args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
     with DaemonClient(base_url_for(args.host)) as client:
         if args.version or args.command == "version":
             return cmd_version(args, client)

@@ -41,6 +41,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_SPECULATIVE": ("off", "speculative decoding: off | ngram (prompt lookup: drafts copied from the prompt and output, verified by the model; pays on summarise/quote/edit work) | draft:PATH (native engine: a small draft model with the same tokenizer, GGUF file or safetensors directory); greedy output is unchanged (Modelfile: PARAMETER speculative ngram)"),
     "LOCALRUN_SPECULATIVE_TOKENS": ("4", "tokens drafted per step when LOCALRUN_SPECULATIVE is on (Modelfile: PARAMETER num_speculative_tokens N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
+    "LOCALRUN_IMAGE_URLS": ("0", "1 = fetch http(s) image URLs named in requests (public addresses only: never loopback, private, link-local or reserved ones; bounded by LOCALRUN_IMAGE_MAX_BYTES and LOCALRUN_IMAGE_URL_TIMEOUT); 0 = only images sent inline (base64 / data URLs)"),
+    "LOCALRUN_IMAGE_URL_TIMEOUT": ("10s", "how long fetching one image URL may take, redirects included (LOCALRUN_IMAGE_URLS=1)"),
+    "LOCALRUN_IMAGE_MAX_BYTES": ("20MiB", "encoded image bytes one request may carry, all its images together (bytes, or a size like 20MiB)"),
+    "LOCALRUN_IMAGE_MAX_COUNT": ("16", "images one request may carry"),
+    "LOCALRUN_IMAGE_MAX_PIXELS": ("16777216", "pixels (width x height) one image may have; read from its header, so a decompression bomb is refused before it is decoded"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
@@ -220,6 +225,11 @@ class Settings:
     speculative: str = "off"  # off | ngram | draft:PATH
     speculative_tokens: int = 4
     allow_unauthenticated_bind: bool = False  # a non-loopback bind without an API key (containers)
+    image_urls: bool = False  # fetch http(s) image URLs (public addresses only)
+    image_url_timeout: float = 10.0  # seconds per image URL
+    image_max_bytes: int = 20 << 20  # encoded image bytes per request
+    image_max_count: int = 16  # images per request
+    image_max_pixels: int = 1 << 24  # width x height per image
 
     @property
     def models_dir(self) -> Path:
@@ -268,6 +278,11 @@ class Settings:
             "LOCALRUN_SPECULATIVE": self.speculative,
             "LOCALRUN_SPECULATIVE_TOKENS": str(self.speculative_tokens),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
+            "LOCALRUN_IMAGE_URLS": "1" if self.image_urls else "0",
+            "LOCALRUN_IMAGE_URL_TIMEOUT": f"{self.image_url_timeout:g}s",
+            "LOCALRUN_IMAGE_MAX_BYTES": str(self.image_max_bytes),
+            "LOCALRUN_IMAGE_MAX_COUNT": str(self.image_max_count),
+            "LOCALRUN_IMAGE_MAX_PIXELS": str(self.image_max_pixels),
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
@@ -323,6 +338,21 @@ def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*(b|kb|kib|mb|mib|gb|gib)?\s*$", re.I)
+_SIZE_UNITS = {"b": 1, "kb": 1000, "kib": 1 << 10, "mb": 1000**2, "mib": 1 << 20, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_size(name: str, raw: str | None, default: int, minimum: int = 1) -> int:
+    """A byte count: '1048576', '20MiB', '5 MB'."""
+    if raw is None or raw.strip() == "":
+        return default
+    m = _SIZE_RE.match(raw)
+    if not m:
+        raise ValueError(f"{name} must be a size in bytes (like 20MiB or 5000000), got {raw!r}")
+    v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()]
+    if v < minimum:
+        raise ValueError(f"{name} must be at least {minimum} bytes, got {raw!r}")
+    return v
 
 
 def _flag(name: str, raw: str | None) -> bool:
@@ -388,6 +418,12 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     speculative_tokens = _int("LOCALRUN_SPECULATIVE_TOKENS", e.get("LOCALRUN_SPECULATIVE_TOKENS"), 4, 1)
     if speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"LOCALRUN_SPECULATIVE_TOKENS must be at most {MAX_SPECULATIVE_TOKENS}, got {speculative_tokens}")
+    try:
+        image_url_timeout = parse_duration(e.get("LOCALRUN_IMAGE_URL_TIMEOUT"), default=10.0)
+    except ValueError as exc:
+        raise ValueError(f"LOCALRUN_IMAGE_URL_TIMEOUT: {exc}") from None
+    if image_url_timeout is None or not 0 < image_url_timeout <= 600:
+        raise ValueError("LOCALRUN_IMAGE_URL_TIMEOUT must be more than 0 and at most 10m")
     return Settings(
         home=home,
         host=host,
@@ -413,6 +449,11 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         speculative_tokens=speculative_tokens,
         allow_unauthenticated_bind=_flag("LOCALRUN_ALLOW_UNAUTHENTICATED_BIND",
                                          e.get("LOCALRUN_ALLOW_UNAUTHENTICATED_BIND")),
+        image_urls=_flag("LOCALRUN_IMAGE_URLS", e.get("LOCALRUN_IMAGE_URLS")),
+        image_url_timeout=image_url_timeout,
+        image_max_bytes=parse_size("LOCALRUN_IMAGE_MAX_BYTES", e.get("LOCALRUN_IMAGE_MAX_BYTES"), 20 << 20),
+        image_max_count=_int("LOCALRUN_IMAGE_MAX_COUNT", e.get("LOCALRUN_IMAGE_MAX_COUNT"), 16, 1),
+        image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
     )
 
 

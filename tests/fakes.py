@@ -73,6 +73,9 @@ class FakeModel:
     slots: int = 1
     supports_json_schema: bool = True
     supports_groups: bool = False  # n > 1 arrives as one group (GenerationRequest.group), all started at once
+    supports_images: bool = False  # takes GenerationRequest.images (counted as one token each)
+    supports_infill: bool = False  # fill in the middle: the prompt is prefix + suffix (one token a character)
+    max_token_bytes: int = 0
     fail_first: set[int] = field(default_factory=set)  # choice indexes (of a group) refused before any token
     fail_with: str | None = None  # a backend error raised mid-stream after 3 tokens
     loads: list[str] = field(default_factory=list)
@@ -101,7 +104,8 @@ class FakeBackend:
         self.info = BackendInfo(name="fake", device="CPU", processor="100% CPU", reason="a fake backend for tests",
                                 context_length=spec.num_ctx, slots=model.slots, size_bytes=1000,
                                 supports_json_schema=model.supports_json_schema,
-                                supports_groups=model.supports_groups)
+                                supports_groups=model.supports_groups, supports_images=model.supports_images,
+                                supports_infill=model.supports_infill, max_token_bytes=model.max_token_bytes)
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         return [ord(c) for c in text]
@@ -115,6 +119,12 @@ class FakeBackend:
         m.running_at_start.append(m.running)
         if request.group is not None and request.group[2] in m.fail_first:
             raise InvalidRequest(f"choice {request.group[2]} refused")
+        laid_out = request.infill is not None  # the backend's layout goes on the first chunk (Chunk.prompt_token_ids)
+        if request.infill is not None:
+            assert self.info.supports_infill, "the service must refuse an infill the backend cannot do"
+            inf = request.infill
+            request = GenerationRequest(prompt=inf.prefix + request.prompt + inf.suffix, options=o,
+                                        request_id=request.request_id)
         ids = request.prompt_token_ids or await self.tokenize(request.prompt)
         last = m.cached.get(self.spec.name, [])
         cached = 0
@@ -142,10 +152,10 @@ class FakeBackend:
                     await asyncio.sleep(m.token_delay)
                 n += 1
                 out, hit = stops.feed(ch)
-                if out or hit:
-                    yield Chunk(text=out, token_ids=[ord(ch)])
-                else:
-                    yield Chunk(text="", token_ids=[ord(ch)])
+                chunk = Chunk(text=out if (out or hit) else "", token_ids=[ord(ch)])
+                if laid_out:
+                    chunk.prompt_tokens, chunk.prompt_token_ids, laid_out = len(ids), list(ids), False
+                yield chunk
                 if hit:
                     finish = "stop"
                     break

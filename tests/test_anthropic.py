@@ -287,7 +287,7 @@ def test_output_config_format(home, daemon, fake):
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
-     "image content blocks are not supported"),
+     "cannot take images: it has no vision projector"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
         {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}]},
      "document content blocks are not supported"),

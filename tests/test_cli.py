@@ -211,7 +211,7 @@ def test_list(pulled):
     r = cli(pulled["env"], "ls")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert header.split() == ["NAME", "ID", "SIZE", "MODIFIED", "CAPABILITIES"]
     row = next(x for x in rows if x.startswith(MODEL))
     assert re.search(r"\b[0-9a-f]{12}\b", row) and " MB" in row and ("ago" in row or "just now" in row)
 

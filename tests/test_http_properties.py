@@ -236,6 +236,13 @@ ENDPOINTS = {
                         "system": st.one_of(ODD_TEXT, HOSTILE), "template": st.one_of(ODD_TEXT, HOSTILE),
                         "raw": mostly(st.booleans()), "think": mostly(st.booleans()), "images": HOSTILE, "suffix": HOSTILE, "context": HOSTILE,
                         "keep_alive": KEEP_ALIVE}),
+    "infill": _e("/infill", {"model": MODEL, "input_prefix": "def f(", "input_suffix": "\n", "n_predict": 8},
+                 {**SAMPLING, "model": MODEL_FIELD, "input_prefix": st.one_of(ODD_TEXT, HOSTILE),
+                  "input_suffix": st.one_of(ODD_TEXT, HOSTILE), "prompt": st.one_of(ODD_TEXT, HOSTILE),
+                  "input_extra": st.one_of(st.lists(st.fixed_dictionaries({"filename": st.one_of(ODD_TEXT, HOSTILE),
+                                                                           "text": st.one_of(ODD_TEXT, HOSTILE)})),
+                                           HOSTILE),
+                  "n_predict": COUNT, "stream": st.booleans(), "response_fields": HOSTILE, "seed": COUNT}),
     "api_embed": _e("/api/embed", {"model": MODEL, "input": "Hi"},
                     {"model": MODEL_FIELD, "input": st.one_of(ODD_TEXT, HOSTILE, st.lists(ODD_TEXT, max_size=300)),
                      "dimensions": COUNT, "truncate": HOSTILE, "options": OPTIONS, "keep_alive": KEEP_ALIVE}),
@@ -287,7 +294,11 @@ def _bodies(name: str):
 
 # -- the checks -----------------------------------------------------------------------------------
 def _error_shape(path: str, obj) -> None:
-    if path.startswith("/v1"):
+    if path == "/infill":  # llama-server's shape
+        assert isinstance(obj, dict) and isinstance(obj.get("error"), dict), obj
+        assert isinstance(obj["error"].get("message"), str) and obj["error"]["message"], obj
+        assert isinstance(obj["error"].get("code"), int), obj
+    elif path.startswith("/v1"):
         assert isinstance(obj, dict) and isinstance(obj.get("error"), dict), obj
         err = obj["error"]
         assert isinstance(err.get("message"), str) and err["message"], obj
@@ -300,7 +311,7 @@ def _check_stream(path: str, lines: list[str]) -> None:
     events = [x for x in lines if x.strip()]
     assert events, "an empty stream"
     for line in events:
-        if path.startswith("/v1"):
+        if path.startswith("/v1") or path == "/infill":
             if line.startswith(("event:", ":")):
                 continue
             assert line.startswith("data: "), line
@@ -372,6 +383,7 @@ test_openai_responses = _prop("responses", 80)
 test_ollama_chat = _prop("api_chat", 80)
 test_ollama_generate = _prop("api_generate", 60)
 test_ollama_embed = _prop("api_embed", 25)
+test_llama_server_infill = _prop("infill", 40)
 test_ollama_show = _prop("api_show", 20)
 test_ollama_pull = _prop("api_pull", 20)
 test_ollama_copy = _prop("api_copy", 20)

@@ -112,6 +112,10 @@ def test_completions_and_errors(served):
         served.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="context window"):
         served.completions.create(model="smollm2", prompt="word " * 1200, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="images are not supported on the Ray Serve ingress"):
+        served.chat.completions.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            {"type": "text", "text": "what is this?"}]}])
 
 
 TOPICS = [

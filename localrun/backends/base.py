@@ -57,6 +57,10 @@ class SamplingOptions:
 MEDIA_MARKER = "<__media__>"
 
 
+# llama-server's default n_batch: its /infill layout cuts the prefix (3/4) and the suffix (1/4) to fit one batch
+INFILL_BATCH = 2048
+
+
 @dataclass
 class Infill:
     prefix: str
@@ -86,6 +90,8 @@ class GenerationRequest:
     # and other files' chunks; the backend lays the prompt out with the model's FIM tokens (as
     # llama-server's /infill does), `prompt` going after the prefix
     infill: "Infill | None" = None
+    # the runner that tokenizes the prompt (window set) puts its ids on the first chunk (Chunk.prompt_token_ids)
+    return_prompt_ids: bool = False
     # texts of special (control) tokens the output keeps as text: a tool-call format's markers
     # (Mistral's [TOOL_CALLS], gpt-oss's <|channel|>, ...), which detokenizing drops otherwise
     preserve: list[str] | None = None
@@ -122,6 +128,7 @@ class Chunk:
     usage: Usage | None = None
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
     prompt_tokens: int | None = None  # on the first chunk when the runner tokenized the prompt (request.window)
+    prompt_token_ids: list[int] | None = None  # on the first chunk of an infill request: the laid-out prompt
 
 
 def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
@@ -130,7 +137,8 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
     lps = (a.logprobs or []) + (b.logprobs or []) if (a.logprobs or b.logprobs) else None
     return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
                  finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence,
-                 prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens)
+                 prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens,
+                 prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids)
 
 
 # Texts up to this many characters are tokenized on the caller's event loop (llama.cpp takes about

@@ -29,6 +29,7 @@ from localrun.backends.base import (
     BackendInfo,
     Chunk,
     GenerationRequest,
+    INFILL_BATCH,
     INLINE_TOKENIZE_CHARS,
     Infill,
     LoadSpec,
@@ -49,7 +50,6 @@ _EMBED_MAX_CTX = 2048
 # token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
 # chunk, not the whole prompt
 STEP_TOKENS = 512
-INFILL_BATCH = 2048  # llama-server's default n_batch, which its /infill layout cuts the prefix and suffix to
 
 
 def physical_cores() -> int:
@@ -427,6 +427,8 @@ class LlamaCppBackend:
                     raise item
                 if first:
                     item.prompt_tokens, first = len(tokens), False
+                    if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)
+                        item.prompt_token_ids = list(tokens)
                 yield item
                 req.delivered.set()
                 if item.finish_reason is not None:
@@ -534,7 +536,7 @@ class LlamaCppBackend:
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 bm = mtmd.mtmd_helper_bitmap_init_from_buf(self._mtmd, buf, len(data), False)
                 if not bm:
-                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF, BMP or WebP image")
+                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF or BMP image")
                 mtmd.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode("ascii"))
                 bitmaps.append(bm)
             text = mtmd.mtmd_input_text()

@@ -97,6 +97,8 @@ def request_to_wire(r: GenerationRequest) -> dict:
         d["images"] = [base64.b64encode(b).decode("ascii") for b in r.images]
     if r.infill is not None:
         d["infill"] = dict(r.infill.__dict__)
+    if r.return_prompt_ids:
+        d["rp"] = True
     return d
 
 
@@ -109,6 +111,7 @@ def request_from_wire(d: dict) -> GenerationRequest:
                              group=tuple(d["group"]) if d.get("group") else None, window=d.get("window"),
                              images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None,
                              infill=Infill(**d["infill"]) if d.get("infill") else None,
+                             return_prompt_ids=bool(d.get("rp")),
                              preserve=list(d["preserve"]) if d.get("preserve") else None)
 
 
@@ -125,13 +128,16 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["s"] = c.stop_sequence
     if c.prompt_tokens is not None:
         d["p"] = c.prompt_tokens
+    if c.prompt_token_ids is not None:
+        d["pi"] = c.prompt_token_ids
     return d
 
 
 def chunk_from_wire(d: dict) -> Chunk:
     lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
     return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
-                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"), prompt_tokens=d.get("p"))
+                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"), prompt_tokens=d.get("p"),
+                 prompt_token_ids=d.get("pi"))
 
 
 # -- load spec and info -----------------------------------------------------------------------

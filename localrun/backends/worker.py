@@ -129,6 +129,8 @@ class Runner:
                     break
                 if n_prompt is not None:
                     chunk.prompt_tokens, n_prompt = n_prompt, None
+                    if req.return_prompt_ids:
+                        chunk.prompt_token_ids = list(req.prompt_token_ids or [])
                 self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
                 if chunk.finish_reason is not None:
                     break

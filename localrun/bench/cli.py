@@ -12,6 +12,7 @@
     localrun bench gpu-check [--out results/] [--tiny]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
+    localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gr = sub.add_parser("grammar", help="JSON-schema grammar libraries: compile time and mask time per token")
     grammar.add_arguments(gr)
+
+    from localrun.bench import typing_edits  # stdlib only at module level
+
+    ty = sub.add_parser("typing", help="code completion while typing: fill-in-the-middle requests at 10/s, stale ones given up")
+    typing_edits.add_arguments(ty)
+    _add_common(ty)
 
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
@@ -504,6 +511,23 @@ def _cmd_fork(a: argparse.Namespace) -> int:
     return fork.run(a)
 
 
+def _cmd_typing(a: argparse.Namespace) -> int:
+    from localrun.bench import typing_edits
+    from localrun.bench.results import print_table
+
+    res = typing_edits.run(a)
+
+    def rows(con) -> None:
+        print_table(f"typing: {res['route']} at {res['url']}, {res['edits']} keystrokes at {res['rate']:g}/s, "
+                    f"{res['max_tokens']} tokens each",
+                    ["finished", "given up", "TTFT p50 ms", "TTFT p95 ms", "last token p50 ms", "last token p95 ms",
+                     "prompt tokens", "cached tokens"],
+                    [[res["finished"], res["given_up"], res["ttft_ms_p50"], res["ttft_ms_p95"], res["last_token_ms_p50"],
+                      res["last_token_ms_p95"], res["prompt_tokens_mean"], res["cached_tokens_mean"]]], con)
+
+    return _finish(res, a, rows)
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -513,7 +537,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar}
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing}
 
 
 def main(argv: list[str] | None = None) -> int:

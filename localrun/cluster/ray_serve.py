@@ -267,8 +267,11 @@ class OpenAIIngress:
             if body.get(key):
                 raise InvalidRequest(f"'{key}' is not supported on the Ray Serve ingress yet; use the localrun daemon")
         if chat:
-            job = Job(resolved=self.resolved, options=opts, messages=p.normalize_messages(body.get("messages")),
-                      think=_think(body))
+            messages = p.normalize_messages(body.get("messages"))
+            if any(m.get("images") for m in messages):
+                raise InvalidRequest("images are not supported on the Ray Serve ingress (its native engine has no "
+                                     "vision tower); use the localrun daemon with a vision model")
+            job = Job(resolved=self.resolved, options=opts, messages=messages, think=_think(body))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

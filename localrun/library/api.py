@@ -7,17 +7,20 @@ import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
+from localrun.library.capabilities import model_capabilities
+from localrun.library.capabilities import model_info as with_ide_keys
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
 from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_filename
 from localrun.library.paths import shown as shown_path, user_path_errors
-from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_safetensors
+from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
                                     MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
 
@@ -152,7 +155,32 @@ class Library:
                 return layers, {"source": {**source, "revision": hub.commit}, **more}
         digest, _ = hub.download(self.store, rf, prog, check=lambda p: read_gguf_info(p, display_name=rf.filename))
         self._pin(pins, digest)
-        return [self._gguf_layer(digest, rf.filename)], {"source": {**source, "file": rf.filename, "revision": hub.commit}}
+        layers = [self._gguf_layer(digest, rf.filename)]
+        source.update({"file": rf.filename, "revision": hub.commit})
+        proj = choose_projector(files, rf.filename)
+        if proj is not None:
+            layer = self._pull_projector(hub, proj, prog, pins)
+            if layer is not None:
+                layers.append(layer)
+                source["projector"] = proj.filename
+        return layers, {"source": source}
+
+    def _pull_projector(self, hub: Hub, rf: RemoteFile, prog: Progress, pins: list[str]) -> dict | None:
+        """The projector layer for an mmproj GGUF the repo ships beside the model, or None (with a
+        progress line saying why) when that file is not a vision projector (its architecture is not clip)."""
+        def check(p: Path) -> None:
+            arch = read_gguf_info(p, display_name=rf.filename).architecture
+            if arch != "clip":
+                raise _NotAProjector(arch)
+
+        try:
+            digest, size = hub.download(self.store, rf, prog, check=check)
+            check(self.store.blob_path(digest))  # also when those bytes were already in the store
+        except _NotAProjector as e:
+            prog.emit(f"skipping {rf.filename}: not a vision projector (its architecture is {e.args[0]!r}, not clip)")
+            return None
+        self._pin(pins, digest)
+        return _layer(MT_PROJECTOR, digest, size, rf.filename)
 
     def _pull_repo_safetensors(self, repo: str, prog: Progress, pins: list[str]):
         hub = Hub(repo)
@@ -434,10 +462,36 @@ class Library:
             except LocalrunError:
                 continue
             cfg = self._config(m)
+            caps = self._list_capabilities(m)
             out.append(ModelSummary(name=mn.display, digest=digest, size=sum(int(l["size"]) for l in m["layers"]),
                                     modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc),
-                                    details=dict(cfg.get("details") or {})))
+                                    details=dict(cfg.get("details") or {}), capabilities=caps))
         return sorted(out, key=lambda s: s.name)
+
+    def _list_capabilities(self, m: dict) -> list[str]:
+        """model_capabilities() from a manifest's layers, without resolve()'s side effects (a safetensors
+        model's view directory); [] when a part is missing or damaged (show and run say what is wrong)."""
+        info = projector = template = weights = None
+        files: dict[str, Path] = {}
+        try:
+            for l in m["layers"]:
+                mt = l["mediaType"]
+                if mt == MT_MODEL:
+                    weights = self.store.blob_path(l["digest"])
+                    info = _gguf_info(weights)
+                elif mt == MT_FILE:
+                    files[validate_filename(l["filename"])] = self.store.blob_path(l["digest"])
+                elif mt == MT_PROJECTOR:
+                    projector = self.store.blob_path(l["digest"])
+                elif mt == MT_TEMPLATE:
+                    template = self.store.read_small(l["digest"]).decode("utf-8", errors="replace")
+            if template is None:
+                template = info.chat_template if info is not None else (template_from_files(files) if files else None)
+        except (LocalrunError, OSError, ValueError, KeyError, TypeError):
+            return []
+        return model_capabilities(SimpleNamespace(info=info, projector=projector, template=template,
+                                                  format="gguf" if info is not None else "safetensors",
+                                                  weights=weights))
 
     def show(self, name: str) -> dict:
         r = self.resolve(name)
@@ -448,16 +502,10 @@ class Library:
         header = (f'Modelfile generated by "localrun show"\nTo build a new Modelfile based on this, replace FROM with:\n'
                   f"FROM {r.name}")
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
-                              r.adapter).to_text(header=header)
-        caps = ["completion"]
-        try:
-            from localrun.chat_template import template_supports_tools
-
-            if r.template and template_supports_tools(r.template):
-                caps.append("tools")
-        except Exception:  # noqa: BLE001 - capabilities are informational
-            pass
-        return {
+                              r.adapter, str(r.projector) if r.projector else None).to_text(header=header)
+        caps = model_capabilities(r)
+        model_info = with_ide_keys(r, model_info)
+        out = {
             "modelfile": modelfile,
             "parameters": "\n".join(f"{k:<30} {v}" for k, v in parameter_lines(r.parameters)),
             "template": r.template or "",
@@ -474,6 +522,10 @@ class Library:
             "size": r.size,
             "source": cfg.get("source") or {},
         }
+        if r.projector is not None:  # Ollama's projector_info: the projector GGUF's metadata
+            out["projector_info"] = _gguf_info(r.projector).model_info()
+            out["projector_path"] = str(r.projector)
+        return out
 
     # ------------------------------------------------------------------ copy / remove
     def copy(self, src: str, dst: str) -> None:
@@ -494,6 +546,10 @@ class Library:
         found = self._find(mn)
         self.store.delete_manifest(found)
         self.store.gc()
+
+
+class _NotAProjector(Exception):
+    """An mmproj-named GGUF whose architecture is not clip (carries the architecture)."""
 
 
 def _check_st(path: Path, name: str) -> None:

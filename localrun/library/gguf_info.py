@@ -426,4 +426,48 @@ def _walk(buf, size: int) -> GGUFInfo:
     )
 
 
-__all__ = ["GGUFInfo", "read_gguf_info", "format_parameter_count"]
+def has_token_texts(path: str, size: int, groups) -> bool:
+    """Whether the GGUF's vocabulary (tokenizer.ggml.tokens) holds one text of every group (sets of
+    str): the header is walked to the token list (bounded: the walker's limits; one comparison per
+    token whose length matches one of the texts)."""
+    wanted = [{t.encode() for t in group} for group in groups]
+    lengths = {len(t) for group in wanted for t in group}
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            w = _Walker(buf, size)
+            if bytes(buf[0:4]) != GGUF_MAGIC:
+                return False
+            w.pos = 4
+            w.u32("version")
+            w.u64("tensor count")
+            n_kv = w.u64("metadata count")
+            T, _, _ = _value_types()
+            for i in range(min(n_kv, 1 << 16)):
+                key = w.string(f"metadata key #{i}", limit=MAX_KEY_LEN)
+                vtype = w.u32("type")
+                if key != "tokenizer.ggml.tokens":
+                    _read_value(w, vtype, key, 0, keep=False)
+                    continue
+                if vtype != int(T.ARRAY) or w.u32("array type") != int(T.STRING):
+                    return False
+                count = w.u64("array length")
+                found = [False] * len(wanted)
+                pos, end, unpack = w.pos, size, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    if pos + 8 > end:
+                        return False
+                    n = unpack(buf, pos)[0]
+                    pos += 8
+                    if n in lengths:
+                        text = buf[pos:pos + n]
+                        for g, group in enumerate(wanted):
+                            if text in group:
+                                found[g] = True
+                    pos += n
+                return all(found)
+    except (OSError, ValueError, _Bad, struct.error):
+        return False
+    return False
+
+
+__all__ = ["GGUFInfo", "read_gguf_info", "format_parameter_count", "has_token_texts"]

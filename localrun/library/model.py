@@ -44,6 +44,7 @@ class ModelSummary:
     size: int
     modified_at: datetime
     details: dict[str, Any]
+    capabilities: list[str] = field(default_factory=list)  # as show's (localrun.library.capabilities)
 
 
 @dataclass

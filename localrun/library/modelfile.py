@@ -73,7 +73,7 @@ class Modelfile:
 
     def to_text(self, from_: str | None = None, header: str | None = None) -> str:
         return render_modelfile(from_ or self.from_ or "", self.parameters, self.template, self.system,
-                                self.messages, self.license, self.adapter, header=header)
+                                self.messages, self.license, self.adapter, header=header, projector=self.projector)
 
 
 def _err(line: int, msg: str) -> InvalidRequest:
@@ -280,11 +280,13 @@ def parameter_lines(parameters: dict[str, Any]) -> list[tuple[str, str]]:
 
 def render_modelfile(from_: str, parameters: dict, template: str | None, system: str | None,
                      messages: list[dict], license: str | None, adapter: str | None,
-                     header: str | None = None) -> str:
+                     header: str | None = None, projector: str | None = None) -> str:
     out = []
     if header:
         out += [f"# {h}" if h else "#" for h in header.splitlines()] + [""]
     out.append(f"FROM {from_}")
+    if projector:
+        out.append(f"FROM {projector}")
     if template:
         out.append(f"TEMPLATE {_quote(template)}")
     if system:

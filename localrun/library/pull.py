@@ -327,9 +327,49 @@ def choose_gguf(files: list[RemoteFile], quant: str | None, repo: str) -> Remote
         return sorted(singles, key=lambda f: len(f.filename))[0]
     if hits:
         raise InvalidRequest(f"{repo}: the {quant} GGUF is split into parts, which localrun cannot load yet; pick another quant")
-    quants = sorted({m.group(0) for f in ggufs for m in [re.search(r"(?<![A-Z0-9])(I?Q\d[A-Z0-9_]*|F16|BF16|F32)(?![A-Z0-9])",
-                                                                        f.filename.upper())] if m})
+    quants = sorted({q for f in ggufs for q in [quant_of(f.filename)] if q})
     raise NotFound(f"{repo} has no {quant} GGUF; available: {', '.join(quants) or ', '.join(f.filename for f in ggufs)}")
+
+
+_QUANT = re.compile(r"(?<![A-Z0-9])(I?Q\d[A-Z0-9_]*|BF16|F16|F32)(?![A-Z0-9])")
+
+
+def quant_of(filename: str) -> str | None:
+    """The quant tag a GGUF's file name carries (Q4_K_M, Q8_0, IQ4_XS, F16, BF16, F32), upper-case."""
+    m = _QUANT.search(filename.upper())
+    return m.group(1) if m else None
+
+
+def _precision_family(quant: str | None) -> str | None:
+    if quant in ("BF16", "F16", "F32"):
+        return quant
+    if quant and (quant.startswith("Q") or quant.startswith("IQ")):
+        return "Q"
+    return None
+
+
+def choose_projector(files: list[RemoteFile], model_file: str) -> RemoteFile | None:
+    """The vision projector (an mmproj-*.gguf beside the model) to pull with ``model_file``: the one of
+    the model's own quant, else of its precision family (BF16, F16, F32, or quantized), else F16, else
+    the first by name. None when the repo ships no projector."""
+    projs = sorted((f for f in files if "/" not in f.filename and f.filename.lower().endswith(".gguf")
+                    and "mmproj" in f.filename.lower() and not _SPLIT_GGUF.search(f.filename)),
+                   key=lambda f: f.filename)
+    if not projs:
+        return None
+    quant = quant_of(model_file)
+    by_quant = [(quant_of(f.filename), f) for f in projs]
+    for q, f in by_quant:
+        if quant is not None and q == quant:
+            return f
+    fam = _precision_family(quant)
+    for q, f in by_quant:
+        if fam is not None and _precision_family(q) == fam:
+            return f
+    for q, f in by_quant:
+        if q == "F16":
+            return f
+    return projs[0]
 
 
 def choose_safetensors(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
@@ -342,5 +382,5 @@ def choose_safetensors(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
     return sorted(keep, key=lambda f: f.filename)
 
 
-__all__ = ["Hub", "HubUnreachable", "Progress", "RemoteFile", "choose_gguf", "choose_safetensors", "hub_endpoint",
-           "hub_offline"]
+__all__ = ["Hub", "HubUnreachable", "Progress", "RemoteFile", "choose_gguf", "choose_projector", "choose_safetensors",
+           "hub_endpoint", "hub_offline", "quant_of"]

@@ -72,6 +72,10 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
     {"error": "..."} elsewhere."""
     if path.startswith("/v1/messages"):
         return anthropic_error(status, message)
+    if path == "/infill":  # llama-server's shape
+        from localrun.server.routes_llama import error_shape
+
+        return error_shape(status, message)
     if path.startswith("/v1"):
         etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
         if status == 401:
@@ -272,6 +276,7 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
         return Response(await state.metrics.render(), media_type=CONTENT_TYPE)
 
     from localrun.server.routes_anthropic import router as anthropic_router
+    from localrun.server.routes_llama import router as llama_router
     from localrun.server.routes_ollama import router as ollama_router
     from localrun.server.routes_openai import router as openai_router
     from localrun.server.routes_responses import router as responses_router
@@ -280,6 +285,7 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
     app.include_router(responses_router)
     app.include_router(anthropic_router)
     app.include_router(ollama_router)
+    app.include_router(llama_router)
 
     app.add_middleware(ErrorMiddleware)  # innermost of ours: a bug is a shaped 500, the connection lives on
     if s.origins:

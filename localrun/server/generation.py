@@ -7,7 +7,9 @@ it gets back into its own wire shape. The checks live here, once:
 
 1. render the prompt (the model's template in the sandbox; Modelfile SYSTEM/MESSAGE),
 2. lease the model (queue, admission, load: the model manager),
-3. check the backend can do what the job asks (JSON schema, ...): 400 up front,
+3. check the backend can do what the job asks (JSON schema, images, ...): 400 up front; images
+   are checked and decoded before the lease (server/images.py: a model without a projector, too
+   many, too big, a bomb, corrupt, a URL while fetching is off: 400 naming the part),
 4. tokenize once (n choices share the prompt), check the context window (400 naming it),
    cap max_tokens at the room left (``fit_window``). A runner process tokenizes a single
    choice's prompt itself, with that same check, as part of starting it: one round trip to
@@ -31,9 +33,11 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage, fit_window
+from localrun.backends.base import (INFILL_BATCH, MEDIA_MARKER, Chunk, GenerationRequest, Infill, SamplingOptions,
+                                    TokenLogprob, Usage, fit_window)
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
+from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_harmony, reasoning_for
 from localrun.server.tool_formats import learn as learn_tool_format
@@ -57,6 +61,14 @@ class Job:
     n: int = 1
     add_special: bool = True
     api: str = "openai"  # for metrics and logs
+    # images (server.images.ImageInput), in the order of the MEDIA_MARKERs the rendered prompt holds:
+    # a translator puts a marker in the message text (or prompt) where each image goes
+    images: list | None = None
+    # fill in the middle: the code before and after the cursor (and other files' chunks); `prompt` (raw)
+    # goes after the prefix, as llama-server's /infill takes it. The backend lays it out with the
+    # model's FIM tokens; a model without them is a 400.
+    infill: Infill | None = None
+    prompt_ids: bool = False  # keep the prompt's token ids (Generation.prompt_ids: Ollama's `context`)
 
 
 @dataclass
@@ -119,6 +131,8 @@ class Generation:
         self._released = False
         self._started = False
         self.interrupted: BaseException | None = None  # set when the daemon ends this generation early
+        self.prompt_ids: list[int] | None = requests[0].prompt_token_ids if job.prompt_ids else None
+        self.output_ids: dict[int, list[int]] = {}  # every token each choice generated (Ollama's `context`)
 
     @property
     def load_seconds(self) -> float:
@@ -150,6 +164,8 @@ class Generation:
             raise
         if chunks[0].prompt_tokens is not None:  # the runner tokenized the prompt (request.window)
             self.prompt_tokens = self.usage.prompt_tokens = chunks[0].prompt_tokens
+        if self.job.prompt_ids and chunks[0].prompt_token_ids is not None:  # the runner's tokens or infill layout
+            self.prompt_ids = list(chunks[0].prompt_token_ids)
         self._first = dict(enumerate(zip(streams, chunks)))
 
     async def release(self) -> None:
@@ -206,6 +222,7 @@ class Generation:
                         if chunk.token_ids:
                             first_at = first_at or now
                             last_at = now
+                            self.output_ids.setdefault(i, []).extend(chunk.token_ids)
                         reasoning, content = parser.feed(chunk.text) if chunk.text else ("", "")
                         if hide_reasoning:
                             reasoning = ""
@@ -296,15 +313,21 @@ class GenerationService:
         on anything the request itself got wrong, before any response is sent."""
         self._admit()
         t0 = time.perf_counter()
+        images = await self._images(job)
         prompt, reasoning = await self._render(job)
+        if images:
+            self._check_markers(prompt, images)
         lease, release = await self._lease(job)
         gen = None
         try:
             self._admit()  # it may have waited in the queue while the daemon began to stop
             self._check_capabilities(job, lease)
             self._check_length(prompt, lease)
-            if job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False):
+            if job.infill is not None:  # the backend lays the prompt out (and checks the window)
                 requests = self._requests(job, lease, prompt, None)
+            elif images or (job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False)):
+                # the runner tokenizes (a prompt with images only it can: image tokens come from the projector)
+                requests = self._requests(job, lease, prompt, None, images)
             else:
                 ids = await lease.backend.tokenize(prompt, add_special=job.add_special)
                 requests = self._requests(job, lease, prompt, ids)
@@ -324,6 +347,16 @@ class GenerationService:
         """The length in tokens of the prompt `job` renders to, by its model's own template and
         tokenizer; nothing is generated (the model is loaded, or kept, for its tokenizer)."""
         self._admit()
+        if job.images:
+            # image tokens are known once the runner has laid the prompt out with the projector: start it
+            # (prefill and one token, its prefix then cached for the real request) and read its length
+            opts = replace(job.options, max_tokens=1, json_schema=None, json_mode=False, logit_bias=None,
+                           logprobs=False, stop=[], stop_token_ids=[])
+            gen = await self.start(replace(job, options=opts, n=1, tools=job.tools))
+            try:
+                return gen.prompt_tokens
+            finally:
+                await gen.release()
         prompt, _ = await self._render(job)
         lease, release = await self._lease(job)
         try:
@@ -349,6 +382,8 @@ class GenerationService:
     @staticmethod
     async def _render(job: Job) -> tuple[str, Reasoning | None]:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
+        if job.infill is not None:  # laid out by the backend with the model's FIM tokens, no template
+            return job.prompt or "", None
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
         prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
@@ -356,6 +391,25 @@ class GenerationService:
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
                                  "<think> block); leave thinking unset or turn it off")
         return prompt, reasoning
+
+    async def _images(self, job: Job) -> list[bytes] | None:
+        """The job's images as bytes, every bound checked (server/images.py), or None. A model
+        without a vision projector is refused here, before anything is loaded or fetched."""
+        if not job.images:
+            return None
+        if getattr(job.resolved, "projector", None) is None:
+            raise InvalidRequest(f"{job.resolved.name} cannot take images: it has no vision projector. Send text "
+                                 "only, or use a vision model (one pulled with its projector, or created with a "
+                                 "second FROM naming its mmproj GGUF)")
+        return await load_images(job.images, self.manager.settings)
+
+    @staticmethod
+    def _check_markers(prompt: str, images: list[bytes]) -> None:
+        found = prompt.count(MEDIA_MARKER)
+        if found != len(images):
+            raise InvalidRequest(f"the rendered prompt holds {found} image place(s) for {len(images)} image(s): the "
+                                 f"text {MEDIA_MARKER} is reserved for images, and the model's template must keep "
+                                 "every message that carries one")
 
     async def _lease(self, job: Job) -> tuple[Lease, Callable[[], Awaitable[None]]]:
         cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive)
@@ -379,9 +433,40 @@ class GenerationService:
                                  "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+        if job.images and not info.supports_images:
+            raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot take images yet; "
+                                 "run it with LOCALRUN_BACKEND=llamacpp (or auto) to send it images")
+        if job.infill is not None and not info.supports_infill:
+            raise InvalidRequest(infill_refusal(job.resolved.name, info.name))
         if o.logit_bias and not info.supports_logit_bias:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which does not take "
                                  "logit_bias; use LOCALRUN_BACKEND=llamacpp for it")
+
+    @staticmethod
+    def _trim_infill(job: Job, lease: Lease) -> Infill:
+        """The infill with texts no longer than the layout can use: the backend keeps the prefix's last
+        3/4 x INFILL_BATCH tokens, the suffix's first 1/4 and as many tokens of the extra chunks as the
+        window holds, and no token is longer than max_token_bytes, so characters beyond that (plus a
+        margin for the tokens at the cut) cannot reach the model: a 30 MB file costs no 30 s tokenizing."""
+        inf = job.infill
+        per_token = lease.backend.info.max_token_bytes
+        if inf is None or not per_token:
+            return inf
+        margin = 4096
+        keep_pre = per_token * (3 * (INFILL_BATCH // 4)) + margin
+        keep_suf = per_token * (INFILL_BATCH // 4) + margin
+        room = per_token * lease.num_ctx + margin
+        extra: list[dict] = []
+        for chunk in reversed(inf.extra):  # the layout keeps the extra tokens nearest the prefix
+            if room <= 0:
+                break
+            text = chunk.get("text") or ""
+            text = text[-room:] if len(text) > room else text
+            room -= len(text) + len(chunk.get("filename") or "")
+            extra.append({**chunk, "text": text})
+        extra.reverse()
+        return Infill(prefix=inf.prefix[-keep_pre:] if len(inf.prefix) > keep_pre else inf.prefix,
+                      suffix=inf.suffix[:keep_suf], extra=extra)
 
     @staticmethod
     def _check_length(prompt: str, lease: Lease) -> None:
@@ -394,20 +479,39 @@ class GenerationService:
                                  "num_ctx")
 
     @staticmethod
-    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None) -> list[GenerationRequest]:
-        """The backend requests of `job`; `ids` None: the runner tokenizes and checks the window."""
+    def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None,
+                  images: list[bytes] | None = None) -> list[GenerationRequest]:
+        """The backend requests of `job`; `ids` None: the runner tokenizes and checks the window.
+        Every choice carries the images (the same bytes objects)."""
         o = replace(job.options, stop=list(job.options.stop), stop_token_ids=list(job.options.stop_token_ids))
-        if ids is None:
-            return [GenerationRequest(prompt=prompt, options=o, request_id=uuid.uuid4().hex,
-                                      add_special=job.add_special, window=lease.num_ctx, preserve=_preserve(job))]
-        o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
+        if job.infill is not None:  # n separate requests, each laid out and window-checked by the backend
+            infill = GenerationService._trim_infill(job, lease)
+            return [GenerationRequest(prompt=prompt, options=replace(o, seed=o.seed + i) if (o.seed is not None and i)
+                                      else o, request_id=uuid.uuid4().hex, window=lease.num_ctx, infill=infill)
+                    for i in range(job.n)]
+        if ids is not None:
+            o.max_tokens = fit_window(len(ids), lease.num_ctx, o.max_tokens)
         out = []
         gid = uuid.uuid4().hex if job.n > 1 and lease.backend.info.supports_groups else None
         for i in range(job.n):
             oi = replace(o, seed=o.seed + i) if (o.seed is not None and i) else o
-            out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                         group=(gid, job.n, i) if gid else None, preserve=_preserve(job)))
+            if ids is None:
+                oi = replace(oi, stop=list(oi.stop), stop_token_ids=list(oi.stop_token_ids))  # the runner caps each
+                out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
+                                             add_special=job.add_special, window=lease.num_ctx, images=images,
+                                             return_prompt_ids=job.prompt_ids, group=(gid, job.n, i) if gid else None,
+                                             preserve=_preserve(job)))
+            else:
+                out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
+                                             prompt_token_ids=ids, group=(gid, job.n, i) if gid else None,
+                                             preserve=_preserve(job)))
         return out
+
+
+def infill_refusal(model: str, backend: str) -> str:
+    return (f"{model} cannot fill in the middle (suffix / input_suffix) on the {backend} backend: its vocabulary "
+            "has no fill-in-the-middle tokens, or its backend cannot lay them out (llama.cpp can); use a code model "
+            "with FIM tokens such as Qwen2.5-Coder, or send the prompt without a suffix")
 
 
 def _preserve(job: Job) -> list[str] | None:
@@ -456,10 +560,12 @@ class ClientGone(LocalrunError):
     code = "client_closed_request"
 
 
-async def until_disconnected(request: Any, coro) -> Any:
-    """Run `coro`, cancelling it when the HTTP client goes away (non-streamed requests); the
-    work stops (the backend aborts the request) and the route ends with ClientGone, which
-    nobody is left to read, instead of an exception escaping to the server."""
+async def until_disconnected(request: Any, coro, interval: float = 0.25) -> Any:
+    """Run `coro`, cancelling it when the HTTP client goes away (checked every `interval` seconds):
+    a non-streamed request, or a streamed one's start (queue, load, prefill: an IDE gives a stale
+    completion up at the next keystroke); the work stops (the backend aborts the request) and the
+    route ends with ClientGone, which nobody is left to read, instead of an exception escaping to
+    the server."""
     task = asyncio.ensure_future(coro)
     gone = False
 
@@ -470,7 +576,7 @@ async def until_disconnected(request: Any, coro) -> Any:
                 gone = True
                 task.cancel()
                 return
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(interval)
 
     watcher = asyncio.ensure_future(watch())
     try:

@@ -14,6 +14,7 @@ from typing import Any
 from localrun.backends.base import SamplingOptions
 from localrun.chat_template import template_supports_tools
 from localrun.errors import InvalidRequest
+from localrun.server import images as img
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -178,24 +179,37 @@ def base_options(resolved: Any) -> tuple[SamplingOptions, int | None]:
 
 
 # -- messages and prompts ----------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, images: list | None = None) -> str:
+    """A message's text; OpenAI image_url parts (when `images` collects them) become MEDIA_MARKER
+    where they stand, the image going on `images`."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
         parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") not in ("text", "input_text"):
-                raise InvalidRequest(f"{where}: only text content parts are supported")
+        for k, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind == "image_url" and images is not None:
+                ref = p.get("image_url")
+                url = ref.get("url") if isinstance(ref, dict) else ref  # {"url", "detail"}; detail is ignored
+                images.append(img.from_url(url, f"{where}.content[{k}]"))
+                parts.append(img.markers(1))
+                continue
+            if kind not in ("text", "input_text"):
+                raise InvalidRequest(f"{where}: only text and image_url content parts are supported")
             if not isinstance(p.get("text"), str):
                 raise InvalidRequest(f"{where}: a text part needs a 'text' string")
             parts.append(p["text"])
         return "".join(parts)
-    raise InvalidRequest(f"{where}: 'content' must be a string or a list of text parts")
+    raise InvalidRequest(f"{where}: 'content' must be a string or a list of content parts")
 
 
-def normalize_messages(messages: Any) -> list[dict]:
+def normalize_messages(messages: Any, ollama_images: bool = False) -> list[dict]:
+    """Chat messages in the service's shape. A message with images keeps them under "images" (a
+    list of images.ImageInput, in the order of the MEDIA_MARKERs in its content; take them off with
+    images.take_images): OpenAI image_url parts; with `ollama_images`, Ollama's "images" (base64
+    strings, placed before the text as Ollama does); or ImageInputs a translator put there."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list")
     out = []
@@ -205,8 +219,18 @@ def normalize_messages(messages: Any) -> list[dict]:
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
             raise InvalidRequest(f"messages[{i}].role must be system, user, assistant or tool")
+        images: list = [x for x in m.get("images") or () if isinstance(x, img.ImageInput)] \
+            if isinstance(m.get("images"), list) else []
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _content_text(m.get("content"), f"messages[{i}]")}
+                               "content": _content_text(m.get("content"), f"messages[{i}]", images)}
+        if ollama_images and m.get("images") is not None:
+            if not isinstance(m["images"], list):
+                raise InvalidRequest(f"messages[{i}].images must be a list of base64 strings")
+            given = [img.from_base64(b, f"messages[{i}].images[{k}]") for k, b in enumerate(m["images"])]
+            msg["content"] = img.markers(len(given)) + msg["content"]
+            images = given + images
+        if images:
+            msg["images"] = images
         if m.get("tool_calls"):
             calls = m["tool_calls"]
             if not isinstance(calls, list):

@@ -5,7 +5,8 @@ the generation service's events -> Anthropic's SSE events or one message object.
 - ``system`` (a string or text blocks) -> a system message. Content blocks: text -> content,
   ``tool_use`` (assistant) -> tool calls, ``tool_result`` (user) -> tool messages (``is_error``
   results are marked "Error: "), ``thinking`` blocks of earlier turns are dropped (chat
-  templates drop old reasoning too); images and documents are a 400. A final assistant turn
+  templates drop old reasoning too); ``image`` blocks (``base64`` or ``url`` source, also inside a
+  tool_result) go where they stand (server/images.py); documents are a 400. A final assistant turn
   (prefill, which Anthropic continues) is a 400 on /v1/messages: localrun cannot continue a turn.
 - ``tools`` ({name, description, input_schema}) -> function tools; ``tool_choice`` auto / any /
   tool / none -> auto / required / that tool / none.
@@ -30,10 +31,11 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from localrun.backends.base import SamplingOptions, Usage
+from localrun.backends.base import MEDIA_MARKER, SamplingOptions, Usage
 from localrun.errors import Busy, InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.app import anthropic_error
+from localrun.server.images import ImageInput, from_base64, from_url, take_images
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.state import State, generation_response, json_body
 
@@ -53,8 +55,8 @@ class Overloaded(Busy):
 # -- request -> job ------------------------------------------------------------------------------
 def _unsupported(block: Any, where: str) -> InvalidRequest:
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind in ("image", "document"):
-        return InvalidRequest(f"{where}: {kind} content blocks are not supported (localrun's models read text only)")
+    if kind == "document":
+        return InvalidRequest(f"{where}: document content blocks are not supported (send the text, or images)")
     return InvalidRequest(f"{where}: content blocks of type {json.dumps(kind)} are not supported here")
 
 
@@ -78,13 +80,67 @@ def _texts(value: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+def _image(b: dict, where: str) -> ImageInput:
+    """An image block's source: base64 data, or a URL (fetched only when the daemon allows it)."""
+    src = b.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "base64":
+        media = src.get("media_type")
+        if media is not None and (not isinstance(media, str) or not media.startswith("image/")):
+            raise InvalidRequest(f"{where}: an image's media_type must be image/..., got {json.dumps(media)[:40]}")
+        return from_base64(src.get("data"), where)
+    if kind == "url":
+        return from_url(src.get("url"), where)
+    raise InvalidRequest(f"{where}: an image block needs a source of type base64 or url")
+
+
+class _Content:
+    """A message's text pieces (joined by newlines) with MEDIA_MARKER where its images stand."""
+
+    def __init__(self) -> None:
+        self.text, self.images, self._after_text = "", [], False
+        self.blocks = 0
+
+    def __bool__(self) -> bool:  # any block at all (an empty text block too, as before)
+        return self.blocks > 0
+
+    def add_text(self, t: str) -> None:
+        self.text += ("\n" if self._after_text else "") + t
+        self.blocks += 1
+        self._after_text = True
+
+    def add_image(self, image: ImageInput) -> None:
+        self.text += MEDIA_MARKER
+        self.blocks += 1
+        self.images.append(image)
+        self._after_text = False
+
+    def message(self, role: str) -> dict:
+        return {"role": role, "content": self.text, **({"images": self.images} if self.images else {})}
+
+
 def _tool_result(b: dict, where: str) -> dict:
     if not isinstance(b.get("tool_use_id"), str):
         raise InvalidRequest(f"{where}: a tool_result block needs a 'tool_use_id' string")
-    content = _texts(b.get("content") or "", f"{where}.content")
+    value = b.get("content") or ""
+    body = _Content()
+    if isinstance(value, list):
+        for j, x in enumerate(value):
+            w = f"{where}.content[{j}]"
+            kind = x.get("type") if isinstance(x, dict) else None
+            if kind == "image":
+                body.add_image(_image(x, w))
+            elif kind == "text":
+                body.add_text(_text(x, w))
+            else:
+                raise _unsupported(x, w)
+    else:
+        body.add_text(_texts(value, f"{where}.content"))
+    msg = body.message("tool")
     if b.get("is_error"):
-        content = "Error: " + content
-    return {"role": "tool", "tool_call_id": b["tool_use_id"], "content": content}
+        msg["content"] = "Error: " + msg["content"]
+    msg["tool_call_id"] = b["tool_use_id"]
+    return msg
 
 
 def _tool_use(b: dict, where: str) -> dict:
@@ -115,26 +171,28 @@ def _messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise InvalidRequest(f"{where}.content must be a string or a list of content blocks")
-        texts: list[str] = []
+        texts = _Content()
         calls: list[dict] = []
         for j, b in enumerate(content):
             w = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                texts.append(_text(b, w))
+                texts.add_text(_text(b, w))
+            elif kind == "image" and role == "user":
+                texts.add_image(_image(b, w))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_tool_use(b, w))
             elif kind == "tool_result" and role == "user":
                 if texts:  # keep the order: text that came before the result goes first
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
+                    out.append(texts.message("user"))
+                    texts = _Content()
                 out.append(_tool_result(b, w))
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier turns' reasoning: chat templates leave it out
             else:
                 raise _unsupported(b, w)
         if texts or calls:
-            msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+            msg: dict[str, Any] = texts.message(role)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -325,7 +383,7 @@ def _job(st: State, body: dict, resolved: Any, opts: SamplingOptions, num_ctx: i
                                  "cannot be asked for together")
         opts.json_schema = forced
     return Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-               keep_alive=st.keep_alive(body), api=api)
+               keep_alive=st.keep_alive(body), api=api, images=take_images(messages))
 
 
 @router.post("/messages")

@@ -16,10 +16,12 @@ from localrun.library.modelfile import parse_modelfile
 from localrun.library.names import parse_name
 
 import localrun
-from localrun.backends.base import SamplingOptions
+from localrun.backends.base import MEDIA_MARKER, Infill, SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.images import from_base64, take_images
+from localrun.server.routes_llama import START_POLL_S
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
@@ -42,9 +44,13 @@ def _iso(dt: datetime) -> str:
     return dt.astimezone().isoformat()
 
 
+# The Ollama API level localrun speaks: clients gate on it (GitHub Copilot Chat refuses servers below 0.6.4).
+OLLAMA_API_VERSION = "0.12.6"
+
+
 @router.get("/version")
 async def version():
-    return {"version": localrun.__version__}
+    return {"version": OLLAMA_API_VERSION, "localrun_version": localrun.__version__}
 
 
 @router.get("/tags")
@@ -52,7 +58,8 @@ async def tags(request: Request):
     st: State = request.app.state.lr
     models = await st.list_models()
     return {"models": [{"name": m.name, "model": m.name, "modified_at": _iso(m.modified_at), "size": m.size,
-                        "digest": m.digest.removeprefix("sha256:"), "details": m.details} for m in models]}
+                        "digest": m.digest.removeprefix("sha256:"), "details": m.details,
+                        "capabilities": m.capabilities} for m in models]}
 
 
 @router.get("/ps")
@@ -70,7 +77,14 @@ async def show(request: Request):
         mi = info.get("model_info")
         if isinstance(mi, dict):  # Ollama drops the big token arrays unless verbose
             info = {**info, "model_info": {k: v for k, v in mi.items() if not isinstance(v, list)}}
+    if "insert" in info.get("capabilities", ()) and ".Suffix" not in (info.get("template") or ""):
+        # Continue decides a model can fill in the middle by ".Suffix" in its Ollama (Go) template; ours is
+        # Jinja, and localrun lays the FIM tokens out itself: an inert Jinja comment says so
+        info = {**info, "template": (info.get("template") or "") + FIM_TEMPLATE_NOTE}
     return info
+
+
+FIM_TEMPLATE_NOTE = "{# .Suffix: fill-in-the-middle requests (suffix) are laid out with the model's FIM tokens #}"
 
 
 @router.post("/copy")
@@ -295,6 +309,8 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
     def final(gen: Generation, reason: str) -> dict:
         out = piece()
         out.update(done=True, done_reason="stop" if reason in ("abort", "tool_calls") else reason, **_stats(gen, t0))
+        if not chat and gen.prompt_ids is not None:  # /api/generate: the prompt's and the answer's token ids
+            out["context"] = [*gen.prompt_ids, *gen.output_ids.get(0, [])]
         return out
 
     if not stream:
@@ -315,7 +331,8 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
 
         return await until_disconnected(request, run())
 
-    gen = await st.generation.start(job)
+    # a client that leaves while the prompt is prefilled (an IDE's stale completion) stops the work
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
 
     async def produce() -> AsyncIterator[bytes]:
         async for ev in gen.events():
@@ -372,15 +389,32 @@ async def generate(request: Request):
     prompt = body.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string")
-    if body.get("images"):
-        raise InvalidRequest("images are not supported by localrun's models yet")
-    if not prompt:
+    images = body.get("images")
+    if images is not None and not isinstance(images, list):
+        raise InvalidRequest("'images' must be a list of base64 strings")
+    images = [from_base64(b, f"images[{k}]") for k, b in enumerate(images or [])] or None
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string")
+    if images and suffix:
+        raise InvalidRequest("'images' and 'suffix' cannot be combined: fill in the middle takes text only")
+    if not prompt and not images and not suffix:
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
-    job = Job(resolved, opts, prompt=prompt, raw=raw, system=c.get_str(body, "system"),
-              template=c.get_str(body, "template"), think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.generate")
+    prompt = prompt or ""
+    if images and raw and prompt.count(MEDIA_MARKER) != len(images):
+        raise InvalidRequest(f"a raw prompt with images must hold {MEDIA_MARKER} where each image goes "
+                             f"({len(images)} of them)")
+    if images and not raw:
+        prompt = MEDIA_MARKER * len(images) + prompt  # before the text, as Ollama places them
+    # a suffix asks for the code between prompt and suffix (fill in the middle), laid out with the model's
+    # FIM tokens as Ollama's insert templates do; the model's chat template is not used then
+    infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
+    job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=raw or infill is not None, images=images,
+              system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=_think(body),
+              num_ctx=num_ctx, keep_alive=st.keep_alive(body), api="ollama.generate", infill=infill,
+              prompt_ids=not images)  # Ollama's `context`: token ids (an image's positions have none)
     return await _run(request, st, body, job, chat=False)
 
 
@@ -392,11 +426,11 @@ async def chat(request: Request):
     messages = body.get("messages")
     if messages is None or messages == []:
         return await _load_only(st, resolved, body, num_ctx, chat=True)
-    messages = c.normalize_messages(messages)
+    messages = c.normalize_messages(messages, ollama_images=True)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
     job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.chat")
+              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages))
     return await _run(request, st, body, job, chat=True)
 
 

@@ -12,9 +12,12 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from localrun.backends.base import Infill
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
+from localrun.server.images import take_images
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.routes_llama import START_POLL_S
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
@@ -207,7 +210,7 @@ async def chat_completions(request: Request):
         if forced is not None:
             opts.json_schema = forced
     job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), n=n, api="openai.chat")
+              keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
@@ -224,7 +227,7 @@ async def chat_completions(request: Request):
                             "logprobs": _chat_logprobs(ch.logprobs) if opts.logprobs else None})
         return _body("chat.completion", cid, created, gen, choices)
 
-    gen = await st.generation.start(job)
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
     opened: set[int] = set()
 
     def render(ev, chunk):
@@ -261,7 +264,10 @@ async def completions(request: Request):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string")
-    if not prompt.strip():
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise InvalidRequest("'suffix' must be a string")
+    if not prompt.strip() and not suffix:
         raise InvalidRequest("'prompt' must not be empty")
     stream = p.get_bool(body, "stream")
     resolved = await st.resolve(model)
@@ -271,11 +277,13 @@ async def completions(request: Request):
     lp = p.get_int(body, "logprobs", 0, 5)
     if lp is not None:
         opts.logprobs, opts.top_logprobs = True, lp
-    if body.get("suffix"):
-        raise InvalidRequest("'suffix' is not supported")
     echo = p.get_bool(body, "echo")
-    job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body), n=n,
-              api="openai.completions")
+    # a suffix: fill in the middle between prompt and suffix (the model's FIM tokens; 400 without them)
+    infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
+    if infill is not None and echo:
+        raise InvalidRequest("'echo' cannot be used with 'suffix'")
+    job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=True, num_ctx=num_ctx,
+              keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill)
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
@@ -286,7 +294,7 @@ async def completions(request: Request):
                     "logprobs": _completion_logprobs(ch.logprobs) if opts.logprobs else None} for ch in results]
         return _body("text_completion", cid, created, gen, choices)
 
-    gen = await st.generation.start(job)
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)  # stale IDE completions
     echoed: set[int] = set()
 
     def render(ev, chunk):

@@ -1,7 +1,8 @@
 """The OpenAI Responses API under /v1/responses: JSON -> Job, events -> a response object or
 its semantic SSE events (a translator only; generation is the service's).
 
-- Input: a string, or items: messages (easy {"role", "content"} or typed, text parts only),
+- Input: a string, or items: messages (easy {"role", "content"} or typed; text parts, and
+  input_image parts in user/system messages: image_url a data URL, or http(s) when allowed),
   function_call and function_call_output items, reasoning items (kept, not re-rendered).
   `instructions` become the system message of this request only.
 - Output items: a reasoning item when the model thought (its text as reasoning_text
@@ -24,6 +25,8 @@ from fastapi import APIRouter, Request
 
 from localrun.errors import InvalidRequest
 from localrun.server import params as p
+from localrun.backends.base import MEDIA_MARKER
+from localrun.server.images import from_url, take_images
 from localrun.server.generation import Delta, Done, Event, Job, ToolCalls, until_disconnected
 from localrun.server.response_store import ResponseStore, check_id, new_response_id
 from localrun.server.routes_openai import stream_error
@@ -63,11 +66,43 @@ def _parts_text(content: Any, where: str) -> str:
             if not isinstance(text, str):
                 raise InvalidRequest(f"{where}.content[{k}]: a {kind} part needs a string")
             out.append(text)
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequest(f"{where}.content[{k}]: {kind} is not supported; localrun's models read text only")
+        elif kind == "input_image":
+            raise InvalidRequest(f"{where}.content[{k}]: input_image is not supported here (only in user messages)")
+        elif kind in ("input_file", "input_audio"):
+            raise InvalidRequest(f"{where}.content[{k}]: {kind} is not supported; send text or input_image")
         else:
             raise InvalidRequest(f"{where}.content[{k}]: content parts must be input_text (or output_text)")
     return "".join(out)
+
+
+def _message_parts(content: Any, where: str, role: str) -> list[dict]:
+    """A message's stored content parts: its text as one part, or (a user or system message with
+    input_image parts) text and image parts in their order."""
+    if role != "assistant" and isinstance(content, list) and any(
+            isinstance(x, dict) and x.get("type") == "input_image" for x in content):
+        parts: list[dict] = []
+        for k, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                w = f"{where}.content[{k}]"
+                if part.get("file_id") is not None and part.get("image_url") is None:
+                    raise InvalidRequest(f"{w}: input_image by file_id is not supported; send image_url "
+                                         "(a data URL)")
+                from_url(part.get("image_url"), w)  # its shape, now; the bytes when the request runs
+                parts.append({"type": "input_image", "image_url": part["image_url"],
+                              "detail": part.get("detail") if part.get("detail") in ("low", "high") else "auto"})
+            else:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"{where}.content[{k}]: content parts must be input_text or input_image")
+                text = part["text"]
+                if parts and parts[-1]["type"] == "input_text":
+                    parts[-1]["text"] += text
+                else:
+                    parts.append({"type": "input_text", "text": text})
+        return parts
+    text = _parts_text(content, where)
+    return [{"type": "output_text", "text": text, "annotations": []} if role == "assistant"
+            else {"type": "input_text", "text": text}]
 
 
 def _str_field(item: dict, key: str, where: str) -> str:
@@ -96,11 +131,8 @@ def input_items(value: Any) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{where}.role must be user, assistant, system or developer")
-            text = _parts_text(item.get("content"), where)
-            part = ({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
-                    else {"type": "input_text", "text": text})
             items.append({"type": "message", "id": rid or _new("msg"), "role": role, "status": "completed",
-                          "content": [part]})
+                          "content": _message_parts(item.get("content"), where, role)})
         elif kind == "function_call":
             items.append({"type": "function_call", "id": rid or _new("fc"), "call_id": _str_field(item, "call_id", where),
                           "name": _str_field(item, "name", where), "arguments": _str_field(item, "arguments", where),
@@ -132,20 +164,31 @@ def _arguments(text: str) -> Any:
         return text  # as the model wrote it; the template shows it as is
 
 
-def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
-    """Stored items -> the chat messages a template renders."""
+def chat_messages(items: list[dict], instructions: str | None, first_input: int = 0) -> list[dict]:
+    """Stored items -> the chat messages a template renders (items from `first_input` on are this
+    request's input; images carry their place for errors). An input_image part becomes MEDIA_MARKER
+    in the text and an ImageInput on the message's "images"."""
     msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     names: dict[str, str] = {}
     thought = ""  # a reasoning item's text, for the assistant turn that follows it
-    for it in items:
+    for n, it in enumerate(items):
         kind = it.get("type")
         last = msgs[-1] if msgs else None
         if kind == "reasoning":
             thought += "".join(c.get("text", "") for c in it.get("content") or [])
         elif kind == "message":
             role = "system" if it.get("role") == "developer" else it.get("role")
-            msg: dict[str, Any] = {"role": role, "content": "".join(c.get("text") or c.get("refusal") or ""
-                                                                    for c in it.get("content") or [])}
+            images = []
+            text = ""
+            for k, c in enumerate(it.get("content") or []):
+                if c.get("type") == "input_image":
+                    where = (f"input[{n - first_input}].content[{k}]" if n >= first_input
+                             else f"previous input item {it.get('id')} content[{k}]")
+                    images.append(from_url(c.get("image_url"), where))
+                    text += MEDIA_MARKER
+                else:
+                    text += c.get("text") or c.get("refusal") or ""
+            msg: dict[str, Any] = {"role": role, "content": text, **({"images": images} if images else {})}
             if role == "assistant" and thought:
                 msg["reasoning_content"] = thought
             thought = "" if role in ("assistant", "user") else thought
@@ -411,9 +454,10 @@ async def create_response(request: Request):
         tools, forced = p.tool_choice_schema(tools, choice)
         if forced is not None:
             opts.json_schema = forced
-    job = Job(resolved, opts, messages=chat_messages(context, instructions), tools=tools, think=think,
+    messages = chat_messages(context, instructions, len(context) - len(items))
+    job = Job(resolved, opts, messages=messages, tools=tools, think=think,
               num_ctx=p.get_int(body, "num_ctx", 16, 1 << 20) or num_ctx, keep_alive=st.keep_alive(body),
-              api="openai.responses")
+              api="openai.responses", images=take_images(messages))
     response = {
         "id": new_response_id(), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None, "instructions": instructions,

@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Markdown
 from textual.worker import Worker, WorkerState
 
+from localrun.attachments import MAX_ATTACHMENTS, Attachment, AttachmentError, is_image_path, read_image
 from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable, normalize_name
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
@@ -116,6 +117,8 @@ class ChatApp(App[int]):
         self._gen_worker = None
         self.reply_chunks = 0
         self._pull_worker = None
+        self.pending: list[Attachment] = []  # images attached to the next message (/image, a dropped path)
+        self.model_caps: list[str] | None = None  # the chosen model's capabilities (/api/show), when known
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -197,6 +200,8 @@ class ChatApp(App[int]):
 
     async def set_model(self, name: str, info: dict | None = None) -> None:
         self.conv.model = name
+        caps = (info or {}).get("capabilities")
+        self.model_caps = list(caps) if isinstance(caps, list) else None
         self.status.set(model=name, processor="", stats={}, state="")
         d = (info or {}).get("details") or {}
         extra = " ".join(x for x in (d.get("parameter_size"), d.get("quantization_level")) if x)
@@ -255,6 +260,11 @@ class ChatApp(App[int]):
     @on(ChatInput.Submitted)
     async def _submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text.strip()
+        dropped = is_image_path(text) if text and "\n" not in text else None
+        if dropped is not None:  # a file dropped on the terminal (or a pasted path): attach it
+            self.input_box.clear()
+            await self.attach(dropped)
+            return
         if text.startswith("/"):
             self.input_box.clear()
             await self.run_command(text)
@@ -272,8 +282,15 @@ class ChatApp(App[int]):
         await self.send(text)
 
     async def send(self, text: str) -> None:
-        self.conv.messages.append({"role": "user", "content": text})
-        view = MessageView("user", text)
+        msg: dict = {"role": "user", "content": text}
+        sent, labels = list(self.pending), [a.label() for a in self.pending]
+        if sent:
+            msg["images"] = [a.b64 for a in sent]
+            msg["attachments"] = labels  # shown again on resume; not sent
+            self.pending = []
+        self.conv.messages.append(msg)
+        view = MessageView("user", text, attachments=labels)
+        view.sent = sent
         await self.log_view.mount(view)
         self.log_view.scroll_end(animate=False)
         self.generating = True
@@ -284,7 +301,8 @@ class ChatApp(App[int]):
     async def generate(self, user_view: MessageView) -> None:
         conv = self.conv  # /new, /clear or a resume may swap self.conv while this runs
         model = conv.model
-        messages = ([{"role": "system", "content": conv.system}] if conv.system else []) + list(conv.messages)
+        messages = ([{"role": "system", "content": conv.system}] if conv.system else []) + [
+            {k: v for k, v in m.items() if k != "attachments"} for m in conv.messages]
         options = dict(conv.options) or None
         reply = MessageView("assistant", "", label=model)
         await self.log_view.mount(reply)
@@ -343,6 +361,8 @@ class ChatApp(App[int]):
             await user_view.remove()
             if not self.input_box.text.strip():
                 self.input_box.text = user_view.content
+            if user_view.sent and not self.pending:  # the images stay attached with the question
+                self.pending = list(user_view.sent)
         if error:
             await self.note(error, "error")
         elif not text and outcome == "stopped":
@@ -411,6 +431,29 @@ class ChatApp(App[int]):
                 self.action_stop()
         elif cmd.name == "bye":
             self.exit(0)
+        elif cmd.name == "image":
+            await self.attach(str(cmd.value))
+        elif cmd.name == "detach":
+            n, self.pending = len(self.pending), []
+            await self.note(f"dropped {n} attached image(s)" if n else "no image is attached")
+
+    async def attach(self, path: str) -> None:
+        """Read one image file (checked: exists, readable, size, format) for the next message."""
+        if len(self.pending) >= MAX_ATTACHMENTS:
+            await self.note(f"at most {MAX_ATTACHMENTS} images per message; /detach drops them", "error")
+            return
+        try:
+            a = await asyncio.to_thread(read_image, path)
+        except AttachmentError as exc:
+            await self.note(str(exc), "error")
+            return
+        self.pending.append(a)
+        n = len(self.pending)
+        await self.note(f"[image] {a.label()} attached to your next message"
+                        + (f" ({n} images)" if n > 1 else "") + " · /detach drops it")
+        if self.model_caps is not None and "vision" not in self.model_caps and self.conv.model:
+            await self.note(f"{self.conv.model} has no vision projector, so it cannot see images: "
+                            "/model NAME switches to a vision model", "warning")
 
     def _settings_changed(self) -> None:
         self.query_one(SettingsPanel).show_values(self.conv.system, self.conv.options)
@@ -482,7 +525,7 @@ class ChatApp(App[int]):
         for m in conv.messages:
             label = conv.model if m["role"] == "assistant" else None
             await self.log_view.mount(MessageView(m["role"], m["content"], label=label,
-                                                  thinking=m.get("thinking") or ""))
+                                                  thinking=m.get("thinking") or "", attachments=m.get("attachments")))
         self.query_one(SettingsPanel).show_values(conv.system, conv.options)
         self.status.set(model=conv.model, processor="")
         await self.note(f"resumed “{conv.display_title()}” ({len(conv.messages)} messages)")

@@ -2,7 +2,7 @@
 
 ``/set temperature 0.2``, ``/set system You are terse.``, ``/set num_ctx 4096``,
 ``/unset seed``, ``/clear``, ``/new``, ``/model NAME``, ``/models``, ``/chats``,
-``/copy``, ``/help``, ``/bye``.  Parsing raises :class:`CommandError` with a message a
+``/copy``, ``/image PATH``, ``/detach``, ``/help``, ``/bye``.  Parsing raises :class:`CommandError` with a message a
 user can act on; the app shows it and carries on.
 """
 
@@ -69,7 +69,7 @@ def parse_param(name: str, text: str) -> int | float | None:
 
 @dataclass(frozen=True)
 class Command:
-    name: str  # set | unset | clear | new | model | models | chats | copy | help | bye | stop
+    name: str  # set | unset | clear | new | model | models | chats | copy | help | bye | stop | image | detach
     key: str | None = None  # for set/unset: a PARAMS name or "system"
     value: object = None  # parsed value (None = unset) or text argument
 
@@ -82,6 +82,8 @@ HELP = """\
 - `/model NAME` — switch model (pulled first when not in the library); `/models` picker
 - `/new` · `/clear` — new conversation (the old one stays saved) · clear this one
 - `/chats` — resume a saved conversation · `/copy` the last reply · `/bye` quit
+- `/image PATH` — attach an image to your next message (vision models; or paste/drop the
+  file's path as the whole message) · `/detach` drops the attached images
 
 **Keys**: Enter sends · Ctrl+J (or Shift+Enter / Alt+Enter where the terminal reports
 them) newline · Esc or Ctrl+C stops a reply · Ctrl+N new · Ctrl+L clear · Ctrl+O models ·
@@ -101,6 +103,7 @@ _SIMPLE = {
     "exit": "bye",
     "quit": "bye",
     "stop": "stop",
+    "detach": "detach",
 }
 
 
@@ -122,6 +125,15 @@ def parse_command(line: str) -> Command:
         if len(rest.split()) != 1:
             raise CommandError("usage: /model NAME (e.g. /model smollm2:135m)")
         return Command("model", value=rest)
+    if head in ("image", "img", "attach"):
+        path = rest
+        if len(path) >= 2 and path[0] == path[-1] and path[0] in "'\"":  # a quoted path (spaces)
+            path = path[1:-1]
+        elif "\\ " in path:  # spaces escaped the shell's way (a dropped file)
+            path = path.replace("\\ ", " ")
+        if not path.strip():
+            raise CommandError("usage: /image PATH (a PNG, JPEG, WebP, GIF or BMP file for the next message)")
+        return Command("image", value=path)
     if head == "set":
         if not rest:
             raise CommandError("usage: /set NAME VALUE, e.g. /set temperature 0.2 or /set system You are terse.")

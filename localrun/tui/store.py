@@ -28,7 +28,7 @@ class Conversation:
     model: str | None = None
     system: str | None = None
     options: dict = field(default_factory=dict)
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "thinking"]}
+    messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "thinking", "images", "attachments"]}
     id: str = field(default_factory=_new_id)
     title: str = ""
     created_at: float = field(default_factory=time.time)
@@ -66,13 +66,18 @@ class Conversation:
             system=data.get("system") or None,
             options=options,
             messages=[{"role": m["role"], "content": m["content"],
-                       **({"thinking": m["thinking"]} if isinstance(m.get("thinking"), str) and m["thinking"] else {})}
+                       **({"thinking": m["thinking"]} if isinstance(m.get("thinking"), str) and m["thinking"] else {}),
+                       **{k: m[k] for k in ("images", "attachments") if _strings(m.get(k))}}
                       for m in msgs],
             id=cid,
             title=str(data.get("title") or ""),
             created_at=float(data.get("created_at") or time.time()),
             updated_at=float(data.get("updated_at") or time.time()),
         )
+
+
+def _strings(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
 
 
 class ChatStore:

@@ -76,15 +76,20 @@ class MessageView(Vertical):
     """One turn: a role line, the model's thinking folded away (when it thought), and the text
     rendered as Markdown."""
 
-    def __init__(self, role: str, content: str = "", label: str | None = None, thinking: str = "") -> None:
+    def __init__(self, role: str, content: str = "", label: str | None = None, thinking: str = "",
+                 attachments: list[str] | None = None) -> None:
         super().__init__(classes=f"message -{role}")
         self.role = role
         self.label = label or {"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role)
         self.content = content
         self.thinking = thinking
+        self.attachments = list(attachments or [])  # what was attached (e.g. "cat.png (png, 1.2 KB)")
+        self.sent: list = []  # the Attachments sent with this turn (they come back if the reply fails)
 
     def compose(self) -> ComposeResult:
         yield Label(self.label, classes="role")
+        for a in self.attachments:
+            yield Label(f"[image] {a}", classes="attachment", markup=False)
         if self.thinking:
             yield self._thinking_fold()
         yield Markdown(self.content, classes="body")

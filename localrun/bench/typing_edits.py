@@ -1,0 +1,190 @@
+"""`localrun bench typing`: code completion while someone types, as an IDE plugin sends it.
+
+A source file of about --file-tokens tokens; the cursor sits in its middle and a line of code is typed
+there one token-sized piece at a time (words, spaces, punctuation). At each keystroke (--rate per
+second) the plugin asks for a completion of --max-tokens tokens with the code before and after the
+cursor (fill in the middle), and gives up the request before it if that one is still running (closes
+its connection: the server must stop working on it), as llama.vscode and Continue do. Every request
+shares the file's head with the one before, so a prefix cache serves most of the prompt.
+
+Reported: p50/p95 time to first token and to last token (of the requests that finished), how many
+were given up, and prompt / cached tokens per request. Routes: llama-server's ``/infill`` (default),
+Ollama's ``/api/generate`` with ``suffix``, OpenAI's ``/v1/completions`` with ``suffix``. Against the
+localrun daemon by default; ``--url`` points it at another server (llama-server answers ``/infill``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+ROUTES = ("infill", "ollama", "openai")
+TYPED = "    total = sum(item.price * item.quantity for item in order.items if item.quantity > 0)\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="server base URL (default: the localrun daemon's)")
+    p.add_argument("--model", help="a model with fill-in-the-middle tokens (default: the server's choice on /infill)")
+    p.add_argument("--api-key", help="bearer key (default: LOCALRUN_API_KEY for the daemon)")
+    p.add_argument("--route", choices=ROUTES, default="infill")
+    p.add_argument("--file-tokens", type=int, default=1500, help="about this many tokens of code around the cursor")
+    p.add_argument("--edits", type=int, default=60, help="keystrokes (one request each)")
+    p.add_argument("--rate", type=float, default=10.0, help="keystrokes per second")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each completion asks for")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+
+
+def source_file(tokens: int) -> tuple[str, str]:
+    """(code before the cursor, code after it): about `tokens` tokens of Python (~3.5 characters a token)."""
+    block = ("class Order{i}:\n    def __init__(self, items, customer):\n        self.items = list(items)\n"
+             "        self.customer = customer\n\n    def weight_{i}(self):\n        return sum(x.weight for x in "
+             "self.items)  # kilograms\n\n\n")
+    text, i = "", 0
+    while len(text) < tokens * 3.5:
+        text += block.format(i=i)
+        i += 1
+    cut = text.find("\n", len(text) // 2) + 1
+    return text[:cut] + "def order_total(order):\n", "\n    return total\n\n\n" + text[cut:]
+
+
+def keystrokes(text: str) -> list[str]:
+    """Token-sized pieces of `text`: words, runs of spaces, single punctuation marks."""
+    return re.findall(r"\w+|[ \t]+|\n|[^\w\s]", text)
+
+
+def _body(route: str, model: str | None, prefix: str, suffix: str, max_tokens: int) -> tuple[str, dict]:
+    if route == "infill":
+        body: dict[str, Any] = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_tokens,
+                                "temperature": 0, "stream": True, "ignore_eos": True, "cache_prompt": True}
+        if model:
+            body["model"] = model
+        return "/infill", body
+    if route == "ollama":
+        return "/api/generate", {"model": model, "prompt": prefix, "suffix": suffix, "stream": True, "raw": True,
+                                 "options": {"temperature": 0, "num_predict": max_tokens}}
+    return "/v1/completions", {"model": model, "prompt": prefix, "suffix": suffix, "max_tokens": max_tokens,
+                               "temperature": 0, "stream": True, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}}
+
+
+def _read(route: str, line: str) -> tuple[bool, dict | None]:
+    """(has generated text, final numbers {prompt, cached, tokens} or None) from one stream line."""
+    if route == "ollama":
+        if not line.strip():
+            return False, None
+        obj = json.loads(line)
+        if "error" in obj:
+            raise RuntimeError(obj["error"])
+        if obj.get("done"):
+            return False, {"prompt": obj.get("prompt_eval_count", 0), "cached": obj.get("cached_tokens", 0),
+                           "tokens": obj.get("eval_count", 0)}
+        return bool(obj.get("response")), None
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False, None
+    obj = json.loads(line[6:])
+    if "error" in obj and obj["error"]:
+        raise RuntimeError(str(obj["error"]))
+    if route == "infill":
+        if obj.get("stop"):
+            t = obj.get("timings") or {}
+            return bool(obj.get("content")), {"prompt": obj.get("tokens_evaluated", 0), "cached": t.get("cache_n", 0),
+                                              "tokens": obj.get("tokens_predicted", 0)}
+        return bool(obj.get("content")), None
+    if obj.get("usage"):
+        u = obj["usage"]
+        return False, {"prompt": u.get("prompt_tokens", 0),
+                       "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                       "tokens": u.get("completion_tokens", 0)}
+    return any(c.get("text") for c in obj.get("choices") or []), None
+
+
+async def run_typing(url: str, route: str, model: str | None, file_tokens: int, edits: int, rate: float,
+                     max_tokens: int, api_key: str | None = None, timeout: float = 120.0) -> dict[str, Any]:
+    import httpx
+
+    from localrun.bench.results import percentile
+
+    if edits < 1 or rate <= 0 or max_tokens < 1 or file_tokens < 1:
+        raise ValueError("--edits, --rate, --max-tokens and --file-tokens must be positive")
+    if route != "infill" and not model:
+        raise ValueError(f"--model is required for the {route} route")
+    head, tail = source_file(file_tokens)
+    keys = keystrokes(TYPED * (1 + edits // max(1, len(keystrokes(TYPED)))))[:edits]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    records: list[dict] = []
+
+    async def one(client, i: int, prefix: str) -> None:
+        rec: dict[str, Any] = {"i": i, "sent": time.perf_counter(), "first": None, "last": None, "final": None}
+        records.append(rec)
+        path, body = _body(route, model, prefix, tail, max_tokens)
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{path} answered {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                text, final = _read(route, line)
+                if text and rec["first"] is None:
+                    rec["first"] = time.perf_counter()
+                if final is not None:
+                    rec["final"] = final
+            rec["last"] = time.perf_counter()
+
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as client:
+        # one request first: loads the model, so the edits measure typing, not loading
+        await one(client, -1, head)
+        records.clear()
+        t0 = time.perf_counter()
+        typed, task = "", None
+        for i, piece in enumerate(keys):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if task is not None and not task.done():
+                task.cancel()  # the plugin gives the stale completion up: its connection closes
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+            elif task is not None:
+                task.result()  # a failed request fails the run
+            typed += piece
+            task = asyncio.ensure_future(one(client, i, head + typed))
+        if task is not None:
+            await task
+        wall = time.perf_counter() - t0
+
+    done = [r for r in records if r["last"] is not None and r["final"] is not None]
+    firsts = [1e3 * (r["first"] - r["sent"]) for r in records if r["first"] is not None]
+    lasts = [1e3 * (r["last"] - r["sent"]) for r in done]
+    prompts = [r["final"]["prompt"] for r in done]
+    cached = [r["final"]["cached"] for r in done]
+
+    def p(xs: list[float], q: float) -> float | None:
+        v = percentile(xs, q)
+        return round(v, 1) if v is not None else None
+
+    return {"bench": "typing", "url": url, "route": route, "model": model, "file_tokens": file_tokens,
+            "edits": len(records), "rate": rate, "max_tokens": max_tokens, "wall_s": round(wall, 2),
+            "finished": len(done), "given_up": len(records) - len(done),
+            "ttft_ms_p50": p(firsts, 50), "ttft_ms_p95": p(firsts, 95),
+            "last_token_ms_p50": p(lasts, 50), "last_token_ms_p95": p(lasts, 95),
+            "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
+            "cached_tokens_mean": round(sum(cached) / len(cached), 1) if cached else None,
+            "cached_tokens_max": max(cached) if cached else None}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from localrun.bench.serve import default_api_key
+
+    if a.url:
+        url = a.url.rstrip("/")
+    else:
+        from localrun.config import settings
+
+        url = settings().base_url
+    key = a.api_key or default_api_key(url)
+    return asyncio.run(run_typing(url, a.route, a.model, a.file_tokens, a.edits, a.rate, a.max_tokens, key,
+                                  a.timeout))

@@ -1,0 +1,115 @@
+"""What a model can do, in Ollama's words (``/api/show``'s ``capabilities``), from its files alone
+(nothing is loaded), one function so every place that lists them (``/api/show``, ``/api/tags``,
+``localrun list``) says the same:
+
+- ``completion``: it generates text (every model that is not an embedding model);
+- ``embedding``: an embedding model (its GGUF sets a pooling type, or it is a BERT-family encoder);
+  nothing else is listed for one;
+- ``tools``: its chat template renders tool definitions;
+- ``insert``: fill in the middle (its vocabulary has prefix, suffix and middle tokens);
+- ``vision``: it has a vision projector, so it takes images;
+- ``thinking``: its chat template has a ``<think>`` block (the daemon's reasoning split).
+
+And the ``model_info`` keys IDE clients read for every model."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+# llama.cpp finds a vocabulary's fill-in-the-middle tokens by these texts when the GGUF names no ids
+# (llama-vocab.cpp); a model needs all three (prefix, suffix, middle)
+FIM_TEXTS = (
+    {"<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+     "<|prefix|>"},
+    {"<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+     "<|suffix|>"},
+    {"<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+     "<|middle|>"},
+)
+_FIM_ID_KEYS = (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+                ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+                ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"))
+# encoder-only architectures: embeddings, no completion
+EMBEDDING_ARCHS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
+                   "t5encoder"}
+
+
+def is_embedding_model(r: Any) -> bool:
+    if r.info is None:
+        return False
+    arch = r.info.architecture
+    return arch in EMBEDDING_ARCHS or f"{arch}.pooling_type" in r.info.metadata
+
+
+def model_capabilities(r: Any) -> list[str]:
+    """Ollama's capability list for a resolved model (localrun.library.model.ResolvedModel, or anything
+    with its ``info``, ``template``, ``projector``, ``format`` and ``weights``)."""
+    from localrun.chat_template import template_supports_tools
+
+    if is_embedding_model(r):
+        return ["embedding"]
+    caps = ["completion"]
+    template = r.template or ""
+    try:
+        if template and template_supports_tools(template):
+            caps.append("tools")
+    except Exception:  # noqa: BLE001 - capabilities are informational
+        pass
+    if r.format == "gguf" and has_fim_tokens(r):
+        caps.append("insert")
+    if getattr(r, "projector", None) is not None:
+        caps.append("vision")
+    if "<think>" in template:
+        caps.append("thinking")
+    return caps
+
+
+def has_fim_tokens(r: Any) -> bool:
+    """The GGUF's vocabulary has prefix, suffix and middle FIM tokens (as llama.cpp finds them)."""
+    meta = r.info.metadata if r.info is not None else {}
+    if all(any(isinstance(meta.get(k), int) and meta.get(k) >= 0 for k in keys) for keys in _FIM_ID_KEYS):
+        return True
+    try:
+        st = os.stat(r.weights)
+    except OSError:
+        return False
+    return _scan_fim(str(r.weights), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=256)
+def _scan_fim(path: str, size: int, mtime_ns: int) -> bool:
+    from localrun.library.gguf_info import has_token_texts
+
+    return has_token_texts(path, size, FIM_TEXTS)
+
+
+
+def model_info(r: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """``model_info`` with the keys IDE clients read for every model: general.architecture,
+    <arch>.context_length, general.basename (Copilot Chat names the model by it)."""
+    out = dict(info)
+    arch = out.get("general.architecture") or (r.info.architecture if r.info is not None else None) \
+        or str((r.details or {}).get("family") or "unknown")
+    out["general.architecture"] = arch
+    ctx = out.get(f"{arch}.context_length")
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx <= 0:
+        ctx = (r.info.context_length if r.info is not None else None) or _param_ctx(r)
+        if ctx:
+            out[f"{arch}.context_length"] = ctx
+    if not isinstance(out.get("general.basename"), str) or not out.get("general.basename"):
+        out["general.basename"] = out.get("general.name") if isinstance(out.get("general.name"), str) and \
+            out.get("general.name") else r.name.split(":")[0].rsplit("/", 1)[-1]
+    return dict(sorted(out.items()))
+
+
+def _param_ctx(r: Any) -> int | None:
+    v = (r.parameters or {}).get("num_ctx")
+    try:
+        return int(v) if v is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "has_fim_tokens", "is_embedding_model", "model_capabilities", "model_info"]

@@ -1,0 +1,233 @@
+"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it).
+
+A translator only: the body becomes a :class:`Job` with an :class:`Infill` (the backend lays the prompt out
+with the model's FIM tokens exactly as llama-server's format_prompt_infill does), the events become
+llama-server's answer: ``content``, ``stop``, ``tokens_predicted``, ``tokens_evaluated``, ``stop_type``,
+``timings``... (one JSON object, or SSE ``data:`` lines ending with the ``stop: true`` object, no
+``[DONE]``, as llama-server streams its own completions). Errors use llama-server's shape:
+``{"error": {"code", "message", "type"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from localrun.backends.base import Infill
+from localrun.errors import InvalidRequest, LocalrunError
+from localrun.server import params as p
+from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
+from localrun.server.state import State, generation_response, json_body
+
+router = APIRouter()
+
+START_POLL_S = 0.05  # how often a streamed request's start looks for its client gone (stale completions)
+MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
+
+
+def error_shape(status: int, message: str) -> dict:
+    """llama-server's error object (format_error_response)."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
+    etype = kind.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"code": status, "message": message, "type": etype}}
+
+
+def _extra(value: Any) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest('"input_extra" must be an array of {"filename": string, "text": string}')
+    if len(value) > MAX_EXTRA_CHUNKS:
+        raise InvalidRequest(f'"input_extra" has {len(value)} chunks; at most {MAX_EXTRA_CHUNKS}')
+    out = []
+    for chunk in value:
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise InvalidRequest('extra_context chunk must contain a "text" field with a string value')
+        name = chunk.get("filename")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest('extra_context chunk\'s "filename" field must be a string')
+        out.append({"filename": name if name is not None else "tmp", "text": chunk["text"]})
+    return out
+
+
+async def _model(st: State, body: dict):
+    """The model named in the body; without one (llama-server serves a single model, so its clients
+    often send none) the one model loaded, else the one model in the library."""
+    name = body.get("model")
+    if name is not None and name != "":
+        return await st.resolve(p.get_str(body, "model", required=True))
+    loaded = list(st.manager.runners)
+    if len(loaded) == 1:
+        return await st.resolve(loaded[0])
+    models = await st.list_models()
+    if len(models) == 1:
+        return await st.resolve(models[0].name)
+    raise InvalidRequest(f"'model' is required: {len(loaded)} models are loaded and {len(models)} are in the library "
+                         "(name one, e.g. a code model with fill-in-the-middle tokens)")
+
+
+def _options(body: dict, resolved: Any):
+    opts, num_ctx = p.base_options(resolved)
+    n_predict = p.get_int(body, "n_predict", -1, 1 << 20)
+    if n_predict is not None:
+        opts.max_tokens = None if n_predict < 0 else n_predict
+    if n_predict == 0:
+        raise InvalidRequest("'n_predict' must not be 0 (-1 for no limit)")
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+                        ("repeat_penalty", 0.0, 10.0), ("presence_penalty", -2.0, 2.0),
+                        ("frequency_penalty", -2.0, 2.0)):
+        v = p.get_float(body, key, lo, hi)
+        if v is not None:
+            setattr(opts, key, v)
+    if (v := p.get_int(body, "top_k", 0, 100_000)) is not None:
+        opts.top_k = v
+    if (v := p.get_int(body, "repeat_last_n", -1, 1_000_000)) is not None:
+        opts.repeat_last_n = v
+    if (v := p.get_int(body, "seed")) is not None:
+        opts.seed = v if v >= 0 else None  # llama-server: -1 is a random seed
+    if body.get("stop") is not None:
+        opts.stop = p.get_stop(body["stop"])
+    opts.ignore_eos = p.get_bool(body, "ignore_eos")
+    return opts, num_ctx
+
+
+def _fields(paths: Any, obj: dict) -> dict:
+    """llama-server's response_fields: only the named (a/b nested) values, keyed by their paths."""
+    if not isinstance(paths, list) or not paths:
+        return obj
+    out = {}
+    for path in paths:
+        if not isinstance(path, str):
+            continue
+        cur: Any = obj
+        for k in path.split("/"):
+            if isinstance(cur, dict) and k in cur:
+                cur = cur[k]
+            else:
+                break
+        else:
+            out[path] = cur
+    return out
+
+
+def _timings(gen: Generation) -> dict:
+    u = gen.usage
+    prompt_n = max(0, u.prompt_tokens - u.cached_tokens)
+    prompt_ms, predicted_ms = u.prompt_eval_seconds * 1e3, u.eval_seconds * 1e3
+    return {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": u.completion_tokens, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / u.completion_tokens if u.completion_tokens else 0.0,
+            "predicted_per_second": 1e3 * u.completion_tokens / predicted_ms if predicted_ms > 0 else 0.0}
+
+
+async def _bounded(gen: Generation, t_max_predict_ms: int | None) -> AsyncIterator[Delta | Done]:
+    """The generation's events; with t_max_predict_ms, llama-server's time limit: once a new line has
+    been generated and more than that many ms went by since the first token, it ends there (the backend
+    request is aborted), finish reason "length" (llama-server's stop_type "limit")."""
+    events = gen.events()
+    first, new_line = None, False
+    try:
+        async for ev in events:
+            if isinstance(ev, Done) or not t_max_predict_ms:
+                yield ev
+                continue
+            if isinstance(ev, Delta) and ev.content:
+                now = time.perf_counter()
+                first = first or now
+                new_line = new_line or "\n" in ev.content
+                yield ev
+                if new_line and (now - first) * 1e3 > t_max_predict_ms:
+                    gen.usage.completion_tokens = len(gen.output_ids.get(0, []))
+                    yield Done(0, "length", gen.usage)
+                    return
+    finally:
+        await events.aclose()
+
+
+def _stop_type(reason: str, stop_sequence: str | None) -> str:
+    if reason == "length":
+        return "limit"
+    if stop_sequence:
+        return "word"
+    return "eos" if reason == "stop" else "none"
+
+
+@router.post("/infill")
+async def infill(request: Request):
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    prompt = body.get("prompt", "")
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        raise InvalidRequest('"prompt" must be a string')
+    for key in ("input_prefix", "input_suffix"):
+        if key not in body:
+            raise InvalidRequest(f'"{key}" is required')
+        if not isinstance(body[key], str):
+            raise InvalidRequest(f'"{key}" must be a string')
+    extra = _extra(body.get("input_extra"))
+    stream = p.get_bool(body, "stream")
+    resolved = await _model(st, body)
+    opts, num_ctx = _options(body, resolved)
+    fields = body.get("response_fields")
+    t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
+    job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
+              api="llama.infill", infill=Infill(prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra))
+
+    def final(gen: Generation, content: str, reason: str, stop_sequence: str | None, index: int = 0) -> dict:
+        u = gen.usage
+        return {"index": index, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": gen.model,
+                "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
+                "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+                "stop_type": _stop_type(reason, stop_sequence), "stopping_word": stop_sequence or "",
+                "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(gen)}
+
+    if not stream:
+        async def run():
+            gen = await st.generation.start(job)
+            parts: list[str] = []
+            done = None
+            try:
+                async for ev in _bounded(gen, t_max):
+                    if isinstance(ev, Delta):
+                        parts.append(ev.content)
+                    else:
+                        done = ev
+            finally:
+                await gen.release()
+            reason, word = (done.finish_reason, done.stop_sequence) if done is not None else ("stop", None)
+            return _fields(fields, final(gen, "".join(parts), reason, word))
+
+        return await until_disconnected(request, run())
+
+    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
+
+    def data(obj: dict) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    async def produce() -> AsyncIterator[bytes]:
+        n, new_line = 0, False
+        async for ev in _bounded(gen, t_max):
+            if isinstance(ev, Delta) and ev.content:
+                n += len(ev.token_ids)
+                new_line = new_line or "\n" in ev.content
+                yield data({"index": 0, "content": ev.content, "tokens": ev.token_ids, "stop": False, "id_slot": -1,
+                            "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens})
+            elif isinstance(ev, Done):
+                out = final(gen, "", ev.finish_reason, ev.stop_sequence)
+                out["has_new_line"] = new_line
+                yield data(_fields(fields, out))
+
+    def failed(exc: Exception) -> list[bytes]:
+        if not isinstance(exc, LocalrunError):
+            exc = LocalrunError(f"internal error: {type(exc).__name__}")
+        return [data(error_shape(exc.status, exc.public_message))]
+
+    return generation_response(gen, produce, failed)
