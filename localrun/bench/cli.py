@@ -96,7 +96,7 @@ def _host_cache_bytes(text: str | None) -> int | None:
     except ValueError as exc:
         raise SystemExit(f"--host-cache: {exc}") from None
     if isinstance(v, float):
-        from localrun.engine.host_cache import available_ram
+        from localrun.engine.kv.host import available_ram
 
         return int(v * available_ram())
     return v
