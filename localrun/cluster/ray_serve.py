@@ -254,7 +254,7 @@ class OpenAIIngress:
     async def _job(self, body: dict, chat: bool) -> tuple[ReplicaCall, bool, bool]:
         from localrun.server import params as p
         from localrun.server.generation import Job, render_prompt
-        from localrun.server.routes_openai import _think, openai_options
+        from localrun.server.routes_openai import openai_options, thinking_switch
 
         model = body.get("model")
         if model not in (None, self.src.name):
@@ -268,7 +268,7 @@ class OpenAIIngress:
                 raise InvalidRequest(f"'{key}' is not supported on the Ray Serve ingress yet; use the localrun daemon")
         if chat:
             job = Job(resolved=self.resolved, options=opts, messages=p.normalize_messages(body.get("messages")),
-                      think=_think(body))
+                      think=thinking_switch(body))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
