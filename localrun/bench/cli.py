@@ -12,6 +12,7 @@
     localrun bench gpu-check [--out results/] [--tiny]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
+    localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -235,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import vs_llama_server  # stdlib-only at import
 
     vs_llama_server.add_parser(sub)
+
+    from localrun.bench import overhead  # stdlib-only at import
+
+    overhead.add_parser(sub)
     return p
 
 
@@ -504,6 +509,12 @@ def _cmd_fork(a: argparse.Namespace) -> int:
     return fork.run(a)
 
 
+def _cmd_overhead(a: argparse.Namespace) -> int:
+    from localrun.bench import overhead
+
+    return overhead.run(a)
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -513,7 +524,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar}
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "overhead": _cmd_overhead}
 
 
 def main(argv: list[str] | None = None) -> int:
