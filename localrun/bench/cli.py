@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--skip-kernels", action="store_true")
     w.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
-    g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
+    g = sub.add_parser("gpu-check", help="everything the native engine is measured by, in one run on a GPU box; one results file")
     gpu_check.add_arguments(g)
 
     from localrun.bench import kv_quant  # torch and numpy only at module level
