@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from localrun.engine.layers.attention import check_kv_dtype, use_triton
-from localrun.engine.layers.ops import Ops
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.kv.host import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv.pool import KVPool
+from localrun.engine.kv.radix import RadixCache
+from localrun.engine.layers.attention import check_kv_dtype, use_triton
+from localrun.engine.layers.ops import Ops
+from localrun.engine.layers.quant import weight_bytes
 from localrun.engine.models import build_model
 from localrun.engine.models.llama import LlamaModel
 from localrun.engine.models.loader import recipe_source
-from localrun.engine.layers.quant import weight_bytes
 from localrun.engine.parallel import launch
 from localrun.engine.parallel.group import TPGroup, check_shapes
-from localrun.engine.kv.radix import RadixCache
 from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
 from localrun.engine.scheduler import ScheduledBatch, Scheduler, Sequence

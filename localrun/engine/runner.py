@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from localrun.engine.layers.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
 from localrun.engine.config import EngineConfig
 from localrun.engine.kv.pool import KVPool, PageTable
+from localrun.engine.layers.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
 from localrun.engine.models.llama import LlamaModel
 from localrun.engine.parallel.group import apply_journal
 from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample, to_device
