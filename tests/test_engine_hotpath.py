@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-from localrun.engine.attention import HostStep, StepBuffers
+from localrun.engine.layers.attention import HostStep, StepBuffers
 from localrun.engine.config import ModelConfig
-from localrun.engine.kv_pool import KVPool, PageTable
-from localrun.engine.radix_cache import RadixCache
+from localrun.engine.kv.pool import KVPool, PageTable
+from localrun.engine.kv.radix import RadixCache
 from localrun.engine.runner import profile_and_warm
 from localrun.engine.sampler import SamplingBatch, _apply_penalties, sample, seeded_exponential
 from localrun.engine.scheduler import PENDING, Scheduler, Sequence
@@ -378,8 +378,8 @@ def test_profile_and_warm_runs_the_widest_step(tiny_model):
 
 
 def test_model_is_built_in_its_dtype_without_a_float32_copy():
-    from localrun.engine.attention import Ops
-    from localrun.engine.model import LlamaModel
+    from localrun.engine.layers.ops import Ops
+    from localrun.engine.models.llama import LlamaModel
 
     m = LlamaModel(TINY, 32, torch.bfloat16, "cpu", Ops(reference=True))
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and {p.device.type for p in m.parameters()} == {"cpu"}

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-from localrun.engine.kv_pool import KVPool
-from localrun.engine.radix_cache import RadixCache
+from localrun.engine.kv.pool import KVPool
+from localrun.engine.kv.radix import RadixCache
 from localrun.engine.sampler import SamplingBatch, filtered_probs, sample
-from localrun.engine.shapes import SHAPES
+from localrun.engine.models.shapes import SHAPES
 from parity import assert_greedy_parity
 
 transformers = pytest.importorskip("transformers")

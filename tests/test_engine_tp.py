@@ -15,7 +15,7 @@ import torch
 
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
-from localrun.engine.parallel import TPGroup, check_shapes
+from localrun.engine.parallel.group import TPGroup, check_shapes
 
 # GQA (4 query heads, 2 KV heads), untied head, an odd vocabulary (the last shard is padded)
 UNTIED = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

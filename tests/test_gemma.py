@@ -161,7 +161,7 @@ def _write_gguf_like_llama_cpp(hf, path, arch: str):
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_gguf_matches_transformers(arch, tmp_path):
     pytest.importorskip("gguf")
-    from localrun.engine.loader import read_gguf
+    from localrun.engine.models.loader import read_gguf
 
     torch.manual_seed(0)
     if arch == "gemma2":  # llama.cpp's defaults: scale by head_dim, layers alternate sliding / global
@@ -190,7 +190,7 @@ def test_gemma_gguf_matches_transformers(arch, tmp_path):
 def test_gemma_shapes_and_the_graph_decode_path():
     """The named shapes describe the real models; a tiny random Gemma 2 decodes the same through the
     padded static-buffer decode (the CUDA-graph path, run eagerly on CPU) as without it."""
-    from localrun.engine.shapes import get_shape
+    from localrun.engine.models.shapes import get_shape
 
     g2, g3 = get_shape("gemma-2-2b"), get_shape("gemma-3-1b")
     assert round(g2.num_params / 1e9, 2) == 2.61 and round(g3.num_params / 1e9, 2) == 1.0

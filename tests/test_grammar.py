@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 
 from localrun.engine import EngineConfig, LLMEngine
-from localrun.engine.loader import read_gguf
+from localrun.engine.models.loader import read_gguf
 from localrun.engine.sampler import SamplingParams
-from localrun.engine.shapes import get_shape
+from localrun.engine.models.shapes import get_shape
 from localrun.engine.tokenizer import Tokenizer
 
 SCHEMAS = [

@@ -11,10 +11,10 @@ import torch
 
 from localrun.config import parse_host_cache, settings
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
-from localrun.engine.host_cache import HostKVPool
-from localrun.engine.kv_pool import KVPool
-from localrun.engine.radix_cache import RadixCache
-from localrun.engine.shapes import SHAPES
+from localrun.engine.kv.host import HostKVPool
+from localrun.engine.kv.pool import KVPool
+from localrun.engine.kv.radix import RadixCache
+from localrun.engine.models.shapes import SHAPES
 
 P = 4  # tokens per page
 ModelConfig = SHAPES["smollm2-135m"].__class__
@@ -315,7 +315,7 @@ def test_host_cache_env_parse():
 def test_native_backend_passes_the_setting(monkeypatch):
     from localrun.backends import native
 
-    monkeypatch.setattr("localrun.engine.host_cache.available_ram", lambda: 1000)
+    monkeypatch.setattr("localrun.engine.kv.host.available_ram", lambda: 1000)
     assert native._host_cache_bytes(0.5) == 500
     assert native._host_cache_bytes(4096) == 4096 and native._host_cache_bytes(None) is None
 

@@ -20,7 +20,7 @@ import torch
 import localrun.kernels as K
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
-from localrun.engine.kv_pool import KVPool
+from localrun.engine.kv.pool import KVPool
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None

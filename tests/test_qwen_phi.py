@@ -109,7 +109,7 @@ def engine(hf, fmt: str, tmp_path, max_model_len: int) -> LLMEngine:
     if fmt == "safetensors":
         hf.save_pretrained(tmp_path, safe_serialization=True)
         return LLMEngine.from_safetensors(tmp_path, cfg)
-    from localrun.engine.loader import read_gguf
+    from localrun.engine.models.loader import read_gguf
 
     write_gguf(hf, tmp_path / "m.gguf")  # (it has no vocabulary, so the weights go in without a tokenizer)
     mcfg, get, names, _ = read_gguf(tmp_path / "m.gguf")
@@ -184,9 +184,9 @@ def test_longrope_cos_sin_table_matches_transformers(regime):
 def test_phi3_with_fused_weights_splits_over_tensor_parallel_ranks(tmp_path):
     """A rank's shard of the fused qkv_proj / gate_up_proj (its q heads, its kv heads, its MLP
     columns) equals the slices of the per-projection layout the Llama loader reads."""
-    from localrun.engine.attention import Ops
-    from localrun.engine.model import LlamaModel
-    from localrun.engine.parallel import TPGroup
+    from localrun.engine.layers.ops import Ops
+    from localrun.engine.models.llama import LlamaModel
+    from localrun.engine.parallel.group import TPGroup
 
     hf = hf_model("phi3")
     mc = ModelConfig.from_hf_config(hf.config.to_dict())

@@ -292,8 +292,8 @@ def test_ngram_with_n_choices_and_running_drafts_equals_plain():
 def test_grammar_rows_get_no_draft_and_stay_valid(smollm2_gguf):
     import json
 
-    from localrun.engine.loader import read_gguf
-    from localrun.engine.shapes import get_shape
+    from localrun.engine.models.loader import read_gguf
+    from localrun.engine.models.shapes import get_shape
     from localrun.engine.tokenizer import Tokenizer
 
     _, _, _, meta = read_gguf(smollm2_gguf)

@@ -1,4 +1,4 @@
-"""Weight-only quantization (localrun/engine/quant.py): quantize/dequantize bounds, quantized
+"""Weight-only quantization (localrun/engine/layers/quant.py): quantize/dequantize bounds, quantized
 linear vs float linear (per-channel and group-32 paths), GGUF Q8_0 loaded as int8, the engine
 with int8 weights on a tiny model, memory accounting, settings errors, fp8 (CUDA only)."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
-from localrun.engine.quant import (QuantizedWeight, dequantize, linear, quantize_fp8, quantize_int8,
+from localrun.engine.layers.quant import (QuantizedWeight, dequantize, linear, quantize_fp8, quantize_int8,
                                    weight_bytes)
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -78,7 +78,7 @@ def test_quantized_embedding_lookup_dequantizes_rows():
     w = torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
     qw = _qw(w, 32)
     ids = torch.tensor([[0, 7], [49, 7]])
-    from localrun.engine.quant import embedding
+    from localrun.engine.layers.quant import embedding
 
     out = embedding(ids, qw, torch.float32)
     assert out.shape == (2, 2, 64)
@@ -143,7 +143,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [200, 17, 9], [42] * 7, [5, 100, 150, 250, 3, 60]]
 
 
 def test_q8_0_tensors_load_as_int8_and_match_the_float_model(q8_gguf):
-    from localrun.engine.loader import read_gguf
+    from localrun.engine.models.loader import read_gguf
 
     mcfg, get, names, _ = read_gguf(q8_gguf)
     fl = LLMEngine.from_hf_state(mcfg, get, names, _config())
@@ -214,7 +214,7 @@ def test_native_memory_estimate_counts_quantized_weights(q8_gguf, monkeypatch):
     auto = estimate_memory(spec).weights_bytes
     monkeypatch.setenv("LOCALRUN_WEIGHT_DTYPE", "int8")
     int8 = estimate_memory(spec).weights_bytes
-    from localrun.engine.loader import read_gguf
+    from localrun.engine.models.loader import read_gguf
 
     mcfg, get, names, _ = read_gguf(q8_gguf)
     assert auto == mcfg.num_params * 4

@@ -97,7 +97,7 @@ def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def _model_params(**fields: Any):
+def model_params(**fields: Any):
     """Set llama_model_params fields that llama_cpp.Llama() does not expose (use_extra_bufts).
 
     Llama() builds its params from llama_model_default_params() and loads the model inside
@@ -614,7 +614,7 @@ class LlamaCppBackend:
     def _new_embedder(self, n_ctx: int):
         """A second context for embeddings (mean pooling), through llama-cpp-python's Llama."""
         llama_cpp = self._llama_cpp
-        with _model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
+        with model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
             return llama_cpp.Llama(model_path=str(self.spec.weights), n_ctx=n_ctx, n_threads=self.n_threads,
                                    n_threads_batch=self.n_threads, n_gpu_layers=self.n_gpu_layers, verbose=False,
                                    embedding=True, n_batch=n_ctx, n_ubatch=n_ctx,

@@ -31,8 +31,8 @@ from localrun.backends.base import (
 )
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import CUDA_MAX_NUM_SEQS, ModelConfig, kv_dtype_name, parse_dtype, parse_kv_cache_dtype
-from localrun.engine.parallel import check_shapes
-from localrun.engine.quant import estimate_weight_bytes
+from localrun.engine.parallel.group import check_shapes
+from localrun.engine.layers.quant import estimate_weight_bytes
 from localrun.errors import BackendError, InsufficientMemory, InvalidRequest
 
 log = logging.getLogger("localrun.native")
@@ -48,7 +48,7 @@ def _model_config(spec: LoadSpec) -> ModelConfig:
 @lru_cache(maxsize=16)
 def _read_config(path: str, fmt: str, mtime_ns: int) -> ModelConfig:
     if fmt == "gguf":
-        from localrun.engine.loader import read_gguf
+        from localrun.engine.models.loader import read_gguf
 
         return read_gguf(path)[0]
     import json
@@ -75,7 +75,7 @@ def _kv_dtype(spec: LoadSpec, dtype: torch.dtype) -> torch.dtype:
 
 def _weight_dtype(spec: LoadSpec) -> str:
     """auto | int8 | fp8: a `weight_dtype` in the load's extra parameters, else LOCALRUN_WEIGHT_DTYPE."""
-    from localrun.engine.quant import parse_weight_dtype
+    from localrun.engine.layers.quant import parse_weight_dtype
 
     raw = spec.extra.get("weight_dtype")
     if raw is None:
@@ -145,7 +145,7 @@ def _host_tier_bytes(kv_bytes: int, tp: int) -> int:
     engine's default, at most HOST_AUTO_POOL_MULTIPLE x the KV pool; none under tensor parallelism)."""
     from localrun.config import settings
     from localrun.engine.engine import HOST_AUTO_POOL_MULTIPLE
-    from localrun.engine.host_cache import default_host_cache_bytes
+    from localrun.engine.kv.host import default_host_cache_bytes
 
     if tp > 1:
         return 0
@@ -313,7 +313,7 @@ def _host_cache_bytes(setting: int | float | None) -> int | None:
     """LOCALRUN_HOST_CACHE for EngineConfig.host_cache_bytes: bytes as given, a fraction of the RAM
     available now, or None (the engine's default)."""
     if isinstance(setting, float):
-        from localrun.engine.host_cache import available_ram
+        from localrun.engine.kv.host import available_ram
 
         return int(setting * available_ram())
     return setting

@@ -13,6 +13,7 @@
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
+    localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -97,7 +98,7 @@ def _host_cache_bytes(text: str | None) -> int | None:
     except ValueError as exc:
         raise SystemExit(f"--host-cache: {exc}") from None
     if isinstance(v, float):
-        from localrun.engine.host_cache import available_ram
+        from localrun.engine.kv.host import available_ram
 
         return int(v * available_ram())
     return v
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--skip-kernels", action="store_true")
     w.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
 
-    g = sub.add_parser("gpu-check", help="everything issue #14 measures, in one run on a GPU box; one results file")
+    g = sub.add_parser("gpu-check", help="everything the native engine is measured by, in one run on a GPU box; one results file")
     gpu_check.add_arguments(g)
 
     from localrun.bench import kv_quant  # torch and numpy only at module level
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import vs_llama_server  # stdlib-only at import
 
     vs_llama_server.add_parser(sub)
+
+    from localrun.bench import overhead  # stdlib-only at import
+
+    overhead.add_parser(sub)
     return p
 
 
@@ -526,6 +531,10 @@ def _cmd_typing(a: argparse.Namespace) -> int:
                       res["last_token_ms_p95"], res["prompt_tokens_mean"], res["cached_tokens_mean"]]], con)
 
     return _finish(res, a, rows)
+def _cmd_overhead(a: argparse.Namespace) -> int:
+    from localrun.bench import overhead
+
+    return overhead.run(a)
 
 
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
@@ -537,7 +546,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing}
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`localrun bench gpu-check`: every number issue #14 asks of a GPU, in one run, one results file.
+"""`localrun bench gpu-check`: every number the native engine is measured by on a GPU, in one run, one results file.
 
     python -m localrun.bench gpu-check [--out results/] [--parity-model PATH] [--prompts FILE]
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# The targets of issue #14 (H100 80GB, Llama-3.1-8B shape, bf16) and the machine's ceilings.
+# The engine's targets (H100 80GB, Llama-3.1-8B shape, bf16) and the machine's ceilings.
 TARGETS = {"total_tok_s_min": 20000.0, "itl_ms_p50_max": 5.5, "ttft_512_ms_p50_max": 25.0,
            "prefix_speedup_min": 5.0, "cold_start_s_max": 10.0}
 CEILINGS = {"total_tok_s": 50000.0, "itl_ms_floor": 5.0}
@@ -164,7 +164,7 @@ def parity(source, device: str, dtype_name: str, sizes: Sizes, shape: str | None
     torch = _torch()
     from localrun.engine import EngineConfig, LLMEngine, SamplingParams
     from localrun.engine.config import parse_dtype
-    from localrun.engine.shapes import get_shape
+    from localrun.engine.models.shapes import get_shape
 
     dtype = parse_dtype(dtype_name)
     cfg = EngineConfig(device=device, dtype=dtype_name, max_model_len=max(sizes.parity_prompts) + sizes.parity_tokens + 8,

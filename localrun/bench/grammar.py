@@ -220,7 +220,7 @@ def _default_gguf() -> Path:
 
 
 def run(a: argparse.Namespace) -> int:
-    from localrun.engine.loader import read_gguf
+    from localrun.engine.models.loader import read_gguf
     from localrun.engine.tokenizer import Tokenizer
 
     path = a.gguf or _default_gguf()

@@ -70,7 +70,7 @@ def text_logprobs(engine, ids: list[int], chunk: int) -> list[float]:
     import numpy as np
     import torch
 
-    from localrun.engine.attention import HostStep
+    from localrun.engine.layers.attention import HostStep
 
     runner, pool, P = engine.runner, engine.pool, engine.pool.page_size
     engine.clear_prefix_cache()

@@ -85,7 +85,7 @@ def build_prompt(input_len: int, seed: int, tokenizer=None) -> str:
     return text  # closest we got; usage counts report the truth
 
 
-class _Client:
+class BenchClient:
     def __init__(self, url: str, model: str, endpoint: str, api_key: str | None, concurrency: int):
         self.url = url.rstrip("/")
         self.model = model
@@ -151,7 +151,7 @@ class _Client:
         await self.http.aclose()
 
 
-async def _resolve_model(client: _Client) -> str:
+async def _resolve_model(client: BenchClient) -> str:
     try:
         r = await client.http.get(client.url + "/models")
     except httpx.HTTPError as exc:
@@ -167,7 +167,7 @@ async def _resolve_model(client: _Client) -> str:
     return data[0]["id"]
 
 
-async def _probe(client: _Client, prompt: str, output_len: int) -> None:
+async def _probe(client: BenchClient, prompt: str, output_len: int) -> None:
     """One untimed request: loads the model, and finds out whether ignore_eos is accepted."""
     try:
         tr = await client.request(prompt, output_len)
@@ -194,7 +194,7 @@ class PromptSource:
 
 
 async def run_level(
-    client: _Client,
+    client: BenchClient,
     concurrency: int,
     prompts: PromptSource,
     output_len: int,
@@ -310,7 +310,7 @@ async def run_serve(
         raise ServeBenchError("--concurrency needs positive integers, e.g. 1,10,50,100")
     if window_s <= 0 or warmup_s < 0:
         raise ServeBenchError("--window must be > 0 and --warmup >= 0 seconds")
-    client = _Client(url, model or "", endpoint, api_key, max(concurrencies))
+    client = BenchClient(url, model or "", endpoint, api_key, max(concurrencies))
     try:
         if not client.model:
             client.model = await _resolve_model(client)

@@ -1,6 +1,6 @@
 """`localrun bench soak`: many streaming clients for a bounded time, with checks.
 
-What it does (issue #13, "load and soak as tests you can run"):
+What it does ("load and soak as tests you can run"):
 
 1. Starts its own daemon (``python -m localrun.server``) on a free 127.0.0.1 port with a
    temporary ``LOCALRUN_HOME`` and the chosen backend (or targets ``--url``, which must be a

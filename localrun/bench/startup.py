@@ -103,11 +103,11 @@ async def _first_token(url: str, model: str, deadline: float, proc: subprocess.P
     """Poll until the daemon answers, then stream one request: (ready time, first token time)."""
     import httpx
 
-    from localrun.bench.serve import RequestTrace, _Client
+    from localrun.bench.serve import RequestTrace, BenchClient
 
     from localrun.config import settings
 
-    client = _Client(url, model, "completions", settings().api_key, 1)  # the child has our environment
+    client = BenchClient(url, model, "completions", settings().api_key, 1)  # the child has our environment
     try:
         while True:
             if proc.poll() is not None:

@@ -44,7 +44,7 @@ def resolve_model(model: str | None, random_weights: bool = False, shape: str | 
     if random_weights:
         if not shape:
             raise ThroughputError("--random-weights needs --shape, e.g. --shape llama-3.1-8b")
-        from localrun.engine.shapes import SHAPES
+        from localrun.engine.models.shapes import SHAPES
 
         if shape.lower() not in SHAPES:
             raise ThroughputError(f"unknown --shape {shape!r}; known: {', '.join(SHAPES)}")

@@ -201,9 +201,9 @@ async def start(server: Server, cfg: Config) -> None:
 
 # -- one phase ----------------------------------------------------------------------------------
 async def run_phase(server: Server, prompts: list[str], output_len: int, concurrency: int) -> dict[str, Any]:
-    from localrun.bench.serve import RequestTrace, _Client
+    from localrun.bench.serve import RequestTrace, BenchClient
 
-    client = _Client(server.url + "/v1", server.model, "completions", None, concurrency)
+    client = BenchClient(server.url + "/v1", server.model, "completions", None, concurrency)
     client.temperature = 0.0  # greedy, as llama.cpp's published figures are taken
     queue = list(enumerate(prompts))
     traces: list[RequestTrace] = []

@@ -76,7 +76,7 @@ def _speed(engine, prompt_len: int, decode_tokens: int) -> tuple[float, float]:
 
 
 def _kernel_table(layer_shape: tuple[int, int], device: str, reps: int = 20) -> list[tuple[str, int, float]]:
-    from localrun.engine import quant
+    from localrun.engine.layers import quant
 
     n, k = layer_shape
     g = torch.Generator(device=device).manual_seed(0)
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"teacher-forced top-1 agreement: {top1:.3f}; greedy tokens before first disagreement: {agree}/{total} "
           f"({agree / total:.3f})")
     if not args.skip_kernels:
-        from localrun.engine.loader import read_gguf
+        from localrun.engine.models.loader import read_gguf
 
         cfg = read_gguf(path)[0]
         for shape in ((2 * cfg.intermediate_size, cfg.hidden_size), (cfg.vocab_size, cfg.hidden_size)):

@@ -254,7 +254,7 @@ class OpenAIIngress:
     async def _job(self, body: dict, chat: bool) -> tuple[ReplicaCall, bool, bool]:
         from localrun.server import params as p
         from localrun.server.generation import Job, render_prompt
-        from localrun.server.routes_openai import _think, openai_options
+        from localrun.server.routes_openai import openai_options, thinking_switch
 
         model = body.get("model")
         if model not in (None, self.src.name):
@@ -271,7 +271,7 @@ class OpenAIIngress:
             if any(m.get("images") for m in messages):
                 raise InvalidRequest("images are not supported on the Ray Serve ingress (its native engine has no "
                                      "vision tower); use the localrun daemon with a vision model")
-            job = Job(resolved=self.resolved, options=opts, messages=messages, think=_think(body))
+            job = Job(resolved=self.resolved, options=opts, messages=messages, think=thinking_switch(body))
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -12,7 +12,7 @@ import torch
 class ModelConfig:
     """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm), Mistral,
     SmolLM2, Phi-3 / Phi-4 (longrope, partial rotary, sliding window); and Gemma 2 / 3 (arch "gemma2" /
-    "gemma3": gemma.py)."""
+    "gemma3": models/gemma.py)."""
 
     hidden_size: int
     num_layers: int
@@ -312,8 +312,8 @@ class EngineConfig:
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
     kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8
     #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
-    weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (quant.py)
-    tensor_parallel: int = 1  # ranks (processes; GPUs on CUDA) the weights and KV heads are split over (parallel.py)
+    weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (layers/quant.py)
+    tensor_parallel: int = 1  # ranks (processes; GPUs on CUDA) the weights and KV heads are split over (parallel/)
     speculative: str = "off"  # off | ngram (prompt lookup) | draft (a small draft model): speculative.py
     num_speculative_tokens: int = 4  # drafted tokens verified per sequence per step
     ngram_min: int = 1  # prompt lookup: match the last n tokens, n from ngram_max down to ngram_min
@@ -328,7 +328,7 @@ class EngineConfig:
         if self.dtype is None:
             self.dtype = "bfloat16" if cuda else "float32"
         parse_kv_cache_dtype(self.kv_cache_dtype, parse_dtype(self.dtype))
-        from localrun.engine.quant import check_supported, parse_weight_dtype
+        from localrun.engine.layers.quant import check_supported, parse_weight_dtype
 
         self.weight_dtype = parse_weight_dtype(self.weight_dtype)
         check_supported(self.weight_dtype, self.device)

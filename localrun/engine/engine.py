@@ -21,14 +21,18 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from localrun.engine.attention import Ops, check_kv_dtype, use_triton
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
-from localrun.engine.host_cache import HostKVPool, default_host_cache_bytes
-from localrun.engine.kv_pool import KVPool
-from localrun.engine.model import LlamaModel, model_class
-from localrun.engine.quant import weight_bytes
-from localrun.engine.parallel import TPGroup, check_shapes
-from localrun.engine.radix_cache import RadixCache
+from localrun.engine.kv.host import HostKVPool, default_host_cache_bytes
+from localrun.engine.kv.pool import KVPool
+from localrun.engine.kv.radix import RadixCache
+from localrun.engine.layers.attention import check_kv_dtype, use_triton
+from localrun.engine.layers.ops import Ops
+from localrun.engine.layers.quant import weight_bytes
+from localrun.engine.models import build_model
+from localrun.engine.models.llama import LlamaModel
+from localrun.engine.models.loader import recipe_source
+from localrun.engine.parallel import launch
+from localrun.engine.parallel.group import TPGroup, check_shapes
 from localrun.engine.runner import ModelRunner, StepHandle, profile_and_warm
 from localrun.engine.sampler import SamplingParams
 from localrun.engine.scheduler import ScheduledBatch, Scheduler, Sequence
@@ -245,9 +249,7 @@ class LLMEngine:
                 if recipe is None:
                     raise ValueError("tensor_parallel > 1 needs weights every rank can read itself: load with "
                                      "from_gguf, from_safetensors or from_random")
-                from localrun.engine import parallel
-
-                tp = parallel.start(config.tensor_parallel, config.device, recipe, config)
+                tp = launch.start(config.tensor_parallel, config.device, recipe, config, cls.from_recipe)
         try:
             t = time.perf_counter()
             model = build_model(mcfg, config, tp)
@@ -462,16 +464,18 @@ class LLMEngine:
             if self.overlap:
                 handle, self._inflight = self._inflight, handle
             if handle is not None:
-                self._handle(handle)
+                self.handle_step(handle)
 
     def has_work(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 
     def _launch(self) -> StepHandle | None:
-        batch = self._schedule()
-        return None if batch is None else self._launch_batch(batch)
+        batch = self.schedule_batch()
+        return None if batch is None else self.launch_batch(batch)
 
-    def _schedule(self) -> ScheduledBatch | None:
+    # the step's three parts, public for speculative decoding (which runs its own step over them)
+    def schedule_batch(self) -> ScheduledBatch | None:
+        """The scheduler's next batch (None: nothing to run); requests it must end are finished."""
         batch = self.scheduler.schedule()
         if self.host_pool is not None:
             self.host_pool.flush()  # pages spilled to / loaded from host memory while scheduling
@@ -479,26 +483,35 @@ class LLMEngine:
             self._finish(self._requests[seq.id], seq.finish_reason, release=False)
         return batch
 
-    def _launch_batch(self, batch: ScheduledBatch) -> StepHandle:
+    def launch_batch(self, batch: ScheduledBatch) -> StepHandle:
+        """Launch a scheduled batch (forward and sampling queued on the device)."""
         handle = self.runner.launch(batch)
         self.scheduler.update(batch)
         handle.positions = [seq.add_pending(row) for row, seq in enumerate(handle.seqs)]
         if handle.deferred is not None:  # grammar rows: forward launched, the masks need their last tokens
             if self._inflight is not None:  # overlap: step N's tokens reach the matchers first
                 prev, self._inflight = self._inflight, None
-                self._handle(prev)
+                self.handle_step(prev)
             self.runner.sample_with_masks(handle)
         return handle
 
-    def _handle(self, handle: StepHandle) -> None:
+    def handle_step(self, handle: StepHandle) -> None:
+        """Wait for a launched step's tokens and hand each to its request."""
         tokens, lps = handle.result()  # the step's one wait for the device
         now = time.perf_counter()
         for seq, pos, tok, lp in zip(handle.seqs, handle.positions, tokens, lps):
             seq.resolve(pos, tok)
-            req = self._requests.get(seq.id)
-            if req is None or req.seq is not seq or seq.finish_reason:
-                continue  # finished or aborted while this step ran: its token is void
-            self._on_token(req, tok, lp, now)
+            self.on_token(seq, tok, lp, now)
+
+    def on_token(self, seq: Sequence, tok: int, lp, now: float) -> bool:
+        """Hand `seq`'s next token (already in seq.token_ids) to its request: stream it, check stops
+        and limits. False when the request finished or was aborted while the step ran (the token
+        is void)."""
+        req = self._requests.get(seq.id)
+        if req is None or req.seq is not seq or seq.finish_reason:
+            return False
+        self._on_token(req, tok, lp, now)
+        return True
 
     def _on_token(self, req: _Request, tok: int, lp, now: float) -> None:
         seq, p = req.seq, req.seq.params
@@ -760,47 +773,6 @@ class LLMEngine:
             "waiting": sum(q.status == "waiting" for q in s.waiting), "preemptions": s.num_preemptions,
             **(self.spec.stats() if self.spec is not None else {"speculative": "off"}),
         }
-
-
-def build_model(mcfg: ModelConfig, config: EngineConfig, tp: TPGroup | None = None) -> LlamaModel:
-    """The model of `mcfg`'s family (this rank's shard), allocated on the device, weights not yet filled."""
-    ops = Ops(reference=not use_triton(config.device, config.use_triton))
-    return model_class(mcfg)(mcfg, max(config.max_model_len, 1), config.torch_dtype, config.device, ops,
-                             weight_dtype=config.weight_dtype, tp=tp)
-
-
-def recipe_source(recipe: tuple, config: EngineConfig) -> tuple[ModelConfig, Callable[[LlamaModel], None],
-                                                                 Callable[[], Tokenizer | None]]:
-    """(config, fill(model), tokenizer()) for a recipe: ("gguf", path) | ("safetensors",
-    directory) | ("random", shape, seed). fill copies the weights in (and closes the files)."""
-    kind = recipe[0]
-    if kind == "gguf":
-        from localrun.engine.loader import read_gguf
-
-        path = recipe[1]
-        mcfg, get, names, meta = read_gguf(path)
-        return (mcfg, lambda m: m.load_hf_state(get, names),
-                lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]))
-    if kind == "safetensors":
-        from localrun.engine.loader import read_safetensors
-
-        directory = recipe[1]
-        mcfg, get, names, close = read_safetensors(directory, device=config.device)
-
-        def fill(m: LlamaModel) -> None:
-            try:
-                m.load_hf_state(get, names)
-            finally:
-                close()
-
-        return mcfg, fill, lambda: Tokenizer.from_dir(directory, mcfg.eos_token_ids)
-    if kind == "random":
-        from localrun.engine.shapes import get_shape
-
-        shape, seed = recipe[1], recipe[2]
-        mcfg = get_shape(shape) if isinstance(shape, str) else shape
-        return mcfg, lambda m: m.init_random(seed), lambda: None
-    raise ValueError(f"unknown model recipe {kind!r}")
 
 
 def _check_group(group) -> tuple[str, int, int] | None:

@@ -1,4 +1,6 @@
-"""ModelRunner: turns a scheduled batch into a step (host arrays -> persistent buffers ->
+"""ModelRunner: runs a scheduled batch on the device (forward, then sampling) and hands back its tokens.
+
+It turns a scheduled batch into a step (host arrays -> persistent buffers ->
 AttnMetadata), runs the model (eagerly, or a decode batch by replaying the CUDA graph of its
 padded size), and samples on the device. `launch` returns at once with the step's sampled
 tokens still on the device; `StepHandle.result()` is the step's one host sync.
@@ -13,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from localrun.engine.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
 from localrun.engine.config import EngineConfig
-from localrun.engine.kv_pool import KVPool, PageTable
-from localrun.engine.model import LlamaModel
-from localrun.engine.parallel import apply_journal
+from localrun.engine.kv.pool import KVPool, PageTable
+from localrun.engine.layers.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
+from localrun.engine.models.llama import LlamaModel
+from localrun.engine.parallel.group import apply_journal
 from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample, to_device
 from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
 
@@ -180,7 +182,7 @@ class ModelRunner:
             if self.defer_grammar:
                 handle.deferred = (logits, inputs)
                 return handle
-            self._grammar_masks(handle)
+            self.grammar_masks(handle)
         self._sample(handle, logits, inputs)
         return handle
 
@@ -204,7 +206,7 @@ class ModelRunner:
         out.start_copy()
         handle.out = out
 
-    def _grammar_masks(self, handle: StepHandle) -> None:
+    def grammar_masks(self, handle: StepHandle) -> None:
         """Fill the grammar rows' bitmasks from their matchers (host) and attach them (device)."""
         from localrun.engine.grammar import fill_masks
 
@@ -218,7 +220,7 @@ class ModelRunner:
         """Finish a deferred launch: grammar masks from the matchers as they are now, then sample."""
         logits, inputs = handle.deferred
         handle.deferred = None
-        self._grammar_masks(handle)
+        self.grammar_masks(handle)
         self._sample(handle, logits, inputs)
 
     def _forward(self, step: HostStep, bs: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:

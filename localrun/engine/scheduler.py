@@ -1,4 +1,6 @@
-"""Continuous batching: decodes first in a per-step token budget, then prefill chunks; admission
+"""Scheduler: which sequences run each step, with how many tokens, on which KV pages.
+
+Continuous batching: decodes first in a per-step token budget, then prefill chunks; admission
 by free KV; preemption by recompute; abort frees at once.
 
 Each step: every running sequence in its decode phase gets its next token (oldest first),
@@ -25,8 +27,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from localrun.engine.config import EngineConfig
-from localrun.engine.kv_pool import KVPool, PageTable
-from localrun.engine.radix_cache import RadixCache
+from localrun.engine.kv.base import PagePool, PrefixCache
+from localrun.engine.kv.pool import PageTable
 from localrun.engine.sampler import SamplingParams
 
 _arrivals = itertools.count()
@@ -112,7 +114,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, pool: KVPool, cache: RadixCache | None, table: PageTable) -> None:
+    def __init__(self, cfg: EngineConfig, pool: PagePool, cache: PrefixCache | None, table: PageTable) -> None:
         self.cfg, self.pool, self.cache, self.table = cfg, pool, cache, table
         self.P = pool.page_size
         self.waiting: list[Sequence] = []  # arrival order

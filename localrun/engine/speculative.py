@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from localrun.engine.config import EngineConfig, ModelConfig
+from localrun.engine.kv.pool import KVPool
+from localrun.engine.layers.attention import use_triton
+from localrun.engine.models import build_model
+from localrun.engine.models.loader import recipe_source
+from localrun.engine.runner import ModelRunner, StepHandle
 from localrun.engine.sampler import SamplingBatch, SamplingParams, sample
-from localrun.engine.scheduler import RUNNING, ScheduledBatch, Sequence
+from localrun.engine.scheduler import RUNNING, ScheduledBatch, Scheduler, Sequence
 
 log = logging.getLogger("localrun.engine")
 
@@ -52,10 +59,30 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int
     return []
 
 
+class StepOwner(Protocol):
+    """What speculative decoding uses of the engine that owns it (LLMEngine; it imports nothing of it)."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    device: torch.device
+    timings: dict
+    pool: KVPool
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def schedule_batch(self) -> ScheduledBatch | None: ...
+
+    def launch_batch(self, batch: ScheduledBatch) -> StepHandle: ...
+
+    def handle_step(self, handle: StepHandle) -> None: ...
+
+    def on_token(self, seq: Sequence, tok: int, lp, now: float) -> bool: ...
+
+
 class SpecDecoder:
     """The engine's step while speculation is on: draft, schedule, verify, emit."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: StepOwner) -> None:
         self.engine = engine
         cfg = engine.config
         self.mode = cfg.speculative
@@ -111,11 +138,11 @@ class SpecDecoder:
         eng = self.engine
         self.propose()
         try:
-            batch = eng._schedule()
+            batch = eng.schedule_batch()
             if batch is None:
                 return
             if not batch.num_spec:  # nothing to verify: the engine's plain (serial) step
-                eng._handle(eng._launch_batch(batch))
+                eng.handle_step(eng.launch_batch(batch))
                 return
             self._verify(batch)
         finally:
@@ -124,8 +151,6 @@ class SpecDecoder:
 
     def _verify(self, batch) -> None:
         eng, runner = self.engine, self.engine.runner
-        from localrun.engine.runner import StepHandle
-
         step, rows, _ = runner.host_step(batch)
         starts = {id(s): s.num_computed for s in batch.seqs}
         logits, _, _, rows = runner.forward_sampling(batch, step, None, rows)
@@ -140,7 +165,7 @@ class SpecDecoder:
         sb = SamplingBatch.build(params, hists, plens, positions, [False] * len(rows), eng.model_config.vocab_size,
                                  eng.device)
         if any(seq.matcher is not None for seq in rows):  # grammar rows (never drafted): their masks
-            runner._grammar_masks(StepHandle(rows, None, sb))
+            runner.grammar_masks(StepHandle(rows, None, sb))
         out = sample(logits, sb, None)
         eng.scheduler.update(batch)
         tokens, lps = out.to_host(sb)
@@ -168,11 +193,7 @@ class SpecDecoder:
                 self.emitted_tokens += a + 1
             for t, l in zip(toks[:a + 1], lp[:a + 1]):
                 seq.token_ids.append(t)
-                req = eng._requests.get(seq.id)
-                if req is None or req.seq is not seq or seq.finish_reason:
-                    break
-                eng._on_token(req, t, l, now)
-                if seq.finish_reason:
+                if not eng.on_token(seq, t, l, now) or seq.finish_reason:
                     break
 
     def stats(self) -> dict:
@@ -205,8 +226,6 @@ def draft_recipe(spec) -> tuple:
 def load_draft_model(recipe: tuple, config):
     """The draft's model (one rank, the engine's dtype and device), built and filled as the
     engine builds its own."""
-    from localrun.engine.engine import build_model, recipe_source
-
     mcfg, fill, _ = recipe_source(recipe, config)
     model = build_model(mcfg, config)
     fill(model)
@@ -219,11 +238,7 @@ class DraftModel:
     draft positions are recomputed); it catches up on the new tokens and then decodes k tokens
     greedily, batched over the sequences."""
 
-    def __init__(self, engine) -> None:
-        from localrun.engine.attention import use_triton
-        from localrun.engine.kv_pool import KVPool
-        from localrun.engine.runner import ModelRunner
-
+    def __init__(self, engine: StepOwner) -> None:
         cfg = engine.config
         t = time.perf_counter()
         triton = use_triton(cfg.device, cfg.use_triton)
@@ -254,7 +269,7 @@ class DraftModel:
             self._drop(seq.id)
             entry = None
         if entry is None:
-            if not self.runner.table._free_rows:
+            if not self.runner.table.num_free_rows:
                 return None
             sh = Sequence(seq.id, t, self.greedy)
             sh.row = self.runner.table.alloc_row()

@@ -1,5 +1,7 @@
-"""Tokenizer wrapper (a transformers fast tokenizer, built from tokenizer files or from the
-GGUF metadata) and an incremental detokenizer for streaming."""
+"""The tokenizer and the incremental detokenizer streaming uses.
+
+Tokenizer wraps a transformers fast tokenizer, built from tokenizer files or from the
+GGUF metadata; Detokenizer turns tokens into text as they arrive."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from localrun.config import Settings, settings as read_settings
 from localrun.errors import Busy, LocalrunError
+from localrun.server.error_shapes import error_body
 
 log = logging.getLogger("localrun.server")
 
@@ -55,33 +56,6 @@ def _host_only(value: str) -> str:
 def _host_allowed(value: str) -> bool:
     h = _host_only(value)
     return h == "localhost" or h.endswith(".localhost") or is_loopback(h)
-
-
-_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                     503: "overloaded_error", 529: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str) -> dict:
-    etype = _ANTHROPIC_ERRORS.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
-    return {"type": "error", "error": {"type": etype, "message": message}}
-
-
-def error_body(path: str, status: int, message: str, code: str) -> dict:
-    """Anthropic's error shape under /v1/messages, OpenAI's under the rest of /v1, Ollama's
-    {"error": "..."} elsewhere."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error(status, message)
-    if path == "/infill":  # llama-server's shape
-        from localrun.server.routes_llama import error_shape
-
-        return error_shape(status, message)
-    if path.startswith("/v1"):
-        etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
-        if status == 401:
-            etype = "authentication_error"
-        return {"error": {"message": message, "type": etype, "param": None, "code": code}}
-    return {"error": message}
 
 
 class SecurityMiddleware:

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Request
 from localrun.backends.base import MEDIA_MARKER, SamplingOptions, Usage
 from localrun.errors import Busy, InvalidRequest, LocalrunError
 from localrun.server import params as p
-from localrun.server.app import anthropic_error
+from localrun.server.error_shapes import anthropic_error
 from localrun.server.images import ImageInput, from_base64, from_url, take_images
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.state import State, generation_response, json_body

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from localrun.backends.base import Infill
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
+from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
 from localrun.server.state import State, generation_response, json_body
 
@@ -26,14 +27,6 @@ router = APIRouter()
 
 START_POLL_S = 0.05  # how often a streamed request's start looks for its client gone (stale completions)
 MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
-
-
-def error_shape(status: int, message: str) -> dict:
-    """llama-server's error object (format_error_response)."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
-    etype = kind.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"code": status, "message": message, "type": etype}}
 
 
 def _extra(value: Any) -> list[dict]:

@@ -91,7 +91,7 @@ def openai_options(body: dict, resolved: Any, chat: bool):
     return opts, num_ctx, n
 
 
-def _think(body: dict) -> bool | None:
+def thinking_switch(body: dict) -> bool | None:
     """vLLM/SGLang's switch: chat_template_kwargs.enable_thinking."""
     kw = body.get("chat_template_kwargs")
     if kw is None:
@@ -209,7 +209,7 @@ async def chat_completions(request: Request):
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:
             opts.json_schema = forced
-    job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
+    job = Job(resolved, opts, messages=messages, tools=tools, think=thinking_switch(body), num_ctx=num_ctx,
               keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())

@@ -1,4 +1,6 @@
-"""One preallocated paged KV pool, its page allocator (with reference counts) and the
+"""KVPool: the preallocated paged KV memory and its page allocator; PageTable: each sequence's pages.
+
+One preallocated paged KV pool, its page allocator (with reference counts) and the
 persistent page table of the running sequences.
 
 Default page size 16 tokens (EngineConfig.page_size): small enough that a sequence wastes
@@ -129,6 +131,10 @@ class PageTable:
     @property
     def dummy_row(self) -> int:
         return self.max_rows
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
 
     def alloc_row(self) -> int:
         return self._free_rows.pop()

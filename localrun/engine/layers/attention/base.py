@@ -12,26 +12,21 @@ memory on CPU). Every field sits at a fixed offset, so a CUDA graph captured ove
 buffers replays any later step of its batch size. An `AttentionBackend` turns a step into
 `AttnMetadata` (views of those buffers plus host-side facts), runs attention for a layer
 (store this step's K/V, then attend through the page table), and has the capture/replay
-hooks the decode graphs use. Two backends: `TritonAttention` (localrun.kernels' Triton
-kernels, CUDA) and `TorchAttention` (their torch references: the CPU path and the oracle).
-`Ops` holds the pointwise ops (norm, RoPE, SiLU / GELU-tanh gates), Triton or reference alike.
+hooks the decode graphs use. Two backends implement it: `TritonAttention` (triton_backend.py:
+localrun.kernels' Triton kernels, CUDA) and `TorchAttention` (torch_backend.py: their torch
+references, the CPU path and the oracle). The pointwise ops live in layers/ops.py.
 """
 
 from __future__ import annotations
 
-import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from localrun import kernels
-from localrun.engine.kv_pool import KVPool, PageTable
+from localrun.engine.kv.pool import KVPool, PageTable
 from localrun.kernels.reference import causal_attention
-
-log = logging.getLogger("localrun.engine")
-
-_POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 
 
 @dataclass
@@ -148,7 +143,7 @@ def padding_step(bs: int, dummy_row: int) -> HostStep:
                     sample_idx=np.arange(bs, dtype=np.int32), num_decodes=bs, num_real_seqs=0)
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """Paged attention for the model: `prepare` a step's metadata from the persistent buffers,
     `forward` one layer, and the hooks decode CUDA graphs need (`graphable`, and metadata that
     references only persistent buffers: `prepare(step, for_graph=True)`)."""
@@ -200,16 +195,22 @@ class AttentionBackend:
 
     # the three primitives a backend implements (kv: one layer's KVPool.layers entry; sequences [a, b);
     # window / softcap: see forward)
+    @abstractmethod
     def store_kv(self, k, v, kv, slots) -> None:
-        raise NotImplementedError
+        """Write this step's K/V (and their scales, for a quantized pool) into `slots`; a slot
+        of -1 is a padding row and is skipped."""
 
+    @abstractmethod
     def decode(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-        raise NotImplementedError
+        """Attention for decode sequences [a, b) (one query each) through the page table; the
+        keys include the one just stored. Returns [b - a, num_heads, head_dim]."""
 
+    @abstractmethod
     def extend(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-        raise NotImplementedError
+        """Causal attention for extend sequences [a, b) (a chunk of queries each, after their
+        cached prefix) through the page table. Returns q's shape."""
 
     @staticmethod
     def _no_cache_attention(q, k, v, meta, scale, window: int = 0, softcap: float = 0.0):
@@ -218,82 +219,3 @@ class AttentionBackend:
         for s, e in zip(starts[:-1], starts[1:]):
             out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, softcap=softcap, window=window)
         return out
-
-
-class TorchAttention(AttentionBackend):
-    """The torch references (localrun.kernels.reference): exact, and cheap on CPU where host-side
-    lengths let decode attend in groups of similar length."""
-
-    def store_kv(self, k, v, kv, slots) -> None:
-        kernels.store_kv_ref(k, v, kv[0], kv[1], slots, kv[2], kv[3])
-
-    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
-        lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
-        return kernels.paged_decode_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
-                                                  lens=lens, k_scale=kv[2], v_scale=kv[3], window=window,
-                                                  softcap=softcap)
-
-    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
-        lens = meta.seq_lens_list[a:b] if meta.seq_lens_list is not None else None
-        cu = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a] if a else meta.cu_seqlens_q
-        return kernels.extend_attention_ref(q, kv[0], kv[1], meta.page_table[a:b], cu, meta.seq_lens[a:b],
-                                            scale, lens=lens, k_scale=kv[2], v_scale=kv[3], window=window,
-                                            softcap=softcap)
-
-
-class TritonAttention(AttentionBackend):
-    """localrun.kernels' Triton kernels: split-KV decode (split count from host-known sizes, a
-    runtime argument: one compiled kernel for all batch sizes) and the paged extend kernel."""
-
-    graphable = True
-
-    def store_kv(self, k, v, kv, slots) -> None:
-        kernels.store_kv(k, v, kv[0], kv[1], slots, kv[2], kv[3])
-
-    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
-        return kernels.paged_decode_attention(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
-                                              k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap)
-
-    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
-        cu, seq_lens = meta.cu_seqlens_q, meta.seq_lens
-        if a:  # fresh (aligned) tensors: an offset view would make Triton compile another variant
-            cu, seq_lens = cu[a:b + 1] - cu[a], seq_lens[a:b].clone()
-        return kernels.extend_attention(q, kv[0], kv[1], meta.page_table[a:b], cu, seq_lens, scale,
-                                        max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3], window=window,
-                                        softcap=softcap)
-
-
-class Ops:
-    """The model's pointwise ops: localrun.kernels' Triton kernels on CUDA tensors (reference=False)
-    or their torch references."""
-
-    def __init__(self, reference: bool = False) -> None:
-        self.reference = reference
-        for name in _POINTWISE:
-            setattr(self, name, getattr(kernels, f"{name}_ref" if reference else name))
-
-
-def check_kv_dtype(kv_dtype: torch.dtype, device, triton: bool) -> None:
-    """fp8 pages on the Triton path need a GPU that converts fp8 (compute capability 8.9+)."""
-    dev = torch.device(device)
-    if triton and kv_dtype == torch.float8_e4m3fn and dev.type == "cuda":
-        cap = torch.cuda.get_device_capability(dev)
-        if cap < (8, 9):
-            raise ValueError(f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper); this "
-                             f"one is {cap[0]}.{cap[1]}: use kv_cache_dtype int8 (LOCALRUN_KV_CACHE_TYPE=int8)")
-
-
-def use_triton(device: str, use: bool | None) -> bool:
-    """The Triton kernels on CUDA (use None or True, when Triton imports); else the torch references."""
-    if not str(device).startswith("cuda") or use is False:
-        return False
-    if not kernels.triton_available():
-        if use:
-            raise RuntimeError("use_triton=True but triton is not importable")
-        log.warning("triton unavailable; using torch attention")
-        return False
-    return True
-
-
-def make_backend(triton: bool, pool: KVPool, table: PageTable, buffers: StepBuffers) -> AttentionBackend:
-    return (TritonAttention if triton else TorchAttention)(pool, table, buffers)

@@ -1,8 +1,10 @@
-"""The host-memory tier of the prefix cache (as SGLang's HiCache): a bounded pool of KV pages
+"""HostKVPool: the prefix cache's host-memory tier and the copies between it and the device.
+
+As SGLang's HiCache: a bounded pool of KV pages
 in host RAM, pinned when the device is CUDA, and the batched copies between it and the
 device pool.
 
-The radix cache decides what moves (host_cache.py only moves bytes): `store` queues a copy
+The radix cache decides what moves (this module only moves bytes): `store` queues a copy
 of device pages into host slots (a page evicted from the device pool), `load` a copy of
 host slots into freshly allocated device pages (a prefix match that reached host-resident
 nodes). Copies are queued while a step is scheduled and run by `flush()` just before the
@@ -25,7 +27,7 @@ import os
 
 import torch
 
-from localrun.engine.kv_pool import KVPool
+from localrun.engine.kv.pool import KVPool
 
 AUTO_FRACTION = 0.10  # default budget: this share of the RAM available at load...
 AUTO_CAP_BYTES = 16 << 30  # ...but at most this much

@@ -6,7 +6,7 @@ neither side gets a prefix-cache hit the other does not. Prints TTFT and decode 
 medians and the daemon's overhead; exits 1 when the median per-prompt decode tok/s overhead
 exceeds --max-overhead (percent) or the median per-prompt TTFT difference exceeds --max-ttft (ms).
 
-    python -m localrun.server.bench_overhead [--prompts 6] [--max-tokens 128] [--settle 0.1]
+    localrun bench overhead [--prompts 6] [--max-tokens 128] [--settle 0.1]
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def run_daemon(http, model: str, prompt: str, max_tokens: int) -> tuple[float, f
     return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_parser(sub) -> None:
+    ap = sub.add_parser("overhead", help="the daemon's overhead: SmolLM2 through it vs llama-cpp-python directly",
+                        description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-ctx", type=int, default=2048)
@@ -101,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=0.1,
                     help="seconds between runs: llama.cpp's OpenMP threads spin for milliseconds after a run, "
                          "on the CPUs the next run (the other side) needs")
-    ap.add_argument("--threads", type=int, default=0,
+    ap.add_argument("--threads", dest="llama_threads", type=int, default=0,
                     help="llama.cpp threads on both sides (default: physical cores, the daemon's own choice)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark; exit status 1 when a budget is exceeded."""
 
     import httpx
     import llama_cpp
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from localrun.config import settings as settings_from_env
 
     gguf = _smollm2()
-    threads = args.threads or physical_cores()
+    threads = args.llama_threads or physical_cores()
     home = Path(tempfile.mkdtemp(prefix="localrun-bench-"))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
@@ -134,17 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         if last.get("status") != "success":
             raise SystemExit(f"pull failed: {last}")
         model = "smollm2:135m"
-        if args.threads:  # same thread count on the daemon side, through a Modelfile PARAMETER
+        if args.llama_threads:  # same thread count on the daemon side, through a Modelfile PARAMETER
             model = "bench-smollm2:latest"
             mf = f"FROM smollm2:135m\nPARAMETER num_thread {threads}\n"
             with http.stream("POST", "/api/create", json={"model": model, "modelfile": mf}) as r:
                 last = [json.loads(x) for x in r.iter_lines() if x.strip()][-1]
             if last.get("status") != "success":
                 raise SystemExit(f"create failed: {last}")
-        from localrun.backends.llamacpp import _model_params, extra_buffers
+        from localrun.backends.llamacpp import extra_buffers, model_params
 
         use_extra, _ = extra_buffers(settings_from_env().llamacpp_extra_buffers)  # what the daemon does too
-        with _model_params(**({} if use_extra else {"use_extra_bufts": False})):
+        with model_params(**({} if use_extra else {"use_extra_bufts": False})):
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=args.num_ctx, n_threads=threads,
                                   n_threads_batch=threads, verbose=False)
         # warm both sides (daemon: loads the model)
@@ -188,7 +192,3 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
         log.close()
         shutil.rmtree(home, ignore_errors=True)  # the temporary library (a copy of the model)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,11 +5,11 @@ q/k RMSNorm before RoPE), Mistral (sliding window), SmolLM2 (tied embeddings) an
 (checkpoints with fused qkv_proj / gate_up_proj, "longrope" scaling, partial rotary, sliding
 window). Weights use fused layouts (q|k|v in one matrix, gate|up in
 one) so a step does few, large matmuls. The model sees only token ids, positions and
-one AttnMetadata object per step; the attention backend it is given (attention.py) does
+one AttnMetadata object per step; the attention backend it is given (layers/attention/) does
 everything paged. It is built on the meta device and its weights are allocated once, on
 the target device, in the target dtype; checkpoints are copied straight into the fused
 slices (no float32 copy, no concatenation on the host). With an int8/fp8 weight_dtype the
-2-D weights are quant.QuantizedWeight, quantized at load (see quant.py).
+2-D weights are quant.QuantizedWeight, quantized at load (see layers/quant.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import math
 import torch
 from torch import nn
 
-from localrun.engine import quant
-from localrun.engine.attention import AttentionBackend, AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
-from localrun.engine.parallel import TPGroup
+from localrun.engine.layers import quant
+from localrun.engine.layers.attention import AttentionBackend, AttnMetadata
+from localrun.engine.layers.ops import Ops
+from localrun.engine.models.registry import register
+from localrun.engine.parallel.group import TPGroup
 from localrun.kernels import rope_cos_sin_cache
 
 
@@ -72,7 +74,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    layer_cls = DecoderLayer  # a subclass's own decoder layer (gemma.py)
+    layer_cls = DecoderLayer  # a subclass's own decoder layer (models/gemma.py)
 
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
@@ -257,10 +259,4 @@ class LlamaModel(nn.Module):
         raise ValueError(f"no tensor-parallel layout for weight {name}")
 
 
-def model_class(cfg: ModelConfig) -> type[LlamaModel]:
-    """The model class for a config: Gemma 2 / 3 (gemma.py) or the Llama family."""
-    if cfg.is_gemma:
-        from localrun.engine.gemma import GemmaModel
-
-        return GemmaModel
-    return LlamaModel
+register(LlamaModel)  # the default family: every config no other family claims

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) on the Llama-family machinery of model.py.
+"""Gemma 2 and Gemma 3 (text) on the Llama-family machinery of llama.py.
 
 What differs from Llama, and where it is handled:
   * embeddings scaled by sqrt(hidden_size), the factor rounded to the model dtype (as transformers);
@@ -21,11 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from localrun.engine import quant
-from localrun.engine.attention import AttentionBackend, AttnMetadata, Ops
 from localrun.engine.config import ModelConfig
-from localrun.engine.model import DecoderLayer, LlamaModel
-from localrun.engine.parallel import TPGroup
+from localrun.engine.layers import quant
+from localrun.engine.layers.attention import AttentionBackend, AttnMetadata
+from localrun.engine.layers.ops import Ops
+from localrun.engine.models.llama import DecoderLayer, LlamaModel
+from localrun.engine.models.registry import register
+from localrun.engine.parallel.group import TPGroup
 from localrun.kernels import rope_cos_sin_cache
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -130,3 +132,6 @@ class GemmaModel(LlamaModel):
             out += [getattr(layer, n) for n in _NORMS]
             out += [w for w in (layer.q_norm, layer.k_norm) if w is not None]
         return out
+
+
+register(GemmaModel, when=lambda cfg: cfg.is_gemma)

@@ -1,4 +1,6 @@
-"""Radix prefix cache over KV pages, as SGLang's RadixAttention, with an optional host tier
+"""RadixCache: the prefix cache over KV pages, with an optional host tier.
+
+A radix tree as SGLang's RadixAttention, with an optional host tier
 (as SGLang's HiCache).
 
 A token-keyed radix tree whose edges hold whole pages (keys are page-aligned token runs,
@@ -21,8 +23,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from localrun.engine.host_cache import HostKVPool
-from localrun.engine.kv_pool import KVPool
+from localrun.engine.kv.host import HostKVPool
+from localrun.engine.kv.pool import KVPool
 
 _tick = itertools.count()
 

@@ -1,5 +1,7 @@
-"""Weights: GGUF (dequantized with the gguf library) or a Hugging Face safetensors directory
-(memory-mapped with safetensors.safe_open). Never unpickles anything.
+"""Checkpoints to weights: GGUF or safetensors read by Hugging Face name, and model recipes.
+
+GGUF is dequantized with the gguf library; a Hugging Face safetensors directory is
+memory-mapped with safetensors.safe_open. Never unpickles anything.
 
 Both produce (ModelConfig, get(hf_name) -> tensor, names); the model copies each tensor
 into its fused parameters one at a time, so peak memory stays near the model's size. The
@@ -18,7 +20,9 @@ import numpy as np
 import torch
 
 from localrun.archs import NATIVE_ARCHS
-from localrun.engine.config import ModelConfig
+from localrun.engine.config import EngineConfig, ModelConfig
+from localrun.engine.models.shapes import get_shape
+from localrun.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("localrun.engine")
 
@@ -281,3 +285,31 @@ def _language_model_names(names: set[str]) -> dict[str, str]:
             if n.startswith(theirs):
                 out.setdefault(ours + n[len(theirs):], n)
     return out
+
+
+def recipe_source(recipe: tuple, config: EngineConfig) -> tuple[ModelConfig, Callable[[torch.nn.Module], None],
+                                                                Callable[[], Tokenizer | None]]:
+    """(config, fill(model), tokenizer()) for a recipe: ("gguf", path) | ("safetensors",
+    directory) | ("random", shape, seed). fill copies the weights in (and closes the files)."""
+    kind = recipe[0]
+    if kind == "gguf":
+        path = recipe[1]
+        mcfg, get, names, meta = read_gguf(path)
+        return (mcfg, lambda m: m.load_hf_state(get, names),
+                lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]))
+    if kind == "safetensors":
+        directory = recipe[1]
+        mcfg, get, names, close = read_safetensors(directory, device=config.device)
+
+        def fill(m: torch.nn.Module) -> None:
+            try:
+                m.load_hf_state(get, names)
+            finally:
+                close()
+
+        return mcfg, fill, lambda: Tokenizer.from_dir(directory, mcfg.eos_token_ids)
+    if kind == "random":
+        shape, seed = recipe[1], recipe[2]
+        mcfg = get_shape(shape) if isinstance(shape, str) else shape
+        return mcfg, lambda m: m.init_random(seed), lambda: None
+    raise ValueError(f"unknown model recipe {kind!r}")

@@ -1,8 +1,10 @@
-"""Tensor parallelism for the native engine: one process per rank over torch.distributed
+"""TPGroup: one rank's view of a tensor-parallel group (shard shapes, collectives, step messages).
+
+Tensor parallelism for the native engine: one process per rank over torch.distributed
 (NCCL on CUDA, gloo on CPU).
 
 Rank 0 is the engine (scheduler, sampler, tokenizer) inside the calling process; it spawns
-ranks 1..N-1 as child processes (PDEATHSIG: they die with it). Every rank holds its shard of
+ranks 1..N-1 as child processes (PDEATHSIG: they die with it; launch.py). Every rank holds its shard of
 the weights (attention heads, KV heads, MLP columns and vocabulary rows split N ways) and its
 shard of the KV pool (num_kv_heads / N heads). Before each forward rank 0 sends the step's
 host arrays (HostStep plus the page-table writes since the last step) to each follower as one
@@ -21,14 +23,9 @@ waiting on a dead peer fails (gloo: at once, the connection closes) or times out
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 import signal
-import socket
-import sys
 import threading
 from dataclasses import replace
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Callable
 
@@ -37,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from localrun.engine.config import ModelConfig
+from localrun.engine.layers.attention import HostStep
 
 log = logging.getLogger("localrun.engine")
 
@@ -70,10 +68,10 @@ class TPGroup:
         self._dead_event = threading.Event()
         self._on_death: list[Callable[[str], None]] = []
         self._closing = False
-        self._stop_r: Connection | None = None
-        self._stop_w: Connection | None = None
-        self._watcher: threading.Thread | None = None
-        self._threads: int | None = None  # CPU: rank 0's torch thread count before the group split the cores
+        self.stop_r: Connection | None = None
+        self.stop_w: Connection | None = None
+        self.watcher_thread: threading.Thread | None = None
+        self.saved_threads: int | None = None  # CPU: rank 0's torch thread count before the group split the cores
 
     # -- shapes ------------------------------------------------------------------------------
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
@@ -142,8 +140,6 @@ class TPGroup:
 
     def recv(self):
         """A follower's next order: ("step", HostStep, bs, journal) | ("embed", lists) | ("shutdown",)."""
-        from localrun.engine.attention import HostStep
-
         try:
             msg = np.frombuffer(self.conns[0].recv_bytes(), dtype=np.int32)
         except (EOFError, OSError):  # rank 0 is gone
@@ -182,10 +178,11 @@ class TPGroup:
             self._dead_event.wait(timeout)
         return self.dead
 
-    def _watch(self) -> None:
+    def watch(self) -> None:
+        """Rank 0's watcher thread (launch.start runs it): wait for a follower to exit or for close()."""
         sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs, start=1)}
-        ready = wait(list(sentinels) + [self._stop_r])
-        if self._closing or self._stop_r in ready:
+        ready = wait(list(sentinels) + [self.stop_r])
+        if self._closing or self.stop_r in ready:
             return
         r, p = sentinels[next(s for s in ready if s in sentinels)]
         p.join(1.0)
@@ -217,12 +214,12 @@ class TPGroup:
                     log.warning("tensor-parallel rank (pid %s) did not exit; killing it", p.pid)
                     p.kill()
                     p.join(5.0)
-            if self._stop_w is not None:  # only now: the watcher thread's exit SIGKILLs the followers (PDEATHSIG)
-                self._stop_w.send_bytes(b"x")
+            if self.stop_w is not None:  # only now: the watcher thread's exit SIGKILLs the followers (PDEATHSIG)
+                self.stop_w.send_bytes(b"x")
             for c in self.conns:
                 c.close()
-            if self._threads is not None:
-                torch.set_num_threads(self._threads)
+            if self.saved_threads is not None:
+                torch.set_num_threads(self.saved_threads)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -258,117 +255,3 @@ def _describe(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with status {code}"
-
-
-def _die_with_parent() -> None:
-    """SIGKILL when the parent dies (Linux). PDEATHSIG follows the parent *thread* that forked
-    us, which is why rank 0 starts followers from its watcher thread, alive as long as they are."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:  # pragma: no cover - the pipe's EOF still ends an idle follower
-            pass
-    if os.getppid() != parent or parent == 1:
-        os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _backend(device: str) -> str:
-    return "nccl" if str(device).startswith("cuda") else "gloo"
-
-
-def start(world: int, device: str, recipe: tuple, config, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TPGroup:
-    """Rank 0: spawn ranks 1..world-1 (each builds its shard from `recipe` and follows), join the
-    process group, and return rank 0's TPGroup. The followers run `_follower_main`."""
-    if world == 1:
-        return TPGroup()
-    if dist.is_initialized():
-        raise RuntimeError("a tensor-parallel group is already running in this process; close that engine first")
-    cuda = str(device).startswith("cuda")
-    if cuda and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor_parallel {world} needs {world} GPUs; {torch.cuda.device_count()} are visible")
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    g = TPGroup(0, world)
-    if not cuda:  # CPU: the ranks share the cores (more threads than cores spin against each other)
-        g._threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, g._threads // world))
-    threads = 0 if cuda else torch.get_num_threads()
-    ctx = mp.get_context("spawn")
-    g._stop_r, g._stop_w = ctx.Pipe(duplex=False)
-    spawned = threading.Event()
-    failed: list[BaseException] = []
-
-    def watcher() -> None:
-        try:
-            for r in range(1, world):
-                mine, theirs = ctx.Pipe(duplex=False)  # (reader, writer): rank 0 writes
-                p = ctx.Process(target=_follower_main, name=f"localrun-tp{r}", daemon=True,
-                                args=(r, world, init, recipe, config, mine, timeout_s, threads))
-                p.start()
-                mine.close()
-                g.conns.append(theirs)
-                g.procs.append(p)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            failed.append(exc)
-        finally:
-            spawned.set()
-        if not failed:
-            g._watch()
-
-    g._watcher = threading.Thread(target=watcher, name="localrun-tp-watch", daemon=True)
-    g._watcher.start()
-    spawned.wait()
-    if failed:
-        g.close()
-        raise RuntimeError(f"could not start the tensor-parallel ranks: {failed[0]}") from failed[0]
-    if cuda:
-        torch.cuda.set_device(0)
-    try:
-        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:
-        g.close()
-        raise RuntimeError(f"tensor-parallel start-up failed: {g.dead or exc}") from exc
-    log.info("tensor parallel: %d ranks over %s (followers: pids %s)", world, _backend(device),
-             ", ".join(str(p.pid) for p in g.procs))
-    return g
-
-
-def _follower_main(rank: int, world: int, init: str, recipe: tuple, config, conn: Connection,
-                   timeout_s: float, threads: int) -> None:
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
-    code = 0
-    try:
-        if threads:
-            torch.set_num_threads(threads)
-        if str(config.device).startswith("cuda"):
-            torch.cuda.set_device(rank)
-            config = replace(config, device=f"cuda:{rank}")
-        dist.init_process_group(_backend(config.device), init_method=init, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        g = TPGroup(rank, world)
-        g.conns = [conn]
-        from localrun.engine.engine import LLMEngine
-
-        engine = LLMEngine.from_recipe(recipe, config, g)
-        engine.follow()
-    except BaseException:  # noqa: BLE001 - rank 0 sees the exit status
-        log.exception("tensor-parallel rank %d failed", rank)
-        code = 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-    os._exit(code)

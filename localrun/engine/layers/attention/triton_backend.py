@@ -1,0 +1,28 @@
+"""The Triton attention backend (localrun.kernels' paged kernels, CUDA)."""
+
+from __future__ import annotations
+
+from localrun import kernels
+from localrun.engine.layers.attention.base import AttentionBackend
+
+
+class TritonAttention(AttentionBackend):
+    """localrun.kernels' Triton kernels: split-KV decode (split count from host-known sizes, a
+    runtime argument: one compiled kernel for all batch sizes) and the paged extend kernel."""
+
+    graphable = True
+
+    def store_kv(self, k, v, kv, slots) -> None:
+        kernels.store_kv(k, v, kv[0], kv[1], slots, kv[2], kv[3])
+
+    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
+        return kernels.paged_decode_attention(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
+                                              k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap)
+
+    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
+        cu, seq_lens = meta.cu_seqlens_q, meta.seq_lens
+        if a:  # fresh (aligned) tensors: an offset view would make Triton compile another variant
+            cu, seq_lens = cu[a:b + 1] - cu[a], seq_lens[a:b].clone()
+        return kernels.extend_attention(q, kv[0], kv[1], meta.page_table[a:b], cu, seq_lens, scale,
+                                        max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3], window=window,
+                                        softcap=softcap)

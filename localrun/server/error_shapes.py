@@ -1,0 +1,36 @@
+"""Error bodies in each API's own shape: Anthropic's, OpenAI's, Ollama's and llama-server's."""
+
+from __future__ import annotations
+
+
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                     503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    etype = _ANTHROPIC_ERRORS.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": etype, "message": message}}
+
+
+def llama_server_error(status: int, message: str) -> dict:
+    """llama-server's error object (format_error_response)."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
+    etype = kind.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"code": status, "message": message, "type": etype}}
+
+
+def error_body(path: str, status: int, message: str, code: str) -> dict:
+    """Anthropic's error shape under /v1/messages, OpenAI's under the rest of /v1, Ollama's
+    {"error": "..."} elsewhere."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error(status, message)
+    if path == "/infill":
+        return llama_server_error(status, message)
+    if path.startswith("/v1"):
+        etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        if status == 401:
+            etype = "authentication_error"
+        return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return {"error": message}
