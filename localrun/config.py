@@ -122,14 +122,22 @@ def parse_host_cache(value: str | None) -> int | float | None:
             raise ValueError(f"LOCALRUN_HOST_CACHE: a fraction of available RAM must be in (0, "
                              f"{MAX_HOST_CACHE_FRACTION:g}], got {value!r}; {hint}")
         return frac
+    v = _size_bytes(text)
+    if v is None:
+        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}")
+    return v
+
+
+def _size_bytes(text: str) -> int | None:
+    """'4GiB', '4G' (binary), '5GB' (decimal), '1048576': bytes; None when it is not a size."""
     m = _SIZE_RE.match(text)
     if not m:
-        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}")
+        return None
     num, unit, binary, b = m.groups()
-    base = 1000 if (unit and b and not binary) else 1024
     if binary and not unit:
-        raise ValueError(f"LOCALRUN_HOST_CACHE: cannot read {value!r}; {hint}")
-    return int(float(num) * base ** _SIZE_POWER[unit])
+        return None
+    base = 1000 if (unit and b and not binary) else 1024
+    return int(float(num) * base ** _SIZE_POWER[unit.lower()])
 
 
 def describe_host_cache(v: int | float | None) -> str:
@@ -338,18 +346,13 @@ def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(b|kb|kib|mb|mib|gb|gib)?\s*$", re.I)
-_SIZE_UNITS = {"b": 1, "kb": 1000, "kib": 1 << 10, "mb": 1000**2, "mib": 1 << 20, "gb": 1000**3, "gib": 1 << 30}
-
-
 def parse_size(name: str, raw: str | None, default: int, minimum: int = 1) -> int:
-    """A byte count: '1048576', '20MiB', '5 MB'."""
+    """A byte count: '1048576', '20MiB', '5 MB' (the grammar of LOCALRUN_HOST_CACHE's sizes)."""
     if raw is None or raw.strip() == "":
         return default
-    m = _SIZE_RE.match(raw)
-    if not m:
+    v = _size_bytes(raw.strip())
+    if v is None:
         raise ValueError(f"{name} must be a size in bytes (like 20MiB or 5000000), got {raw!r}")
-    v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()]
     if v < minimum:
         raise ValueError(f"{name} must be at least {minimum} bytes, got {raw!r}")
     return v
