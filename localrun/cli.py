@@ -347,7 +347,9 @@ def render_show(info: dict, verbose: bool = False) -> str:
         out.extend(["", f"  {title}"] + [f"    {ln}" for ln in lines])
 
     if info.get("capabilities"):
-        section("Capabilities", "\n".join(info["capabilities"]))
+        caps = [c + (" (generic format: the template renders none)" if c == "tools"
+                     and info.get("tool_format") == "generic" else "") for c in info["capabilities"]]
+        section("Capabilities", "\n".join(caps))
     section("Parameters", info.get("parameters"))
     section("System", info.get("system"), limit=None if verbose else 4)
     section("License", info.get("license"), limit=None if verbose else 2)

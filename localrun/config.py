@@ -43,6 +43,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
+    "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 
 _DURATION_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -218,6 +219,7 @@ class Settings:
     tensor_parallel: int = 1  # native engine ranks per model
     speculative: str = "off"  # off | ngram | draft:PATH
     speculative_tokens: int = 4
+    generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
 
     @property
     def models_dir(self) -> Path:
@@ -268,6 +270,7 @@ class Settings:
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
+            "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
         }
         return [(k, values[k]) for k in ENV_VARS]
 
@@ -372,6 +375,9 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     speculative_tokens = _int("LOCALRUN_SPECULATIVE_TOKENS", e.get("LOCALRUN_SPECULATIVE_TOKENS"), 4, 1)
     if speculative_tokens > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"LOCALRUN_SPECULATIVE_TOKENS must be at most {MAX_SPECULATIVE_TOKENS}, got {speculative_tokens}")
+    generic_tools = (e.get("LOCALRUN_GENERIC_TOOLS") or "on").strip().lower()
+    if generic_tools not in ("on", "off", "1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"LOCALRUN_GENERIC_TOOLS must be on or off, got {e.get('LOCALRUN_GENERIC_TOOLS')!r}")
     return Settings(
         home=home,
         host=host,
@@ -395,6 +401,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         tensor_parallel=tensor_parallel,
         speculative=speculative,
         speculative_tokens=speculative_tokens,
+        generic_tools=generic_tools in ("on", "1", "true", "yes"),
     )
 
 

@@ -421,11 +421,17 @@ class Library:
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
                               r.adapter).to_text(header=header)
         caps = ["completion"]
+        tool_format = None
         try:
             from localrun.chat_template import template_supports_tools
+            from localrun.config import settings
 
             if r.template and template_supports_tools(r.template):
                 caps.append("tools")
+                tool_format = "template"
+            elif settings().generic_tools:  # tool definitions in the system prompt, JSON output
+                caps.append("tools")
+                tool_format = "generic"
         except Exception:  # noqa: BLE001 - capabilities are informational
             pass
         return {
@@ -438,6 +444,7 @@ class Library:
             "details": r.details,
             "model_info": model_info,
             "capabilities": caps,
+            "tool_format": tool_format,  # how tools reach the model: its template, or the generic format
             "modified_at": r.modified_at.isoformat(),
             "weights_path": str(r.weights),
             "digest": r.digest,

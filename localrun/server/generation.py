@@ -34,6 +34,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from localrun.backends.base import Chunk, GenerationRequest, SamplingOptions, TokenLogprob, Usage, fit_window
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
+from localrun.server import generic_tools
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import OutputParser, Reasoning, reasoning_for
 
@@ -56,6 +57,7 @@ class Job:
     n: int = 1
     add_special: bool = True
     api: str = "openai"  # for metrics and logs
+    tool_format: str | None = None  # "generic": the template cannot render tools (server/generic_tools.py)
 
 
 @dataclass
@@ -179,7 +181,8 @@ class Generation:
                 else:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
-                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None)
+                parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None,
+                                      generic=self.job.tool_format == generic_tools.NAME)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -309,6 +312,11 @@ class GenerationService:
             if self.metrics is not None:
                 self.metrics.started(gen)
             await gen._prime()
+        except InvalidRequest as exc:
+            if gen is not None:
+                self.active.discard(gen)
+            await release()
+            raise _context_advice(exc, job, lease) from None
         except BaseException:
             if gen is not None:
                 self.active.discard(gen)
@@ -345,6 +353,9 @@ class GenerationService:
     @staticmethod
     async def _render(job: Job) -> tuple[str, Reasoning | None]:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
+        if job.messages is not None and job.tool_format is None and generic_tools.needed(
+                job.resolved.template, job.tools):
+            await asyncio.to_thread(generic_tools.prepare, job)  # may build a grammar: off the loop
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
         prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
@@ -406,6 +417,23 @@ class GenerationService:
         return out
 
 
+def _context_advice(exc: InvalidRequest, job: Job, lease: Lease) -> InvalidRequest:
+    """A prompt over the window: say what the model's limit is and advice that can work (a
+    larger num_ctx only when the model was trained for one)."""
+    if "context window" not in exc.message or "num_ctx" not in exc.message:
+        return exc
+    train = getattr(getattr(job.resolved, "info", None), "context_length", None)
+    head = exc.message.split(";")[0]
+    if train and lease.num_ctx < train:
+        advice = (f"{job.resolved.name} was trained for {train} tokens: ask for a larger num_ctx (up to {train}: "
+                  "options.num_ctx, PARAMETER num_ctx or LOCALRUN_CONTEXT_LENGTH), or shorten the prompt")
+    else:
+        advice = (f"{lease.num_ctx} tokens is {job.resolved.name}'s limit (the context it was trained for); shorten "
+                  "the prompt (fewer or smaller tools, a shorter system prompt, fewer turns) or use a model with a "
+                  "longer context")
+    return InvalidRequest(f"{head}; {advice}")
+
+
 def _renormalize(v: list[float]) -> list[float]:
     norm = sum(x * x for x in v) ** 0.5
     return [x / norm for x in v] if norm > 0 else v
@@ -422,7 +450,8 @@ def render_prompt(job: Job) -> str:
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
-        return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=job.tools or None, **extra)
+        tools = None if job.tool_format == generic_tools.NAME else (job.tools or None)
+        return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=tools, **extra)
     assert job.prompt is not None
     if job.raw:
         return job.prompt

@@ -76,9 +76,11 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
 class OutputParser:
     """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
 
-    def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None) -> None:
+    def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
+                 generic: bool = False) -> None:
         self.reasoning = reasoning
         self.tool_names = tool_names or set()
+        self.generic = generic  # the generic tool format: the output is one JSON object (server/generic_tools.py)
         # "think?": the output may open a think block; "think": inside one; "content": after
         self.state = "content" if reasoning is None else ("think" if reasoning.started else "think?")
         self.pending = ""  # text not yet classified (a possible marker)
@@ -128,6 +130,9 @@ class OutputParser:
         if not self.tool_names or not text:
             self.content_sent += text
             return text
+        if self.generic:  # JSON: an answer or calls, known only when it is whole
+            self.held += text
+            return ""
         if self.holding:
             self.held += text
             return ""
@@ -165,6 +170,12 @@ class OutputParser:
         self.held = ""
         if not self.tool_names:
             return reasoning, rest, []
+        if self.generic:
+            from localrun.server.generic_tools import parse
+
+            parsed = parse(rest, self.tool_names)
+            if parsed is not None:
+                return reasoning, parsed[0], parsed[1]
         content_left, calls = parse_tool_calls(rest, self.tool_names)
         return (reasoning, content_left, calls) if calls else (reasoning, rest, [])
 

@@ -1,0 +1,257 @@
+"""Coding agents on a local model: Claude Code and Codex CLI, unmodified, against the real daemon.
+
+Fast: the requests each agent really sent (recorded once from the npm releases, checked in
+under tests/agents/, tools included) replayed through the `anthropic` and `openai` SDKs against
+the real daemon with llama.cpp and the bundled SmolLM2, whose template renders no tools (the
+generic tool format carries them). Slow: the agents themselves, installed from the npm
+registry into a cache (skipped, saying why, when node/npm is absent), pointed only at the
+daemon on 127.0.0.1, each run bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from daemon import MODEL, Daemon
+
+pytestmark = pytest.mark.timeout(600)
+
+HERE = Path(__file__).parent / "agents"
+CLAUDE = json.loads((HERE / "claude_code_request.json").read_text())
+CLAUDE_BARE = json.loads((HERE / "claude_code_bare_request.json").read_text())
+CODEX = json.loads((HERE / "codex_request.json").read_text())
+AGENTS_DIR = Path(os.environ.get("LOCALRUN_AGENTS_CACHE", Path.home() / ".cache" / "localrun-agents"))
+CTX = "8192"  # SmolLM2's trained context: Codex's ~6.5k-token prompt fits
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("agents_real"), LOCALRUN_CONTEXT_LENGTH=CTX)
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+def _anthropic(d) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _openai(d) -> openai.OpenAI:
+    return openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _claude_kwargs(rec: dict, max_tokens: int) -> dict:
+    """A recorded Claude Code request as SDK arguments: the fields the SDK types, the rest
+    (context_management, output_config, ...) as they were sent; its beta header and query."""
+    body = dict(rec["body"])
+    body.pop("stream", None)
+    known = {k: body.pop(k) for k in ("model", "messages", "system", "tools", "metadata", "thinking") if k in body}
+    body.pop("max_tokens")
+    known["model"] = MODEL
+    beta = {k: v for k, v in rec["headers"].items() if k.lower() in ("anthropic-beta", "x-app")}
+    return dict(**known, max_tokens=max_tokens, extra_body=body, extra_query={"beta": "true"}, extra_headers=beta)
+
+
+def test_recorded_requests_have_the_agents_shape():
+    """The fixtures are the agents' own requests: what the daemon has to accept."""
+    b = CLAUDE["body"]
+    assert CLAUDE["path"] == "/v1/messages?beta=true" and len(b["tools"]) >= 20
+    assert any(m["role"] == "system" for m in b["messages"])  # a system message inside the conversation
+    assert {"thinking", "context_management", "output_config", "metadata"} <= set(b)
+    assert any("cache_control" in blk for blk in b["system"])
+    c = CODEX["body"]
+    kinds = {t["type"] for t in c["tools"]}
+    assert {"function", "namespace", "web_search"} <= kinds
+    assert {m.get("role") for m in c["input"]} >= {"developer", "user"}
+    assert c["store"] is False and c["include"] == ["reasoning.encrypted_content"] and c["prompt_cache_key"]
+
+
+def _check_anthropic_sequence(events: list) -> None:
+    """Anthropic's event grammar: message_start, then blocks (start, deltas, stop) in index order,
+    message_delta, message_stop."""
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    open_index, next_index = None, 0
+    for e in events[1:-2]:
+        if e.type == "content_block_start":
+            assert open_index is None and e.index == next_index, kinds
+            open_index, next_index = e.index, next_index + 1
+        elif e.type == "content_block_delta":
+            assert e.index == open_index, kinds
+        elif e.type == "content_block_stop":
+            assert e.index == open_index, kinds
+            open_index = None
+    assert open_index is None and next_index >= 1, kinds
+
+
+def test_claude_code_bare_request_replayed(real):
+    """`claude -p --bare --tools Read`'s request, as sent (adaptive thinking, context management,
+    output_config.effort, metadata, cache_control, ?beta=true), streamed: Anthropic's events, in
+    order, with text or a Read call; then the same request once more reads the prefix cache."""
+    client = _anthropic(real)
+    kw = _claude_kwargs(CLAUDE_BARE, 24)
+    stream = client.messages.create(stream=True, **kw)
+    events = list(stream)
+    _check_anthropic_sequence(events)
+    blocks = [e.content_block for e in events if e.type == "content_block_start"]
+    assert all(b.type in ("text", "tool_use") for b in blocks)
+    for b in blocks:
+        if b.type == "tool_use":
+            assert b.name == "Read"
+    texts = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert texts.strip() or any(b.type == "tool_use" for b in blocks)
+    assert not texts.lstrip().startswith('{"response"')  # the generic format's JSON is unwrapped
+    final = events[-2]
+    assert final.delta.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    again = client.messages.create(**kw)
+    assert again.usage.cache_read_input_tokens > 0
+    n = client.messages.count_tokens(**{k: v for k, v in kw.items() if k not in ("max_tokens", "metadata")}).input_tokens
+    assert n == again.usage.input_tokens + again.usage.cache_read_input_tokens
+
+
+def test_claude_code_full_request_is_accepted(real):
+    """The full Claude Code request (24 tools, a system message inside `messages`): every field
+    is accepted; its ~20k-token prompt does not fit SmolLM2's 8,192, and the answer says so."""
+    client = _anthropic(real)
+    kw = _claude_kwargs(CLAUDE, 16)
+    n = client.messages.count_tokens(**{k: v for k, v in kw.items() if k not in ("max_tokens", "metadata")}).input_tokens
+    assert n > 8192
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(**kw)
+    msg = e.value.body["error"]["message"]
+    assert "8192" in msg, msg
+
+
+def test_codex_request_replayed(real):
+    """Codex's first request (namespace tools, a hosted web_search tool, developer messages,
+    reasoning, include, store false, prompt_cache_key, client_metadata) streamed through the
+    openai SDK: a completed response, the hosted tool noted rather than refused, any call
+    naming one of Codex's tools (a namespace's tool with its namespace)."""
+    client = _openai(real)
+    body = dict(CODEX["body"])
+    body["model"] = MODEL
+    body.pop("stream")
+    extra = {k: body.pop(k) for k in ("client_metadata",)}
+    events = list(client.responses.create(stream=True, max_output_tokens=24, extra_body=extra, **body))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    resp = events[-1].response
+    notes = (resp.model_extra or {}).get("notes") or []
+    assert any("web_search" in n for n in notes), notes
+    assert resp.usage.input_tokens > 4000
+    names = {t["name"] for t in body["tools"] if t["type"] == "function"}
+    spaces = {t["name"]: {f["name"] for f in t["tools"]} for t in body["tools"] if t["type"] == "namespace"}
+    for item in resp.output:
+        assert item.type in ("message", "function_call", "reasoning")
+        if item.type == "function_call":
+            ns = (item.model_extra or {}).get("namespace")
+            assert (item.name in spaces[ns]) if ns else item.name in names
+        if item.type == "message":
+            assert not item.content[0].text.lstrip().startswith('{"response"')
+
+
+def test_generic_tool_round_trip(real):
+    """SmolLM2's template renders no tools: a forced call through the generic format comes back
+    as a call; its result goes back in, and the model answers (JSON unwrapped) or calls again."""
+    client = _openai(real)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string", "maxLength": 20}},
+                                                    "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="required",
+                                       max_tokens=60, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    msgs += [r.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=60, temperature=0)
+    m = r.choices[0].message
+    assert (m.content and not m.content.lstrip().startswith("{")) or m.tool_calls, m
+    if m.tool_calls:
+        assert m.tool_calls[0].function.name == "get_weather"
+    shown = real.http.post("/api/show", json={"model": MODEL}).json()
+    assert "generic" in json.dumps(shown.get("details", {})) or "generic" in json.dumps(shown)
+
+
+# -- the agents themselves (slow) ---------------------------------------------------------------------
+def _agents() -> Path:
+    """The npm releases of Claude Code and Codex, installed once into a cache directory."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed to install Claude Code and Codex from the npm registry")
+    bins = AGENTS_DIR / "node_modules" / ".bin"
+    if not ((bins / "claude").exists() and (bins / "codex").exists()):
+        AGENTS_DIR.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["npm", "install", "--prefix", str(AGENTS_DIR), "--no-fund", "--no-audit",
+                            "@anthropic-ai/claude-code", "@openai/codex"], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            pytest.skip(f"npm could not install the agents: {r.stderr[-500:]}")
+    return bins
+
+
+def _agent_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CODEX_", "LOCALRUN_"))}
+    env.update(HOME=str(home), DISABLE_TELEMETRY="1", DISABLE_AUTOUPDATER="1", DISABLE_ERROR_REPORTING="1",
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    return env
+
+
+@pytest.mark.slow
+def test_claude_code_runs_on_the_bundled_model(real, tmp_path):
+    bins = _agents()
+    env = _agent_env(tmp_path / "home")
+    env.update(ANTHROPIC_BASE_URL=real.url, ANTHROPIC_API_KEY="unused", ANTHROPIC_MODEL=MODEL,
+               ANTHROPIC_SMALL_FAST_MODEL=MODEL, CLAUDE_CODE_MAX_OUTPUT_TOKENS="48")
+    work = tmp_path / "work"
+    work.mkdir()
+    t0 = time.monotonic()
+    r = subprocess.run([str(bins / "claude"), "-p", "Say hello", "--bare", "--system-prompt",
+                        "You are a helpful assistant. Answer in one short sentence.", "--tools", "Read"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    print(f"claude -p: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r} {r.stderr[-2000:]!r}")
+    assert r.returncode == 0, (r.stdout, r.stderr, real.log.read_text()[-3000:])
+    assert r.stdout.strip() and "API Error" not in r.stdout
+
+
+@pytest.mark.slow
+def test_codex_exec_runs_on_the_bundled_model(real, tmp_path):
+    bins = _agents()
+    codex_home = tmp_path / "codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(f'''model = "{MODEL}"
+model_provider = "localrun"
+model_max_output_tokens = 48
+
+[model_providers.localrun]
+name = "localrun"
+base_url = "{real.url}/v1"
+wire_api = "responses"
+request_max_retries = 0
+stream_max_retries = 0
+
+[analytics]
+enabled = false
+''')
+    env = _agent_env(tmp_path / "home")
+    env.update(CODEX_HOME=str(codex_home))
+    work = tmp_path / "work"
+    work.mkdir()
+    t0 = time.monotonic()
+    r = subprocess.run([str(bins / "codex"), "exec", "--skip-git-repo-check", "Say hello"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    print(f"codex exec: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r} {r.stderr[-2000:]!r}")
+    assert r.returncode == 0, (r.stdout, r.stderr, real.log.read_text()[-3000:])
+    assert r.stdout.strip()
