@@ -697,6 +697,17 @@ def cmd_create(args, client: DaemonClient) -> int:
     return 0 if last and last.get("status") == "success" else 1
 
 
+def cmd_launch(args, client: DaemonClient) -> int:
+    from localrun.launch import LaunchError, run
+
+    if args.agent_args[:1] == ["--"]:
+        args.agent_args = args.agent_args[1:]
+    try:
+        return run(args, client)
+    except LaunchError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def cmd_version(args, client: DaemonClient) -> int:
     print(f"localrun version {__version__}")
     if client.is_up():
@@ -807,6 +818,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default: ./Modelfile)")
 
+    s = add("launch", "start a coding agent (Claude Code or Codex CLI) pointed at the daemon, with the model's "
+            "full trained context")
+    s.add_argument("agent", choices=["claude", "codex"])
+    s.add_argument("--model", help="the model the agent uses (default: the library's only model)")
+    s.add_argument("agent_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                   help="arguments for the agent, after --, e.g. -- -p 'Say hello' or -- exec 'Say hello'")
+
     add("bench", "benchmarks (see `localrun bench --help`)")
     add("ray-serve", "serve a model with replicas on a Ray cluster (see `localrun ray-serve --help`)")
     add("version", "print the client and daemon versions")
@@ -815,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 VERBS = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "list": cmd_list, "ls": cmd_list, "ps": cmd_ps,
          "show": cmd_show, "stop": cmd_stop, "rm": cmd_rm, "cp": cmd_cp, "create": cmd_create,
-         "version": cmd_version}
+         "version": cmd_version, "launch": cmd_launch}
 
 
 def _split_bench(argv: list[str], verb: str = "bench") -> list[str] | None:
@@ -855,7 +873,9 @@ def _dispatch(argv: list[str]) -> int:
         args, extra = parser.parse_known_args(argv)
         # `run MODEL --verbose PROMPT`: argparse stops filling `prompt` at the first option,
         # so words after an option arrive here; they belong to the prompt, as in Ollama.
-        if extra and args.command == "run" and not any(e.startswith("-") for e in extra):
+        if extra and args.command == "launch":
+            args.agent_args = extra + args.agent_args
+        elif extra and args.command == "run" and not any(e.startswith("-") for e in extra):
             args.prompt += extra
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
