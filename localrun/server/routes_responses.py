@@ -6,6 +6,12 @@ its semantic SSE events (a translator only; generation is the service's).
   `instructions` become the system message of this request only.
 - Output items: a reasoning item when the model thought (its text as reasoning_text
   content), a message with output_text, function_call items.
+- Tools: function tools, and namespace tools (a group of function tools, as Codex sends them)
+  flattened into the function tools the model sees; a call of one comes back with its
+  `namespace` and its name there. Hosted tools the daemon cannot run (web_search, file_search,
+  ...) are left out of the prompt and named in the response's `notes` rather than refused;
+  their call items in the input are skipped. Developer messages (and instructions) before the
+  conversation become one system message.
 - Stateful: with `store` (the default) the response and the items it saw are kept
   (:mod:`localrun.server.response_store`); `previous_response_id` puts that conversation
   (its items, then its output) before this request's input.
