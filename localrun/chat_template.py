@@ -32,7 +32,8 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import Environment, TemplateError
+from jinja2 import Environment, TemplateError, nodes
+from jinja2.ext import Extension
 from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.exceptions import SecurityError
@@ -243,9 +244,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' environment knows (it marks
+    the assistant's tokens for training masks): rendered as its body, as transformers renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
 @lru_cache(maxsize=1)
 def _env() -> _Env:
-    env = _Env(trim_blocks=True, lstrip_blocks=True, autoescape=False, keep_trailing_newline=True)
+    # the extensions transformers' chat-template environment has: loop controls ({% break %},
+    # {% continue %}: they only end loops early) and the generation tag
+    env = _Env(trim_blocks=True, lstrip_blocks=True, autoescape=False, keep_trailing_newline=True,
+               extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = _tojson
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
