@@ -310,3 +310,39 @@ def test_launch_claude_runs_on_the_bundled_model(real, tmp_path):
     assert "smollm2:135m-agent (context 8192 tokens)" in r.stdout
     shown = real.http.post("/api/show", json={"model": "smollm2:135m-agent"}).json()
     assert "num_ctx" in shown["parameters"] and "8192" in shown["parameters"]
+
+
+# -- the generic tool format, in process -------------------------------------------------------------
+def test_generic_format_parse_and_schema():
+    import jsonschema
+
+    from localrun.server import generic_tools as g
+    from localrun.server.output import OutputParser
+
+    tools = [{"type": "function", "function": {"name": "Read", "parameters": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+        "properties": {"file_path": {"type": "string"}}, "required": ["file_path"], "additionalProperties": False}}}]
+    schema = g.output_schema(tools)
+    ok = [{"response": "Hi"}, {"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}]
+    for v in ok:
+        jsonschema.validate(v, schema)
+    for bad in ({"tool_calls": [{"name": "Write", "arguments": {}}]}, {"response": 1}, {"tool_calls": []}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert g.parse('{"response": "Hello \\"you\\""}', {"Read"}) == ('Hello "you"', [])
+    content, calls = g.parse('{"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}', {"Read"})
+    assert content == "" and calls[0]["name"] == "Read" and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
+    assert g.parse('{"response": "cut short \\u00', {"Read"}) == ("cut short ", [])  # max_tokens inside the string
+    assert g.parse('{"tool_calls": [{"name": "Nope", "arguments": {}}]}', {"Read"}) is None
+    # streamed: nothing goes out until the JSON is whole, then the answer, unwrapped
+    p = OutputParser(None, {"Read"}, generic=True)
+    assert p.feed('{"respo') == ("", "") and p.feed('nse": "Hi there"}') == ("", "")
+    assert p.finish() == ("", "Hi there", [])
+    # the conversation as a template without tools renders it
+    msgs = g.rewrite_messages([{"role": "user", "content": "read /a"},
+                               {"role": "assistant", "content": "", "tool_calls": [
+                                   {"id": "c1", "function": {"name": "Read", "arguments": {"file_path": "/a"}}}]},
+                               {"role": "tool", "tool_call_id": "c1", "content": "text of a"}], tools)
+    assert msgs[0]["role"] == "system" and "- Read:" in msgs[0]["content"] and "file_path: string" in msgs[0]["content"]
+    assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}
+    assert msgs[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "Read", "content": "text of a"}})}
