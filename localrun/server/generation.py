@@ -36,7 +36,7 @@ from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server import generic_tools
 from localrun.server.manager import DEFAULT, Lease, ModelManager
-from localrun.server.output import OutputParser, Reasoning, reasoning_for
+from localrun.server.output import OutputParser, Reasoning, call_markers, reasoning_for
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Job:
     add_special: bool = True
     api: str = "openai"  # for metrics and logs
     tool_format: str | None = None  # "generic": the template cannot render tools (server/generic_tools.py)
+    call_markers: tuple = ()  # what the template writes before a tool call (output.call_markers)
 
 
 @dataclass
@@ -182,7 +183,8 @@ class Generation:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
                 parser = OutputParser(self.reasoning, {t["function"]["name"] for t in self.job.tools or []} or None,
-                                      generic=self.job.tool_format == generic_tools.NAME)
+                                      generic=self.job.tool_format == generic_tools.NAME,
+                                      markers=self.job.call_markers)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -356,6 +358,8 @@ class GenerationService:
         if job.messages is not None and job.tool_format is None and generic_tools.needed(
                 job.resolved.template, job.tools):
             await asyncio.to_thread(generic_tools.prepare, job)  # may build a grammar: off the loop
+        elif job.tools and job.tool_format is None:  # learned once per template, off the loop
+            job.call_markers = await asyncio.to_thread(call_markers, job.template or job.resolved.template)
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
         prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)

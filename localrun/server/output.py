@@ -15,6 +15,7 @@ calls it found. Text is held back only while it could still turn into a marker
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -53,8 +54,163 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
+# Other models' call syntax (each regex: one call; the name and the arguments' JSON, or its
+# key/value pairs). Content before the first marker streams; from a marker on, text is held.
+TOOL_MARKERS = (TOOL_OPEN, "[TOOL_CALLS]", "<function=", "<|channel|>commentary", "to=functions.")
+_XML_CALL_RE = re.compile(r"<function=([\w.\-]+)>\s*(.*?)\s*</function>", re.S)  # Qwen3-Coder, Nemotron, Seed-OSS
+_XML_PARAM_RE = re.compile(r"<parameter=([\w.\-]+)>\n?(.*?)\n?</parameter>", re.S)
+_GLM_CALL_RE = re.compile(r"<tool_call>\s*([\w.\-]+)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)</tool_call>",
+                          re.S)  # GLM 4.5+, and templates after it
+_GLM_ARG_RE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_MISTRAL_RE = re.compile(r"\[TOOL_CALLS\]\s*([\w.\-]+)\s*\[ARGS\]\s*")  # Mistral / Devstral (v11+ tokenizers)
+_FUNCTIONARY_RE = re.compile(r"<function=([\w.\-]+)>\s*(\{.*?\})\s*</function>", re.S)
+_HARMONY_RE = re.compile(r"to=functions\.([\w.\-]+)\s*<\|channel\|>\s*commentary[^<]*<\|message\|>(.*?)(?:<\|call\|>|$)",
+                         re.S)  # gpt-oss
+
+
+def _value(text: str):
+    """A parameter's value as written between tags: JSON when it is JSON, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _first_json(text: str) -> tuple[object, int] | None:
+    try:
+        return json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+
+
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "localrun_probe", "description": "probe", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+_PROBE_USER = [{"role": "user", "content": "probe"}]
+_PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+    "name": "localrun_probe", "arguments": {"q": "x"}}}]}
+
+
+@functools.lru_cache(maxsize=64)
+def call_markers(template: str | None) -> tuple[str, ...]:
+    """The text a model's template writes before a tool call (learned by rendering a known call
+    and taking what comes before its name or its JSON), so that streaming holds from there on.
+    Runs the template twice: call it off the event loop."""
+    if not template or "tools" not in template:
+        return ()
+    from localrun.chat_template import render_chat
+
+    try:
+        pre = render_chat(template, _PROBE_USER, add_generation_prompt=True, tools=_PROBE_TOOLS)
+        full = render_chat(template, _PROBE_USER + [_PROBE_CALL], add_generation_prompt=False, tools=_PROBE_TOOLS)
+    except Exception:  # noqa: BLE001 - a template that cannot render a call teaches nothing
+        return ()
+    i = 0
+    while i < min(len(pre), len(full)) and pre[i] == full[i]:
+        i += 1
+    out = full[i:]
+    cut = [j for j in (out.find("localrun_probe"), out.find("{"), out.find("[")) if j >= 0]
+    if not cut:
+        return ()
+    head = out[:min(cut)]
+    for close in (THINK_CLOSE, "</mm:think>"):  # what ends an (empty) think block is not the call's marker
+        if close in head:
+            head = head[head.rindex(close) + len(close):]
+    head = head.strip()
+    # the marker proper: from its last line (a role line or blank lines can come before it)
+    head = head.splitlines()[-1].strip() if head else ""
+    return (head,) if len(head) >= 3 and head not in TOOL_MARKERS else ()
+
+
+def _as_call(o: object, names: set[str]) -> tuple[str, object] | None:
+    """One JSON call in the shapes templates write: {"name", "arguments"|"parameters"},
+    {"tool_name", "parameters"} (Cohere), {"function": {...}}, or {NAME: {arguments}}."""
+    if not isinstance(o, dict):
+        return None
+    if isinstance(o.get("function"), dict):
+        o = o["function"]
+    name = o.get("name", o.get("tool_name"))
+    if isinstance(name, str) and name in names:
+        return name, o.get("arguments", o.get("parameters", {}))
+    if len(o) == 1:
+        (k, v), = o.items()
+        if k in names and isinstance(v, dict):
+            return k, v
+    return None
+
+
+_TAG_TAIL = re.compile(r"(<[^<>\s]{1,40}>|\[[A-Z_]{2,20}\])$")
+
+
+def _json_calls(text: str, names: set[str]) -> list[tuple[int, str, object]]:
+    """Calls written as JSON (an object or a list of them) after a model's own marker
+    (<tool_calls>, <|START_ACTION|>, <TOOLCALL>, <|function_call|>, ...): the first JSON value
+    in the text that is calls to known tools."""
+    dec = json.JSONDecoder()
+    for i, ch in enumerate(text):
+        if ch not in "[{":
+            continue
+        try:
+            value, _ = dec.raw_decode(text, i)
+        except ValueError:
+            continue
+        items = value if isinstance(value, list) else [value]
+        calls = [_as_call(o, names) for o in items]
+        if items and all(calls):
+            head = text[:i].rstrip()
+            while (m := _TAG_TAIL.search(head)) is not None:  # the model's marker is not content
+                head = head[:m.start()].rstrip()
+            return [(len(head), n, a) for n, a in calls]
+    return []
+
+
+def _other_formats(text: str, names: set[str]) -> tuple[str, list[tuple[str, object]]]:
+    """(content before the first call, [(name, arguments)]) in the formats beside Hermes's JSON."""
+    found: list[tuple[int, str, object]] = []
+    for m in _GLM_CALL_RE.finditer(text):
+        found.append((m.start(), m.group(1), {k.strip(): _value(v) for k, v in _GLM_ARG_RE.findall(m.group(2))}))
+    if not found:
+        for m in _FUNCTIONARY_RE.finditer(text):
+            args = _first_json(m.group(2))
+            if args is not None:
+                found.append((m.start(), m.group(1), args[0]))
+    if not found:
+        for m in _XML_CALL_RE.finditer(text):
+            start = text.rfind("<tool_call>", 0, m.start())
+            found.append((start if start >= 0 else m.start(), m.group(1),
+                          {k: _value(v) for k, v in _XML_PARAM_RE.findall(m.group(2))}))
+    for m in _MISTRAL_RE.finditer(text):
+        args = _first_json(text[m.end():])
+        if args is not None:
+            found.append((m.start(), m.group(1), args[0]))
+    if not found and "[TOOL_CALLS]" in text:  # older Mistral: [TOOL_CALLS][{"name", "arguments"}, ...]
+        i = text.index("[TOOL_CALLS]")
+        arr = _first_json(text[i + len("[TOOL_CALLS]"):].lstrip())
+        if arr is not None and isinstance(arr[0], list):
+            found += [(i, c.get("name"), c.get("arguments", {})) for c in arr[0] if isinstance(c, dict)]
+    for m in _HARMONY_RE.finditer(text):
+        args = _first_json(m.group(2).strip())
+        if args is not None:
+            start = text.rfind("<|start|>", 0, m.start())
+            found.append((start if start >= 0 else m.start(), m.group(1), args[0]))
+    if not found:
+        found = _json_calls(text, names)
+    calls = [(n, a) for _, n, a in sorted(found, key=lambda f: f[0]) if n in names]
+    if not calls:
+        return text, []
+    return text[:min(f[0] for f in found)].strip(), calls
+
+
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
     """(content without the calls, [{"id", "name", "arguments" (a JSON string)}])."""
+    content, calls = _hermes_calls(text, names)
+    if calls:
+        return content, calls
+    content, others = _other_formats(text, names)
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": n,
+                      "arguments": a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)} for n, a in others]
+
+
+def _hermes_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
     candidates = _TOOL_CALL_RE.findall(text)
     content = _TOOL_CALL_RE.sub("", text).strip() if candidates else ""
     if not candidates:
@@ -79,7 +235,8 @@ class OutputParser:
     """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
 
     def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
-                 generic: bool = False) -> None:
+                 generic: bool = False, markers: tuple[str, ...] = ()) -> None:
+        self.markers = TOOL_MARKERS + tuple(m for m in markers if m not in TOOL_MARKERS)
         self.reasoning = reasoning
         self.tool_names = tool_names or set()
         self.generic = generic  # the generic tool format: the output is one JSON object (server/generic_tools.py)
@@ -149,9 +306,10 @@ class OutputParser:
         if not self.content_sent.strip() and lead[:1] in ("{", "["):  # a bare JSON call
             self.holding, self.held = True, start
             return ""
-        i = start.find(TOOL_OPEN)
+        hits = [j for j in (start.find(mk) for mk in self.markers) if j >= 0]
+        i = min(hits) if hits else -1
         if i < 0:
-            i = len(start) - _partial(start, TOOL_OPEN)
+            i = len(start) - max(_partial(start, mk) for mk in self.markers)
             if i == len(start):
                 self.content_sent += start
                 return start
