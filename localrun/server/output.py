@@ -10,7 +10,15 @@ calls it found. Text is held back only while it could still turn into a marker
   block (the template appended ``<think>``), the output starts inside it.
 - Tool calls: Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks anywhere in the output,
   or an output that is one JSON object (or list) naming a known tool (what a forced call
-  produces). Content before a ``<tool_call>`` streams; the call itself is held to the end.
+  produces); Qwen3-Coder's ``<function=NAME><parameter=K>V</parameter></function>``, GLM's
+  ``<arg_key>``/``<arg_value>``, Mistral's ``[TOOL_CALLS]NAME[ARGS]{json}``, functionary's
+  ``<function=NAME>{json}</function>``, gpt-oss's ``to=functions.NAME<|channel|>commentary ...
+  <|message|>{json}``, and JSON calls after a model's own marker (``<tool_calls>``,
+  ``<|START_ACTION|>``, ...). The marker a template writes before a call is learned from the
+  template (:func:`call_markers`: render a known call, take what precedes it). Content before
+  a marker streams; the call itself is held to the end.
+- The generic tool format (server/generic_tools.py): the output is one JSON object; the
+  answer's string streams as it is written, calls are parsed whole.
 """
 
 from __future__ import annotations
