@@ -16,6 +16,9 @@ mutation of the objects we pass in), and its work is bounded:
 - memory: the process's resident memory is sampled while rendering; growth past a budget
   stops the render.
 
+The environment is transformers' (loop controls and the ``generation`` tag included), so the
+templates llama.cpp ships render as transformers renders them.
+
 Rendering is meant to run off the event loop (the generation service uses a thread).
 
 Both the daemon and the native engine render through :func:`render_chat`.
