@@ -74,7 +74,7 @@ def command(agent: str, exe: str, base_url: str, model: str, api_key: str | None
 def run(args, client) -> int:
     """Make the agent model, then run the agent in the foreground; its exit code is ours."""
     exe = agent_binary(args.agent)
-    models = [m.get("name") or m.get("model") for m in client.list()]
+    models = [m.get("name") or m.get("model") for m in client.tags()]
     model = args.model
     if model is None:
         base = [m for m in models if m and not m.endswith("-agent")]

@@ -334,6 +334,9 @@ def test_generic_format_parse_and_schema():
     assert content == "" and calls[0]["name"] == "Read" and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
     assert g.parse('{"response": "cut short \\u00', {"Read"}) == ("cut short ", [])  # max_tokens inside the string
     assert g.parse('{"tool_calls": [{"name": "Nope", "arguments": {}}]}', {"Read"}) is None
+    cut = '{"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}, {"name": "Read", "argu'
+    content, calls = g.parse(cut, {"Read"})  # max_tokens inside the list: the whole calls so far
+    assert content == "" and len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
     # streamed: the answer goes out as its JSON string is written (escapes split anywhere), unwrapped
     p = OutputParser(None, {"Read"}, generic=True)
     assert p.feed(' {"respo') == ("", "") and p.feed('nse": "Hi th') == ("", "Hi th")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -29,10 +30,10 @@ log = logging.getLogger("localrun.server")
 
 NAME = "generic"  # what `show` and the log call it
 MAX_TOOL_SCHEMA_CHARS = 256 * 1024  # the JSON of every tool's arguments schema, in the grammar
-_HEADER = ("# Tools\nAnswer with one JSON object and nothing else: either "
-           '{"response": "<your answer to the user>"} or '
-           '{"tool_calls": [{"name": "<tool name>", "arguments": {<the arguments>}}]} to call one or more of '
-           "these tools (their results come back as tool_response in the next user turn):")
+_HEADER = ("# Tools\nAnswer with one JSON object and nothing else. To reply to the user: "
+           '{"response": "<your reply>"}. Only when the request needs a tool: '
+           '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]} (the results come back as '
+           "tool_response in the next user turn). The tools:")
 
 
 def enabled() -> bool:
@@ -165,7 +166,7 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
     try:
         obj = json.loads(s)
     except ValueError:
-        obj = _partial_response(s)
+        obj = _partial_response(s) or _partial_calls(s)
         if obj is None:
             return None
     if not isinstance(obj, dict):
@@ -184,6 +185,23 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
                           "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
     return ("", calls) if calls else None
+
+
+def _partial_calls(s: str) -> dict | None:
+    """Calls cut short (max_tokens) inside {"tool_calls": [...: the calls written whole so far."""
+    m = re.match(r'\s*\{\s*"tool_calls"\s*:\s*\[', s)
+    if m is None:
+        return None
+    dec, i, calls = json.JSONDecoder(), m.end(), []
+    while True:
+        while i < len(s) and s[i] in " \t\r\n,":
+            i += 1
+        try:
+            value, i = dec.raw_decode(s, i)
+        except ValueError:
+            break
+        calls.append(value)
+    return {"tool_calls": calls} if calls else None
 
 
 def _partial_response(s: str) -> dict | None:
