@@ -700,8 +700,6 @@ def cmd_create(args, client: DaemonClient) -> int:
 def cmd_launch(args, client: DaemonClient) -> int:
     from localrun.launch import LaunchError, run
 
-    if args.agent_args[:1] == ["--"]:
-        args.agent_args = args.agent_args[1:]
     try:
         return run(args, client)
     except LaunchError as exc:
@@ -869,12 +867,17 @@ def _dispatch(argv: list[str]) -> int:
 
         return ray_serve_main(rest)
     parser = build_parser()
+    agent_args = None  # `launch AGENT ... -- ARGS`: ARGS go to the agent verbatim, in order
+    if "--" in argv and "launch" in argv[:argv.index("--")]:
+        agent_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     try:
         args, extra = parser.parse_known_args(argv)
+        if agent_args is not None and args.command == "launch":
+            args.agent_args = agent_args
         # `run MODEL --verbose PROMPT`: argparse stops filling `prompt` at the first option,
         # so words after an option arrive here; they belong to the prompt, as in Ollama.
         if extra and args.command == "launch":
-            args.agent_args = extra + args.agent_args
+            parser.error(f"unrecognized arguments: {' '.join(extra)} (arguments for the agent go after --)")
         elif extra and args.command == "run" and not any(e.startswith("-") for e in extra):
             args.prompt += extra
         elif extra:
