@@ -323,10 +323,10 @@ def test_generic_format_parse_and_schema():
         "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
         "properties": {"file_path": {"type": "string"}}, "required": ["file_path"], "additionalProperties": False}}}]
     schema = g.output_schema(tools)
-    ok = [{"response": "Hi"}, {"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}]
+    ok = [{"response": "Hi"}, {"tool_calls": [{"name": "Read", "parameters": {"file_path": "/a"}}]}]
     for v in ok:
         jsonschema.validate(v, schema)
-    for bad in ({"tool_calls": [{"name": "Write", "arguments": {}}]}, {"response": 1}, {"tool_calls": []}):
+    for bad in ({"tool_calls": [{"name": "Write", "parameters": {}}]}, {"response": 1}, {"tool_calls": []}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert g.parse('{"response": "Hello \\"you\\""}', {"Read"}) == ('Hello "you"', [])
@@ -334,7 +334,7 @@ def test_generic_format_parse_and_schema():
     assert content == "" and calls[0]["name"] == "Read" and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
     assert g.parse('{"response": "cut short \\u00', {"Read"}) == ("cut short ", [])  # max_tokens inside the string
     assert g.parse('{"tool_calls": [{"name": "Nope", "arguments": {}}]}', {"Read"}) is None
-    cut = '{"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}, {"name": "Read", "argu'
+    cut = '{"tool_calls": [{"name": "Read", "parameters": {"file_path": "/a"}}, {"name": "Read", "para'
     content, calls = g.parse(cut, {"Read"})  # max_tokens inside the list: the whole calls so far
     assert content == "" and len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"file_path": "/a"}
     # streamed: the answer goes out as its JSON string is written (escapes split anywhere), unwrapped
@@ -354,7 +354,7 @@ def test_generic_format_parse_and_schema():
                                    {"id": "c1", "function": {"name": "Read", "arguments": {"file_path": "/a"}}}]},
                                {"role": "tool", "tool_call_id": "c1", "content": "text of a"}], tools)
     assert msgs[0]["role"] == "system" and "- Read:" in msgs[0]["content"] and "file_path: string" in msgs[0]["content"]
-    assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "Read", "arguments": {"file_path": "/a"}}]}
+    assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "Read", "parameters": {"file_path": "/a"}}]}
     assert msgs[3] == {"role": "user", "content": json.dumps({"tool_response": {"name": "Read", "content": "text of a"}})}
 
 

@@ -8,7 +8,7 @@ base-instruct templates) would drop them. Instead, as llama.cpp's generic chat f
 - earlier assistant tool calls are shown as the JSON the model is asked to write, and tool
   results as user turns (templates without tools often know no "tool" role);
 - the output is constrained by a JSON schema (a grammar on the backend) to either
-  ``{"response": "..."}`` or ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``;
+  ``{"response": "..."}`` or ``{"tool_calls": [{"name": ..., "parameters": {...}}]}``;
 - :func:`parse` turns that JSON back into content or tool calls.
 
 ``LOCALRUN_GENERIC_TOOLS=off`` turns it off (such a request is then a 400). A forced call
@@ -32,7 +32,7 @@ NAME = "generic"  # what `show` and the log call it
 MAX_TOOL_SCHEMA_CHARS = 256 * 1024  # the JSON of every tool's arguments schema, in the grammar
 _HEADER = ("# Tools\nAnswer with one JSON object and nothing else. To reply to the user: "
            '{"response": "<your reply>"}. Only when the request needs a tool: '
-           '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]} (the results come back as '
+           '{"tool_calls": [{"name": "<tool name>", "parameters": {<its arguments>}}]} (the results come back as '
            "tool_response in the next user turn). The tools:")
 
 
@@ -108,11 +108,13 @@ def output_schema(tools: list[dict]) -> dict:
     """A JSON answer, or JSON tool calls naming these tools with their arguments' schemas."""
     args_size = sum(len(json.dumps(t["function"].get("parameters") or {})) for t in tools)
     loose = args_size > MAX_TOOL_SCHEMA_CHARS
+    # "name" before "parameters": the grammar writes keys in sorted order, and the model must
+    # choose the tool before its arguments (with "arguments" it wrote arguments first)
     calls = [{"type": "object",
               "properties": {"name": {"const": t["function"]["name"]},
-                             "arguments": {"type": "object"} if loose else
+                             "parameters": {"type": "object"} if loose else
                              _strip(t["function"].get("parameters") or {"type": "object"})},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"anyOf": [
         {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -142,7 +144,7 @@ def rewrite_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
                 fn = c.get("function", {})
                 if c.get("id"):
                     names[c["id"]] = fn.get("name")
-                calls.append({"name": fn.get("name"), "arguments": fn.get("arguments", {})})
+                calls.append({"name": fn.get("name"), "parameters": fn.get("arguments", {})})
             text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
             m["content"] = (m.get("content") or "").strip()
             m["content"] = text if not m["content"] else m["content"] + "\n" + text
@@ -181,7 +183,7 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
     calls = []
     for c in raw:
         if isinstance(c, dict) and c.get("name") in names:
-            args = c.get("arguments", {})
+            args = c.get("parameters", c.get("arguments", {}))
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
                           "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
     return ("", calls) if calls else None
