@@ -348,7 +348,9 @@ def render_show(info: dict, verbose: bool = False) -> str:
         out.extend(["", f"  {title}"] + [f"    {ln}" for ln in lines])
 
     if info.get("capabilities"):
-        section("Capabilities", "\n".join(info["capabilities"]))
+        caps = [c + (" (generic format: the template renders none)" if c == "tools"
+                     and info.get("tool_format") == "generic" else "") for c in info["capabilities"]]
+        section("Capabilities", "\n".join(caps))
     section("Parameters", info.get("parameters"))
     section("System", info.get("system"), limit=None if verbose else 4)
     section("License", info.get("license"), limit=None if verbose else 2)
@@ -729,6 +731,15 @@ def cmd_create(args, client: DaemonClient) -> int:
     return 0 if last and last.get("status") == "success" else 1
 
 
+def cmd_launch(args, client: DaemonClient) -> int:
+    from localrun.launch import LaunchError, run
+
+    try:
+        return run(args, client)
+    except LaunchError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def cmd_version(args, client: DaemonClient) -> int:
     print(f"localrun version {__version__}")
     if client.is_up():
@@ -843,6 +854,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default: ./Modelfile)")
 
+    s = add("launch", "start a coding agent (Claude Code or Codex CLI) pointed at the daemon, with the model's "
+            "full trained context")
+    s.add_argument("agent", choices=["claude", "codex"])
+    s.add_argument("--model", help="the model the agent uses (default: the library's only model)")
+    s.add_argument("agent_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                   help="arguments for the agent, after --, e.g. -- -p 'Say hello' or -- exec 'Say hello'")
+
     add("bench", "benchmarks (see `localrun bench --help`)")
     add("ray-serve", "serve a model with replicas on a Ray cluster (see `localrun ray-serve --help`)")
     add("version", "print the client and daemon versions")
@@ -851,7 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 VERBS = {"run": cmd_run, "chat": cmd_chat, "pull": cmd_pull, "list": cmd_list, "ls": cmd_list, "ps": cmd_ps,
          "show": cmd_show, "stop": cmd_stop, "rm": cmd_rm, "cp": cmd_cp, "create": cmd_create,
-         "version": cmd_version}
+         "version": cmd_version, "launch": cmd_launch}
 
 
 def _split_bench(argv: list[str], verb: str = "bench") -> list[str] | None:
@@ -887,11 +905,18 @@ def _dispatch(argv: list[str]) -> int:
 
         return ray_serve_main(rest)
     parser = build_parser()
+    agent_args = None  # `launch AGENT ... -- ARGS`: ARGS go to the agent verbatim, in order
+    if "--" in argv and "launch" in argv[:argv.index("--")]:
+        agent_args, argv = argv[argv.index("--") + 1:], argv[:argv.index("--")]
     try:
         args, extra = parser.parse_known_args(argv)
+        if agent_args is not None and args.command == "launch":
+            args.agent_args = agent_args
         # `run MODEL --verbose PROMPT`: argparse stops filling `prompt` at the first option,
         # so words after an option arrive here; they belong to the prompt, as in Ollama.
-        if extra and args.command == "run" and not any(e.startswith("-") for e in extra):
+        if extra and args.command == "launch":
+            parser.error(f"unrecognized arguments: {' '.join(extra)} (arguments for the agent go after --)")
+        elif extra and args.command == "run" and not any(e.startswith("-") for e in extra):
             args.prompt += extra
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -49,6 +49,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
+    "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 
 _DURATION_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -238,6 +239,7 @@ class Settings:
     image_max_bytes: int = 20 << 20  # encoded image bytes per request
     image_max_count: int = 16  # images per request
     image_max_pixels: int = 1 << 24  # width x height per image
+    generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
 
     @property
     def models_dir(self) -> Path:
@@ -294,6 +296,7 @@ class Settings:
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
+            "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
         }
         return [(k, values[k]) for k in ENV_VARS]
 
@@ -427,6 +430,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError(f"LOCALRUN_IMAGE_URL_TIMEOUT: {exc}") from None
     if image_url_timeout is None or not 0 < image_url_timeout <= 600:
         raise ValueError("LOCALRUN_IMAGE_URL_TIMEOUT must be more than 0 and at most 10m")
+    raw_generic = e.get("LOCALRUN_GENERIC_TOOLS")
+    generic_tools = _flag("LOCALRUN_GENERIC_TOOLS", raw_generic) if (raw_generic or "").strip() else True
     return Settings(
         home=home,
         host=host,
@@ -457,6 +462,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         image_max_bytes=parse_size("LOCALRUN_IMAGE_MAX_BYTES", e.get("LOCALRUN_IMAGE_MAX_BYTES"), 20 << 20),
         image_max_count=_int("LOCALRUN_IMAGE_MAX_COUNT", e.get("LOCALRUN_IMAGE_MAX_COUNT"), 16, 1),
         image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
+        generic_tools=generic_tools,
     )
 
 

@@ -164,7 +164,7 @@ def test_forced_tool_use_round_trip(daemon, fake, stream):
     assert fake.requests[-1].options.json_schema is None  # auto: nothing forced
 
 
-def test_tool_choice_any_none_and_errors(daemon, fake):
+def test_tool_choice_any_none_and_errors(daemon, fake, monkeypatch):
     client = _client(daemon)
     msgs = [{"role": "user", "content": "What is the Weather?"}]
     r = client.messages.create(model="toolsmol", max_tokens=200, tools=[WEATHER], tool_choice={"type": "any"}, messages=msgs)
@@ -179,7 +179,8 @@ def test_tool_choice_any_none_and_errors(daemon, fake):
         with pytest.raises(anthropic.BadRequestError) as e:
             client.messages.create(model="toolsmol", max_tokens=20, messages=msgs, **bad)
         assert e.value.body["error"]["type"] == "invalid_request_error" and needle in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError) as e:  # SmolLM2's own template never renders tools
+    monkeypatch.setenv("LOCALRUN_GENERIC_TOOLS", "off")  # SmolLM2's own template never renders tools
+    with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=MODEL, max_tokens=20, messages=msgs, tools=[WEATHER])
     assert "does not support tools" in e.value.body["error"]["message"]
 
@@ -284,7 +285,8 @@ def test_output_config_format(home, daemon, fake):
     ({"max_tokens": 5, "messages": []}, "'messages' must be a non-empty list"),
     ({"max_tokens": 5, "messages": HI, "temperature": 1.5}, "'temperature' must be <= 1.0"),
     ({"max_tokens": 5, "messages": HI, "stop_sequences": "x" * 300}, "'stop_sequences' allows at most"),
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "role 'user' or 'assistant'"),
+    ({"max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}, "role 'user', 'assistant' or 'system'"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "no user or assistant message"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
      "cannot take images: it has no vision projector"),

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import catalog as _catalog
-from localrun.library.capabilities import model_capabilities
+from localrun.library.capabilities import model_capabilities, tool_format
 from localrun.library.capabilities import model_info as with_ide_keys
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
@@ -515,6 +515,7 @@ class Library:
             "details": r.details,
             "model_info": model_info,
             "capabilities": caps,
+            "tool_format": tool_format(r),  # how tools reach the model: its template, or the generic format
             "modified_at": r.modified_at.isoformat(),
             "weights_path": str(r.weights),
             "digest": r.digest,

@@ -5,7 +5,8 @@
 - ``completion``: it generates text (every model that is not an embedding model);
 - ``embedding``: an embedding model (its GGUF sets a pooling type, or it is a BERT-family encoder);
   nothing else is listed for one;
-- ``tools``: its chat template renders tool definitions;
+- ``tools``: its chat template renders tool definitions, or (LOCALRUN_GENERIC_TOOLS on, the
+  default) the generic tool format stands in for a template that cannot (:func:`tool_format`);
 - ``insert``: fill in the middle (its vocabulary has prefix, suffix and middle tokens);
 - ``vision``: it has a vision projector, so it takes images;
 - ``thinking``: its chat template has a ``<think>`` block (the daemon's reasoning split).
@@ -46,17 +47,12 @@ def is_embedding_model(r: Any) -> bool:
 def model_capabilities(r: Any) -> list[str]:
     """Ollama's capability list for a resolved model (localrun.library.model.ResolvedModel, or anything
     with its ``info``, ``template``, ``projector``, ``format`` and ``weights``)."""
-    from localrun.chat_template import template_supports_tools
-
     if is_embedding_model(r):
         return ["embedding"]
     caps = ["completion"]
     template = r.template or ""
-    try:
-        if template and template_supports_tools(template):
-            caps.append("tools")
-    except Exception:  # noqa: BLE001 - capabilities are informational
-        pass
+    if tool_format(r) is not None:
+        caps.append("tools")
     if r.format == "gguf" and has_fim_tokens(r):
         caps.append("insert")
     if getattr(r, "projector", None) is not None:
@@ -64,6 +60,21 @@ def model_capabilities(r: Any) -> list[str]:
     if "<think>" in template:
         caps.append("thinking")
     return caps
+
+
+def tool_format(r: Any) -> str | None:
+    """How tools reach the model: "template" (its chat template renders them), "generic" (the tool
+    definitions in the system prompt, the output constrained to JSON: server/generic_tools.py), or
+    None (LOCALRUN_GENERIC_TOOLS off and a template without tools)."""
+    from localrun.chat_template import template_supports_tools
+    from localrun.config import settings
+
+    try:
+        if r.template and template_supports_tools(r.template):
+            return "template"
+    except Exception:  # noqa: BLE001 - capabilities are informational
+        pass
+    return "generic" if settings().generic_tools else None
 
 
 def has_fim_tokens(r: Any) -> bool:
@@ -112,4 +123,4 @@ def _param_ctx(r: Any) -> int | None:
         return None
 
 
-__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "has_fim_tokens", "is_embedding_model", "model_capabilities", "model_info"]
+__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "has_fim_tokens", "is_embedding_model", "model_capabilities", "model_info", "tool_format"]

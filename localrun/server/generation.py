@@ -37,6 +37,7 @@ from localrun.backends.base import (INFILL_BATCH, MEDIA_MARKER, Chunk, Generatio
                                     TokenLogprob, Usage, fit_window)
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
+from localrun.server import generic_tools
 from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_harmony, reasoning_for
@@ -69,6 +70,7 @@ class Job:
     # model's FIM tokens; a model without them is a 400.
     infill: Infill | None = None
     prompt_ids: bool = False  # keep the prompt's token ids (Generation.prompt_ids: Ollama's `context`)
+    tool_format: str | None = None  # "generic": the template cannot render tools (server/generic_tools.py)
 
 
 @dataclass
@@ -197,9 +199,10 @@ class Generation:
                     stream, pending = self.lease.backend.generate(req), None
                     self._open.append(stream)
                 names = {t["function"]["name"] for t in self.job.tools or []} or None
+                generic = self.job.tool_format == generic_tools.NAME
                 parser = HarmonyParser(names) if is_harmony(self.job.resolved.template) and self.job.messages is not None \
                     else OutputParser(self.reasoning, names, tool_format=learn_tool_format(self.job.resolved.template)
-                                      if self.job.tools else None, tools=self.job.tools)
+                                      if self.job.tools and not generic else None, tools=self.job.tools, generic=generic)
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -336,6 +339,11 @@ class GenerationService:
             if self.metrics is not None:
                 self.metrics.started(gen)
             await gen._prime()
+        except InvalidRequest as exc:
+            if gen is not None:
+                self.active.discard(gen)
+            await release()
+            raise _context_advice(exc, job, lease) from None
         except BaseException:
             if gen is not None:
                 self.active.discard(gen)
@@ -384,6 +392,9 @@ class GenerationService:
         """The prompt, and how the model marks its thinking (None: it does not think)."""
         if job.infill is not None:  # laid out by the backend with the model's FIM tokens, no template
             return job.prompt or "", None
+        if job.messages is not None and job.tool_format is None and generic_tools.needed(
+                job.resolved.template, job.tools):
+            await asyncio.to_thread(generic_tools.prepare, job)  # may build a grammar: off the loop
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
         prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
@@ -519,8 +530,26 @@ def _preserve(job: Job) -> list[str] | None:
     a harmony template's message framing (its channels are parsed from the text)."""
     if job.messages is not None and is_harmony(job.resolved.template):
         return list(HARMONY_TOKENS)
-    fmt = learn_tool_format(job.resolved.template) if job.tools else None
+    fmt = learn_tool_format(job.resolved.template) if job.tools and job.tool_format != generic_tools.NAME \
+        else None
     return list(fmt.specials) or None if fmt is not None else None
+
+
+def _context_advice(exc: InvalidRequest, job: Job, lease: Lease) -> InvalidRequest:
+    """A prompt over the window: say what the model's limit is and advice that can work (a
+    larger num_ctx only when the model was trained for one)."""
+    if "context window" not in exc.message or "num_ctx" not in exc.message:
+        return exc
+    train = getattr(getattr(job.resolved, "info", None), "context_length", None)
+    head = exc.message.split(";")[0]
+    if train and lease.num_ctx < train:
+        advice = (f"{job.resolved.name} was trained for {train} tokens: ask for a larger num_ctx (up to {train}: "
+                  "options.num_ctx, PARAMETER num_ctx or LOCALRUN_CONTEXT_LENGTH), or shorten the prompt")
+    else:
+        advice = (f"{lease.num_ctx} tokens is {job.resolved.name}'s limit (the context it was trained for); shorten "
+                  "the prompt (fewer or smaller tools, a shorter system prompt, fewer turns) or use a model with a "
+                  "longer context")
+    return InvalidRequest(f"{head}; {advice}")
 
 
 def _renormalize(v: list[float]) -> list[float]:
@@ -539,9 +568,10 @@ def render_prompt(job: Job) -> str:
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
-        if job.tools:
+        tools = None if job.tool_format == generic_tools.NAME else (job.tools or None)
+        if tools:
             learn_tool_format(r.template)  # learned here, off the event loop (cached per template)
-        return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=job.tools or None, **extra)
+        return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=tools, **extra)
     assert job.prompt is not None
     if job.raw:
         return job.prompt

@@ -15,6 +15,8 @@ calls it found. Text is held back only while it could still turn into a marker
   (what a forced call produces). Content before a call's opening marker streams; the call
   itself is held to the end.
 - gpt-oss (harmony): :class:`HarmonyParser` reads the channels instead.
+- The generic tool format (server/generic_tools.py, a template that cannot render tools): the
+  output is one JSON object; the answer's string streams as it is written, calls are parsed whole.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from localrun.server.tool_formats import ToolFormat
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
+_RESPONSE_OPEN = re.compile(r'\{\s*"response"\s*:\s*"')  # the generic format's answer begins
+_RESPONSE_KEY = '{"response":"'
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -185,8 +189,11 @@ class OutputParser:
     """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
 
     def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
-                 tool_format: ToolFormat | None = None, tools: list[dict] | None = None) -> None:
+                 tool_format: ToolFormat | None = None, tools: list[dict] | None = None, generic: bool = False) -> None:
         self.reasoning = reasoning
+        self.generic = generic  # the generic tool format: the output is one JSON object (server/generic_tools.py)
+        self.g_mode: str | None = None  # generic: None (not yet known) | "string" (in the answer) | "done" | "json"
+        self.g_raw = ""  # generic: the answer's JSON string not yet decoded
         self.tool_names = tool_names or set()
         self.tool_format = tool_format
         self.tools = {t["function"]["name"]: t["function"] for t in tools or [] if isinstance(t.get("function"), dict)}
@@ -244,6 +251,8 @@ class OutputParser:
         if not self.tool_names or not text:
             self.content_sent += text
             return text
+        if self.generic:  # one JSON object: an answer streams as its string is written; calls are held
+            return self._generic(text)
         if self.holding:
             self.held += text
             return ""
@@ -279,6 +288,49 @@ class OutputParser:
         self.content_sent += start[:i]
         return start[:i]
 
+    def _generic(self, text: str) -> str:
+        if self.g_mode == "json":
+            self.held += text
+            return ""
+        if self.g_mode is None:
+            self.held += text
+            compact = "".join(self.held.split())
+            m = _RESPONSE_OPEN.match(self.held.lstrip())
+            if m is None:
+                if not _RESPONSE_KEY.startswith(compact):
+                    self.g_mode = "json"  # tool calls (or something else): parsed whole at the end
+                return ""
+            self.g_mode, self.g_raw, self.held = "string", self.held.lstrip()[m.end():], ""
+        elif self.g_mode == "string":
+            self.g_raw += text
+        else:  # "done": what follows the closing quote is the object's end
+            return ""
+        out, i, raw = [], 0, self.g_raw
+        while i < len(raw):
+            ch = raw[i]
+            if ch == '"':
+                self.g_mode = "done"
+                i = len(raw)
+                break
+            if ch != "\\":
+                out.append(ch)
+                i += 1
+                continue
+            size = 6 if raw[i + 1:i + 2] == "u" else 2
+            if size == 6 and raw[i + 2:i + 3].lower() == "d" and raw[i + 3:i + 4].lower() in "89ab":
+                size = 12  # a high surrogate: decoded with its pair
+            if i + size > len(raw):
+                break  # a half-written escape: wait for the rest
+            try:
+                out.append(json.loads('"' + raw[i:i + size] + '"').encode("utf-8", "replace").decode("utf-8"))
+            except ValueError:  # not an escape JSON has (the grammar allows none): as written
+                out.append(raw[i:i + size])
+            i += size
+        self.g_raw = raw[i:]
+        piece = "".join(out)
+        self.content_sent += piece
+        return piece
+
     def finish(self) -> tuple[str, str, list[dict]]:
         """At the end: (reasoning, content, tool calls) still to send."""
         reasoning, content = "", ""
@@ -290,6 +342,14 @@ class OutputParser:
         self.held = ""
         if not self.tool_names:
             return reasoning, rest, []
+        if self.generic and self.g_mode in ("string", "done"):
+            return reasoning, "", []  # the answer went out as it was written
+        if self.generic:
+            from localrun.server.generic_tools import parse
+
+            parsed = parse(rest, self.tool_names)
+            if parsed is not None:
+                return reasoning, parsed[0], parsed[1]
         if self.tool_format is not None:
             left, found = self.tool_format.parse(rest, self.tools)
             if found:

@@ -270,8 +270,12 @@ def check_tools(tools: Any, template: str | None) -> list[dict] | None:
         if fn.get("parameters") is not None:
             check_json_schema(fn["parameters"])
     if tools and not template_supports_tools(template):
-        raise InvalidRequest("this model's chat template does not support tools (it never mentions them); "
-                             "use a model whose template does, or create one with a TEMPLATE that renders tools")
+        from localrun.server import generic_tools
+
+        if not generic_tools.enabled():
+            raise InvalidRequest("this model's chat template does not support tools (it never mentions them) and "
+                                 "the generic tool format is off (LOCALRUN_GENERIC_TOOLS=off); use a model whose "
+                                 "template renders tools, or create one with a TEMPLATE that does")
     return tools or None
 
 

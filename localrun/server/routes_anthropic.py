@@ -2,7 +2,9 @@
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``. A translator only: JSON -> Job,
 the generation service's events -> Anthropic's SSE events or one message object.
 
-- ``system`` (a string or text blocks) -> a system message. Content blocks: text -> content,
+- ``system`` (a string or text blocks) -> a system message; a ``system`` message inside
+  ``messages`` (Claude Code sends them) joins the user turn before it as a system note (most
+  templates take one system message, first). Content blocks: text -> content,
   ``tool_use`` (assistant) -> tool calls, ``tool_result`` (user) -> tool messages (``is_error``
   results are marked "Error: "), ``thinking`` blocks of earlier turns are dropped (chat
   templates drop old reasoning too); ``image`` blocks (``base64`` or ``url`` source, also inside a
@@ -163,9 +165,12 @@ def _messages(body: dict) -> list[dict]:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise InvalidRequest(f"{where} must be an object with role 'user' or 'assistant'")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise InvalidRequest(f"{where} must be an object with role 'user', 'assistant' or 'system'")
         role, content = m["role"], m.get("content")
+        if role == "system":  # a system message inside the conversation (Claude Code sends them)
+            _system_in_conversation(out, _texts(content, f"{where}.content"))
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -196,7 +201,28 @@ def _messages(body: dict) -> list[dict]:
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+    if all(m.get("role") == "system" for m in messages if isinstance(m, dict)):
+        raise InvalidRequest("'messages' has no user or assistant message")
     return p.normalize_messages(out)
+
+
+def _system_in_conversation(out: list[dict], text: str) -> None:
+    """A system message after the conversation began: most chat templates take a system
+    message only first, so its text joins the user turn before it (as a system note), or is
+    a system message of its own when nothing but system text came before."""
+    if not text.strip():
+        return
+    if not out or out[-1]["role"] == "system":
+        if out:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + text}
+        else:
+            out.append({"role": "system", "content": text})
+        return
+    note = f"<system>\n{text}\n</system>"
+    if out[-1]["role"] == "user" and not out[-1].get("tool_call_id"):
+        out[-1] = {**out[-1], "content": (out[-1]["content"] + "\n\n" + note).strip()}
+    else:
+        out.append({"role": "user", "content": note})
 
 
 def _tool_choice(value: Any, names: list[str]) -> Any:

@@ -7,6 +7,12 @@ its semantic SSE events (a translator only; generation is the service's).
   `instructions` become the system message of this request only.
 - Output items: a reasoning item when the model thought (its text as reasoning_text
   content), a message with output_text, function_call items.
+- Tools: function tools, and namespace tools (a group of function tools, as Codex sends them)
+  flattened into the function tools the model sees; a call of one comes back with its
+  `namespace` and its name there. Hosted tools the daemon cannot run (web_search, file_search,
+  ...) are left out of the prompt and named in the response's `notes` rather than refused;
+  their call items in the input are skipped. Developer messages (and instructions) before the
+  conversation become one system message.
 - Stateful: with `store` (the default) the response and the items it saw are kept
   (:mod:`localrun.server.response_store`); `previous_response_id` puts that conversation
   (its items, then its output) before this request's input.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -33,8 +40,12 @@ from localrun.server.routes_openai import stream_error
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
+log = logging.getLogger("localrun.server")
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+HOSTED_CALLS = ("web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                "computer_call", "computer_call_output", "mcp_list_tools", "mcp_call", "tool_search_call",
+                "tool_search_output")
 MAX_METADATA = 16
 
 
@@ -136,7 +147,8 @@ def input_items(value: Any) -> list[dict]:
         elif kind == "function_call":
             items.append({"type": "function_call", "id": rid or _new("fc"), "call_id": _str_field(item, "call_id", where),
                           "name": _str_field(item, "name", where), "arguments": _str_field(item, "arguments", where),
-                          "status": "completed"})
+                          "status": "completed",
+                          **({"namespace": item["namespace"]} if isinstance(item.get("namespace"), str) else {})})
         elif kind == "function_call_output":
             out = item.get("output")
             items.append({"type": "function_call_output", "id": rid or _new("fco"),
@@ -149,6 +161,8 @@ def input_items(value: Any) -> list[dict]:
                 raise InvalidRequest(f"{where}: reasoning content must be reasoning_text parts")
             items.append({"type": "reasoning", "id": rid or _new("rs"), "summary": [],
                           "content": [{"type": "reasoning_text", "text": t} for t in texts]})
+        elif kind in HOSTED_CALLS:
+            continue  # a hosted tool's call (from a response elsewhere): nothing the model here can use
         elif kind == "item_reference":
             raise InvalidRequest(f"{where}: item_reference is not supported; use previous_response_id or send the item")
         else:
@@ -177,7 +191,7 @@ def chat_messages(items: list[dict], instructions: str | None, first_input: int 
         if kind == "reasoning":
             thought += "".join(c.get("text", "") for c in it.get("content") or [])
         elif kind == "message":
-            role = "system" if it.get("role") == "developer" else it.get("role")
+            role = "system" if it.get("role") in ("developer", "system") else it.get("role")
             images = []
             text = ""
             for k, c in enumerate(it.get("content") or []):
@@ -189,6 +203,11 @@ def chat_messages(items: list[dict], instructions: str | None, first_input: int 
                 else:
                     text += c.get("text") or c.get("refusal") or ""
             msg: dict[str, Any] = {"role": role, "content": text, **({"images": images} if images else {})}
+            if role == "system" and not images and msgs and all(m["role"] == "system" for m in msgs):
+                # instructions and developer messages before the conversation: one system message
+                # (most chat templates take one, first)
+                msgs[-1]["content"] += "\n\n" + msg["content"]
+                continue
             if role == "assistant" and thought:
                 msg["reasoning_content"] = thought
             thought = "" if role in ("assistant", "user") else thought
@@ -210,24 +229,68 @@ def chat_messages(items: list[dict], instructions: str | None, first_input: int 
 
 
 # -- the rest of the request -----------------------------------------------------------------------
-def _tools(value: Any, template: str | None) -> tuple[list[dict] | None, list[dict]]:
-    """(chat-shaped tools for the job, Responses-shaped tools for the answer)."""
-    if value is None or value == []:
-        return None, []
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise InvalidRequest("'tools' must be a list of objects")
-    chat, echo = [], []
-    for i, t in enumerate(value):
-        if t.get("type") != "function":
-            raise InvalidRequest(f"tools[{i}]: {json.dumps(t.get('type'))[:40]} tools are not supported; localrun "
-                                 "runs function tools ({'type': 'function', 'name', 'parameters'}) only")
+# tools OpenAI runs on its side: the daemon cannot, so they are left out of the prompt (with a note)
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                "computer_use_preview", "computer_use", "mcp", "local_shell", "tool_search", "custom")
+MAX_TOOLS = 512
+
+
+class _Tools:
+    """A request's tools: chat-shaped function tools for the job (namespace groups flattened),
+    what to echo, where each flattened name came from, and notes on the tools left out."""
+
+    def __init__(self) -> None:
+        self.chat: list[dict] = []
+        self.echo: list[dict] = []
+        self.namespace: dict[str, tuple[str, str]] = {}  # flattened name -> (namespace, its name there)
+        self.notes: list[str] = []
+
+    def add_function(self, t: dict, where: str, namespace: str | None = None) -> None:
         name = t.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidRequest(f"tools[{i}] needs a 'name'")
-        fn = {"name": name, "description": t.get("description"), "parameters": t.get("parameters")}
-        chat.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
-        echo.append({"type": "function", **fn, "strict": t.get("strict")})
-    return p.check_tools(chat, template), echo
+            raise InvalidRequest(f"{where} needs a 'name'")
+        flat = name
+        if namespace is not None:
+            taken = {c["function"]["name"] for c in self.chat}
+            flat = name if name not in taken else f"{namespace}__{name}"
+            self.namespace[flat] = (namespace, name)
+        fn = {"name": flat, "description": t.get("description"), "parameters": t.get("parameters")}
+        self.chat.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+        if len(self.chat) > MAX_TOOLS:
+            raise InvalidRequest(f"'tools' holds more than {MAX_TOOLS} function tools")
+
+
+def _tools(value: Any, template: str | None) -> tuple[list[dict] | None, list[dict], _Tools]:
+    """(chat-shaped tools for the job, Responses-shaped tools for the answer, the request's tools)."""
+    tools = _Tools()
+    if value is None or value == []:
+        return None, [], tools
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise InvalidRequest("'tools' must be a list of objects")
+    for i, t in enumerate(value):
+        kind = t.get("type")
+        if kind == "function":
+            tools.add_function(t, f"tools[{i}]")
+            tools.echo.append({"type": "function", "name": t.get("name"), "description": t.get("description"),
+                               "parameters": t.get("parameters"), "strict": t.get("strict")})
+        elif kind == "namespace":  # a group of function tools: flattened, calls mapped back
+            inner = t.get("tools")
+            if not isinstance(t.get("name"), str) or not t["name"] or not isinstance(inner, list):
+                raise InvalidRequest(f"tools[{i}]: a namespace tool needs a 'name' and a list of 'tools'")
+            for j, f in enumerate(inner):
+                if not isinstance(f, dict) or f.get("type", "function") != "function":
+                    raise InvalidRequest(f"tools[{i}].tools[{j}] must be a function tool")
+                tools.add_function(f, f"tools[{i}].tools[{j}]", namespace=t["name"])
+            tools.echo.append(t)
+        elif kind in HOSTED_TOOLS:
+            tools.notes.append(f"tools[{i}]: {kind} is a hosted tool, which localrun cannot run; it was left out "
+                               "of the prompt")
+            tools.echo.append(t)
+        else:
+            raise InvalidRequest(f"tools[{i}]: {json.dumps(kind)[:40]} tools are not supported; localrun "
+                                 "runs function tools ({'type': 'function', 'name', 'parameters'}) and namespaces of "
+                                 "them")
+    return (p.check_tools(tools.chat, template) if tools.chat else None), tools.echo, tools
 
 
 def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[Any, Any]:
@@ -307,8 +370,9 @@ def _refuse_unsupported(body: dict) -> None:
 class _Builder:
     """Events -> the response's output items, and the semantic stream events on the way."""
 
-    def __init__(self, response: dict, max_calls: int | None) -> None:
+    def __init__(self, response: dict, max_calls: int | None, namespace: dict | None = None) -> None:
         self.response = response
+        self.namespace = namespace or {}  # flattened tool name -> (namespace, its name there)
         self.max_calls = max_calls  # parallel_tool_calls false: 1
         self.seq = 0
         self.open: dict | None = None  # the reasoning or message item being written
@@ -380,6 +444,8 @@ class _Builder:
             for call in ev.calls[:self.max_calls]:
                 item = {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": call["name"],
                         "arguments": "", "status": "in_progress"}
+                if call["name"] in self.namespace:  # a namespace's tool: named as the client defined it
+                    item["namespace"], item["name"] = self.namespace[call["name"]]
                 self.response["output"].append(item)
                 at = {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
                 out.append(self.event("response.output_item.added", output_index=at["output_index"],
@@ -448,7 +514,7 @@ async def create_response(request: Request):
         if (v := p.get_float(body, key, 0.0, hi)) is not None:
             setattr(opts, key, v)
     text = _text_format(body.get("text"), opts)
-    tools, tools_echo = _tools(body.get("tools"), resolved.template)
+    tools, tools_echo, request_tools = _tools(body.get("tools"), resolved.template)
     choice, choice_echo = _tool_choice(body.get("tool_choice"), tools)
     if tools:
         tools, forced = p.tool_choice_schema(tools, choice)
@@ -467,7 +533,10 @@ async def create_response(request: Request):
         "tool_choice": choice_echo, "tools": tools_echo, "top_p": opts.top_p, "truncation": "disabled",
         "usage": None, "user": p.get_str(body, "user"), "metadata": metadata,
     }
-    builder = _Builder(response, max_calls if parallel else 1)
+    if request_tools.notes:
+        response["notes"] = request_tools.notes  # what was left out, rather than a 400
+        log.info("responses: %s", "; ".join(request_tools.notes))
+    builder = _Builder(response, max_calls if parallel else 1, request_tools.namespace)
 
     async def finish(usage) -> dict:
         done = builder.done(usage)
