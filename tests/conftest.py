@@ -27,6 +27,19 @@ def smollm2_gguf() -> Path:
     return p
 
 
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory, request) -> tuple[Path, Path]:
+    """(text GGUF, projector GGUF) of the tiny vision test model (tests/vlm_model.py), built once and
+    kept in the pytest cache across runs."""
+    from vlm_model import build_tiny_vlm
+
+    try:
+        cache = request.config.cache.mkdir("tiny-vlm")
+    except AttributeError:  # the cache plugin is off
+        cache = tmp_path_factory.mktemp("tiny-vlm")
+    return build_tiny_vlm(cache)
+
+
 @pytest.fixture
 def localrun_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"

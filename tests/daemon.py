@@ -20,6 +20,22 @@ KEY = "test-secret-key"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def stop_pid(pid: int, grace: float = 20.0) -> None:
+    """SIGTERM a process, wait up to ``grace`` seconds for it to go, then SIGKILL it."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

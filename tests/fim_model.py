@@ -7,17 +7,12 @@ backend) decoded greedily by llama.cpp itself through llama-cpp-python, one sequ
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from vlm_model import _sdist
+from vlm_model import write_hf_model
 
-REPO = Path(__file__).resolve().parents[1]
-TOOL_CANDIDATES = [REPO / "tests" / "tools" / "tiny_fim.py", REPO.parent / "shared" / "tools" / "tiny_fim.py"]
 N_BATCH = 2048  # llama-server's default --batch-size
 
 
@@ -27,16 +22,7 @@ def build_tiny_fim(cache: Path) -> Path:
     gguf = out / "tiny-fim.gguf"
     if gguf.exists():
         return gguf
-    pytest.importorskip("sentencepiece")
-    tool = next((p for p in TOOL_CANDIDATES if p.exists()), None)
-    if tool is None:
-        pytest.skip("tiny_fim.py (shared/tools) is not here")
-    hf = out / "hf"
-    shutil.rmtree(out, ignore_errors=True)
-    r = subprocess.run([sys.executable, str(tool), str(hf)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    vendor = _sdist(cache) / "vendor" / "llama.cpp"
-    env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
+    hf, vendor, env = write_hf_model("tiny_fim.py", out, cache)
     tmp = out / "tiny-fim.gguf.part"
     r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(tmp)],
                        capture_output=True, text=True, env=env)

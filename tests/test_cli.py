@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon import stop_pid
 
 from localrun.config import ENV_VARS
 
@@ -183,16 +184,7 @@ def test_autostart_starts_a_daemon_in_the_background(tmp_path):
         assert_clean_error(r4, code=1)
     finally:
         if pid:
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            stop_pid(pid)
 
 
 # ---------------------------------------------------------------------------------------

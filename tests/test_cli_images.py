@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from daemon import Daemon
 from test_cli import assert_clean_error, cli, free_port, make_env
-from vlm_model import build_tiny_vlm, png
+from vlm_model import png, vision_daemon
 
 from localrun.attachments import MAX_IMAGE_FILE_BYTES, AttachmentError, is_image_path, read_image, split_image_paths
 
@@ -94,25 +94,9 @@ def test_cli_refuses_a_bad_image_before_asking_the_daemon(pics):
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
-
-
-@pytest.fixture(scope="module")
 def daemon(vlm, smollm2_gguf, tmp_path_factory):
-    gguf, mmproj = vlm
-    d = Daemon(tmp_path_factory.mktemp("cli-images-home"), LOCALRUN_CONTEXT_LENGTH="1024")
-    try:
-        for name, mf in (("vlm", f"FROM {gguf}\nFROM {mmproj}\n"), ("text", f"FROM {smollm2_gguf}\n")):
-            r = d.http.post("/api/create", json={"model": name, "modelfile": mf, "stream": False})
-            assert r.status_code == 200, r.text
+    with vision_daemon(tmp_path_factory.mktemp("cli-images-home"), vlm, smollm2_gguf) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def sdk_answer(d: Daemon, image: bytes, question: str = QUESTION) -> str:

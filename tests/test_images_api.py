@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from daemon import MODEL, Daemon
-from vlm_model import build_tiny_vlm, mtmd_reference, png
+from vlm_model import mtmd_reference, png
 
 from localrun.backends.base import MEDIA_MARKER
 
@@ -52,15 +52,6 @@ def turn(role: str, text: str) -> str:
 def gemma(*turns: tuple[str, str]) -> str:
     """The prompt the daemon renders with the tiny VLM's template (BOS included, as tokenized)."""
     return "<bos>" + "".join(turn(r, t) for r, t in turns) + "<start_of_turn>model\n"
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from vlm_model import build_tiny_vlm
 
 from localrun.errors import InvalidRequest
 from localrun.library.api import Library
 from localrun.library.store import MT_PROJECTOR
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
 
 
 def _layers(lib: Library, name: str) -> list[dict]:

@@ -14,7 +14,6 @@ import pytest
 from daemon import Daemon
 from fakehub import FakeHub
 from test_cli import cli, make_env
-from vlm_model import build_tiny_vlm
 
 from localrun.library.api import Library
 from localrun.library.pull import RemoteFile, choose_projector, quant_of
@@ -45,16 +44,8 @@ def test_projector_choice_follows_the_model_precision():
     assert quant_of("gemma-3-4b-it-IQ4_XS.gguf") == "IQ4_XS" and quant_of("mmproj-model-bf16.gguf") == "BF16"
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
-
-
-def test_capabilities_in_ollamas_words(tmp_path, vlm):
+def test_capabilities_in_ollamas_words(tmp_path, vlm, monkeypatch):
+    monkeypatch.delenv("LOCALRUN_GENERIC_TOOLS", raising=False)  # the default: on
     lib = Library(tmp_path / "models")
     gguf, mmproj = vlm
     think = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<think>{{ m['content'] }}{% endfor %}"
@@ -63,13 +54,17 @@ def test_capabilities_in_ollamas_words(tmp_path, vlm):
     lib.create("encoder", f"FROM {make_gguf(tmp_path / 'e.gguf', arch='bert', template=None)}\n")
     lib.create("vlm", f"FROM {gguf}\nFROM {mmproj}\n")
     assert lib.show("thinker")["capabilities"] == ["completion", "tools", "thinking"]
-    assert lib.show("plain")["capabilities"] == ["completion"]
+    # a template without tools: the generic tool format stands in (LOCALRUN_GENERIC_TOOLS, on by default)
+    assert lib.show("plain")["capabilities"] == ["completion", "tools"]
+    assert lib.show("plain")["tool_format"] == "generic" and lib.show("thinker")["tool_format"] == "template"
     assert lib.show("encoder")["capabilities"] == ["embedding"]
     vlm_show = lib.show("vlm")
     assert vlm_show["capabilities"][0] == "completion" and "vision" in vlm_show["capabilities"]
     assert vlm_show["projector_info"]["general.architecture"] == "clip"
     assert {m.name: m.capabilities for m in lib.list()} == {
         n + ":latest": lib.show(n)["capabilities"] for n in ("thinker", "plain", "encoder", "vlm")}
+    monkeypatch.setenv("LOCALRUN_GENERIC_TOOLS", "off")
+    assert lib.show("plain")["capabilities"] == ["completion"] and lib.show("plain")["tool_format"] is None
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from vlm_model import build_tiny_vlm, mtmd_reference, png
+from vlm_model import mtmd_reference, png
 
 from localrun.backends.base import MEDIA_MARKER, GenerationRequest, LoadSpec, SamplingOptions
 from localrun.errors import InvalidRequest
@@ -22,15 +22,6 @@ RED, BLUE, NOISE = png((255, 0, 0)), png((0, 0, 255), (48, 64)), png((0, 0, 0), 
 
 def prompt(n_images: int = 1, question: str = "what is in this picture") -> str:
     return f"<bos><start_of_turn>user\n{MEDIA_MARKER * n_images}{question}<end_of_turn>\n<start_of_turn>model\n"
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:  # the cache plugin is off
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 import dockerfile
+from daemon import stop_pid
 from localrun.config import DEFAULT_PORT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -194,17 +195,7 @@ def test_one_shot_run_in_the_image_answers_offline(tmp_path):
         assert (tmp_path / "data" / "models").is_dir()
     finally:
         if m:
-            pid = int(m.group(1))
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            stop_pid(int(m.group(1)), grace=30)
 
 
 def test_serve_help_lists_the_setting(tmp_path):

@@ -16,8 +16,7 @@ import time
 import uuid
 
 import pytest
-from daemon import Daemon
-from vlm_model import build_tiny_vlm, png
+from vlm_model import png, vision_daemon
 
 from localrun.tui.app import ChatApp
 from localrun.tui.commands import CommandError, parse_command
@@ -101,25 +100,9 @@ async def test_a_resumed_conversation_shows_its_attachments(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-vlm")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-vlm")
-    return build_tiny_vlm(cache)
-
-
-@pytest.fixture(scope="module")
 def daemon(vlm, smollm2_gguf, tmp_path_factory):
-    gguf, mmproj = vlm
-    d = Daemon(tmp_path_factory.mktemp("tui-images-home"), LOCALRUN_CONTEXT_LENGTH="1024")
-    try:
-        for name, mf in (("vlm", f"FROM {gguf}\nFROM {mmproj}\n"), ("text", f"FROM {smollm2_gguf}\n")):
-            r = d.http.post("/api/create", json={"model": name, "modelfile": mf, "stream": False})
-            assert r.status_code == 200, r.text
+    with vision_daemon(tmp_path_factory.mktemp("tui-images-home"), vlm, smollm2_gguf) as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

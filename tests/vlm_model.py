@@ -14,12 +14,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TOOL_CANDIDATES = [REPO / "tests" / "tools" / "tiny_vlm.py", REPO.parent / "shared" / "tools" / "tiny_vlm.py"]
 
 
 def _sdist(cache: Path) -> Path:
@@ -37,22 +37,29 @@ def _sdist(cache: Path) -> Path:
     return root
 
 
+def write_hf_model(tool_name: str, out: Path, cache: Path) -> tuple[Path, Path, dict]:
+    """Runs the model writer tests/tools/<tool_name> (or shared/tools') into a fresh ``out``/hf:
+    (the Hugging Face folder, the sdist's llama.cpp with its converter, the converter's environment)."""
+    pytest.importorskip("sentencepiece")
+    tool = next((d / tool_name for d in (REPO / "tests" / "tools", REPO.parent / "shared" / "tools")
+                 if (d / tool_name).exists()), None)
+    if tool is None:
+        pytest.skip(f"{tool_name} (shared/tools) is not here")
+    hf = out / "hf"
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run([sys.executable, str(tool), str(hf)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    vendor = _sdist(cache) / "vendor" / "llama.cpp"
+    return hf, vendor, {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
+
+
 def build_tiny_vlm(cache: Path) -> tuple[Path, Path]:
     """(text GGUF, projector GGUF) of the tiny VLM, built once into ``cache``."""
     out = cache / "tiny-vlm"
     gguf, mmproj = out / "tiny-vlm.gguf", out / "mmproj-tiny-vlm.gguf"
     if gguf.exists() and mmproj.exists():
         return gguf, mmproj
-    pytest.importorskip("sentencepiece")
-    tool = next((p for p in TOOL_CANDIDATES if p.exists()), None)
-    if tool is None:
-        pytest.skip("tiny_vlm.py (shared/tools) is not here")
-    hf = out / "hf"
-    shutil.rmtree(out, ignore_errors=True)
-    r = subprocess.run([sys.executable, str(tool), str(hf)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    vendor = _sdist(cache) / "vendor" / "llama.cpp"
-    env = {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
+    hf, vendor, env = write_hf_model("tiny_vlm.py", out, cache)
     for args, dst in (([], gguf), (["--mmproj"], mmproj)):
         r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), *args, "--outfile", str(dst)],
                            capture_output=True, text=True, env=env)
@@ -122,3 +129,20 @@ def mtmd_reference(gguf: Path, mmproj: Path, prompt: str, images: list[bytes], n
             mtmd.mtmd_bitmap_free(bm)
         mtmd.mtmd_free(mctx)
         llm.close()
+
+
+@contextmanager
+def vision_daemon(home: Path, vlm: tuple[Path, Path], text_gguf: Path):
+    """A real daemon whose library holds ``vlm`` (the tiny VLM with its projector, as a Modelfile's
+    two FROM lines) and ``text`` (a model without a projector)."""
+    from daemon import Daemon
+
+    gguf, mmproj = vlm
+    d = Daemon(home, LOCALRUN_CONTEXT_LENGTH="1024")
+    try:
+        for name, mf in (("vlm", f"FROM {gguf}\nFROM {mmproj}\n"), ("text", f"FROM {text_gguf}\n")):
+            r = d.http.post("/api/create", json={"model": name, "modelfile": mf, "stream": False})
+            assert r.status_code == 200, r.text
+        yield d
+    finally:
+        d.stop()
