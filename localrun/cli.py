@@ -858,8 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
             "full trained context")
     s.add_argument("agent", choices=["claude", "codex"])
     s.add_argument("--model", help="the model the agent uses (default: the library's only model)")
-    s.add_argument("agent_args", nargs=argparse.REMAINDER, metavar="-- ARGS",
-                   help="arguments for the agent, after --, e.g. -- -p 'Say hello' or -- exec 'Say hello'")
+    # the agent's own arguments come after `--` (main() splits them off before parsing: an argparse
+    # REMAINDER positional would swallow `--model M` too)
+    s.set_defaults(agent_args=[])
+    s.epilog = "arguments for the agent go after --, e.g. -- -p 'Say hello' or -- exec 'Say hello'"
 
     add("bench", "benchmarks (see `localrun bench --help`)")
     add("ray-serve", "serve a model with replicas on a Ray cluster (see `localrun ray-serve --help`)")

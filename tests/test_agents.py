@@ -43,6 +43,19 @@ def real(tmp_path_factory):
         d.stop()
 
 
+GREEDY = "smol-greedy"  # SmolLM2 with PARAMETER temperature 0: Claude Code sends no temperature, so the
+# Modelfile's applies and a run is repeatable (sampled at Anthropic's default of 1, SmolLM2 sometimes calls
+# Read on a file whose contents then overflow its 8,192-token context: a different test each time)
+
+
+@pytest.fixture(scope="module")
+def greedy(real) -> str:
+    r = real.http.post("/api/create", json={"model": GREEDY, "from": MODEL, "stream": False,
+                                             "parameters": {"temperature": 0}})
+    assert r.status_code == 200, r.text
+    return GREEDY
+
+
 def _anthropic(d) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=d.url, api_key="unused", max_retries=0, timeout=1200)
 
@@ -210,11 +223,11 @@ def _agent_env(home: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_claude_code_runs_on_the_bundled_model(real, tmp_path):
+def test_claude_code_runs_on_the_bundled_model(real, greedy, tmp_path):
     bins = _agents()
     env = _agent_env(tmp_path / "home")
-    env.update(ANTHROPIC_BASE_URL=real.url, ANTHROPIC_API_KEY="unused", ANTHROPIC_MODEL=MODEL,
-               ANTHROPIC_SMALL_FAST_MODEL=MODEL, CLAUDE_CODE_MAX_OUTPUT_TOKENS="48", API_TIMEOUT_MS="1500000")
+    env.update(ANTHROPIC_BASE_URL=real.url, ANTHROPIC_API_KEY="unused", ANTHROPIC_MODEL=greedy,
+               ANTHROPIC_SMALL_FAST_MODEL=greedy, CLAUDE_CODE_MAX_OUTPUT_TOKENS="48", API_TIMEOUT_MS="1500000")
     work = tmp_path / "work"
     work.mkdir()
     t0 = time.monotonic()
@@ -293,8 +306,8 @@ def test_launch_without_the_agent_is_a_clear_error(real, tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_claude_runs_on_the_bundled_model(real, tmp_path):
-    """`localrun launch claude --model smollm2:135m -- -p ...`: the agent model is made with the
+def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
+    """`localrun launch claude --model smol-greedy (SmolLM2, greedy) -- -p ...`: the agent model is made with the
     model's trained context (8,192) and Claude Code answers through it."""
     import sys
 
@@ -305,15 +318,16 @@ def test_launch_claude_runs_on_the_bundled_model(real, tmp_path):
     (tmp_path / "work").mkdir()
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "localrun", "--host", f"127.0.0.1:{real.port}", "--no-autostart",
-                        "launch", "claude", "--model", MODEL, "--", "-p", "Say hello", "--bare", "--system-prompt",
+                        "launch", "claude", "--model", greedy, "--", "-p", "Say hello", "--bare", "--system-prompt",
                         "You are a helpful assistant. Answer in one short sentence.", "--tools", "Read"],
                        cwd=tmp_path / "work", env=env, capture_output=True, text=True, timeout=1500,
                        stdin=subprocess.DEVNULL)
     print(f"localrun launch claude: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r} {r.stderr[-2000:]!r}")
     assert r.returncode == 0, (r.stdout, r.stderr, real.log.read_text()[-3000:])
-    assert "smollm2:135m-agent (context 8192 tokens)" in r.stdout
-    shown = real.http.post("/api/show", json={"model": "smollm2:135m-agent"}).json()
+    assert f"{greedy}:latest-agent (context 8192 tokens)" in r.stdout
+    shown = real.http.post("/api/show", json={"model": f"{greedy}:latest-agent"}).json()
     assert "num_ctx" in shown["parameters"] and "8192" in shown["parameters"]
+    assert "temperature" in shown["parameters"]  # the agent model keeps its base model's parameters
 
 
 # -- the generic tool format, in process -------------------------------------------------------------
