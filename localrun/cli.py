@@ -677,7 +677,8 @@ def cmd_ps(args, client: DaemonClient) -> int:
                     if runner.get("pid") else "")
             print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens, "
                   f"{m.get('slots', '-')} slot(s), {m.get('active', 0)} active, {m.get('waiting', 0)} waiting"
-                  + proc + (f"\n  {m['reason']}" if m.get("reason") else ""))
+                  + proc + (f"\n  {m['reason']}" if m.get("reason") else "")
+                  + "".join(f"\n  fallback: {f}" for f in m.get("fallbacks") or ()))
     return 0
 
 

@@ -186,6 +186,10 @@ class BackendInfo:
     supports_images: bool = False
     # the vocabulary has fill-in-the-middle tokens (prefix, suffix, middle): requests may carry `infill`
     supports_infill: bool = False
+    # the slower paths this load took, each with its reason ("decode_attention: torch reference
+    # (Triton compile failed: ...)", "CUDA graphs off for batch 16: ..."); shown by ps and /api/ps.
+    # A runner that falls back after loading sends the new list in an "info" update.
+    fallbacks: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -86,6 +86,7 @@ class Runner:
             "device": info.device,
             "placement": info.placement or info.device,
             "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
+            "fallbacks": list(info.fallbacks),
             "slots": info.slots,
             "active": self.active,
             "waiting": self.waiting,
