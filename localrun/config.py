@@ -49,6 +49,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
+    "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load); never set it in normal use"),
     "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 

@@ -1,0 +1,70 @@
+"""Injected faults (``LOCALRUN_FAULTS``): make a named step fail for real, so each fallback of the
+GPU path can be exercised on any machine, through the real runner process and daemon.
+
+The value is a comma-separated list of ``KIND`` or ``KIND:ARG`` items, read from the environment of
+the process that runs the step (the daemon passes its environment to runner processes):
+
+    kernel:NAME         the Triton kernel NAME fails to compile/launch at warm-up
+    graph_capture[:BS]  CUDA graph capture fails (for batch size BS only, or for all)
+    kv_alloc[:N]        the first N KV pool allocations are refused as out of memory (default 1)
+    step_oom[:N]        the first N forward steps raise out of memory (default 1)
+    native_load         the native engine fails to load any model
+
+Standard library only: the engine and the benchmarks import it without the server's dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+ENV = "LOCALRUN_FAULTS"
+KINDS = ("kernel", "graph_capture", "kv_alloc", "step_oom", "native_load")
+
+
+class InjectedFault(RuntimeError):
+    """Raised where LOCALRUN_FAULTS asks a step to fail."""
+
+
+def parse(text: str | None) -> list[tuple[str, str | None]]:
+    """``"kernel:rope, step_oom:2"`` -> ``[("kernel", "rope"), ("step_oom", "2")]``; unknown kinds are an error."""
+    out: list[tuple[str, str | None]] = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, arg = item.partition(":")
+        kind = kind.strip().lower()
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
+        out.append((kind, arg.strip() or None))
+    return out
+
+
+_lock = threading.Lock()
+_counts: dict[tuple[str, str | None], int] = {}
+
+
+def active(kind: str, env: dict[str, str] | None = None) -> list[str | None]:
+    """The arguments of every ``kind`` fault set (``[None]`` for a bare ``kind``; ``[]`` when unset)."""
+    return [arg for k, arg in parse((env if env is not None else os.environ).get(ENV)) if k == kind]
+
+
+def take(kind: str, default_count: int = 1, env: dict[str, str] | None = None) -> bool:
+    """For counted faults (kv_alloc[:N], step_oom[:N]): True for the first N calls in this process, then False."""
+    args = active(kind, env)
+    if not args:
+        return False
+    limit = sum(int(a) if a and a.isdigit() else default_count for a in args)
+    with _lock:
+        n = _counts.get((kind, None), 0)
+        if n >= limit:
+            return False
+        _counts[(kind, None)] = n + 1
+        return True
+
+
+def reset() -> None:
+    """Forget the counts (tests that run several loads in one process)."""
+    with _lock:
+        _counts.clear()
