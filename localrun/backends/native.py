@@ -233,7 +233,10 @@ class NativeBackend:
         if self.info.device == "CUDA":
             self.info.size_vram_bytes = self.info.size_bytes
         if self.on_info is not None:
-            self.on_info()
+            try:
+                self.on_info()
+            except RuntimeError:  # the runner's event loop is closing: nobody to tell
+                pass
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         if len(text) <= INLINE_TOKENIZE_CHARS:  # a short text costs less than the hop to a thread

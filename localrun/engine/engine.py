@@ -240,12 +240,14 @@ class LLMEngine:
             victims = [r for r in self._requests.values() if r.seq.status != "waiting"]
             for req in victims:
                 self.scheduler.abort(req.seq.id)
+            where = "GPU memory" if self.device.type == "cuda" else "memory"
             try:
                 what = fb.shrink_after_oom(self)
-            except MemoryError as err:  # not even one full-length sequence fits now: reload
-                self.fatal = what = str(err)
+            except MemoryError as err:  # not even one full-length sequence fits now: the model reloads
+                self.fatal = f"out of {where} in a step ({fb.short(exc)}), and shrinking failed: {err}"
+                self._fail_all(self.fatal)
+                return
             self._fallback(f"out of memory in a step ({fb.short(exc)}): {what}")
-            where = "GPU memory" if self.device.type == "cuda" else "memory"
             self._fail_all(f"out of {where} while running this request ({fb.short(exc)}); the engine {what} and "
                            "goes on serving: retry, or use a smaller num_ctx or prompt", victims, "out_of_memory")
 
