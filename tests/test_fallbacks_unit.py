@@ -121,3 +121,19 @@ def test_an_out_of_memory_step_ends_its_requests_and_the_engine_goes_on(monkeypa
     assert engine.pool.num_pages == max(pages // 2, 64 // 16 + 1) < pages
     assert engine.config.max_num_batched_tokens == 32 and engine.config.max_num_seqs == 1  # at their floors
     assert engine.fatal is None
+
+
+def test_graph_capture_failures_leave_those_sizes_eager(monkeypatch):
+    """The padded decode path on CPU runs the capture procedure (warm-up, then the capture point):
+    sizes whose capture fails are listed in one fallback and decode eagerly, padded, exactly."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    plain = LLMEngine.from_random("tiny", EngineConfig(device="cpu", max_model_len=64, max_num_seqs=4))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    monkeypatch.setenv("LOCALRUN_FAULTS", "graph_capture:1,graph_capture:4")
+    engine = LLMEngine.from_random("tiny", EngineConfig(device="cpu", max_model_len=64, max_num_seqs=4,
+                                                        cuda_graphs=True))
+    assert engine.runner.graphs.sizes == [1, 2, 4] and sorted(engine.runner.graphs.failed) == [1, 4]
+    assert engine.fallbacks == [f"decode batch {bs}: eager, not a CUDA graph (capture failed: InjectedFault: "
+                                f"injected capture failure at batch {bs} (LOCALRUN_FAULTS))" for bs in (1, 4)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want

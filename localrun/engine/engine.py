@@ -228,8 +228,8 @@ class LLMEngine:
         for bs, why in sorted(self.runner.graphs.failed.items()):
             by_reason.setdefault(why, []).append(bs)
         for why, sizes in by_reason.items():
-            self._fallback(f"decode batch {', '.join(map(str, sizes))}: eager, not a CUDA graph (capture failed: "
-                           f"{' '.join(why.split())[:fb.REASON_CHARS]})")
+            self._fallback(f"decode batch {', '.join(map(str, sizes))}: eager, not a CUDA graph "
+                           f"({' '.join(why.split())[:fb.REASON_CHARS]})")
         return t
 
     def _out_of_memory(self, exc: Exception) -> None:

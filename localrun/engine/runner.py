@@ -72,9 +72,14 @@ class DecodeGraphs:
         pool = None
         injected = faults.active("graph_capture")
         for bs in reversed(self.sizes):  # largest first: the smaller graphs fit in its memory pool
-            r.buffers.write(padding_step(bs, r.table.dummy_row))
-            self.meta[bs] = r.attn.prepare(padding_step(bs, r.table.dummy_row), for_graph=True)
-            self._forward(bs)  # warm-up: every kernel compiled before capture
+            try:
+                r.buffers.write(padding_step(bs, r.table.dummy_row))
+                self.meta[bs] = r.attn.prepare(padding_step(bs, r.table.dummy_row), for_graph=True)
+                self._forward(bs)  # warm-up: every kernel compiled before capture
+            except Exception as exc:  # noqa: BLE001 - not padded to this size: the next larger, or unpadded
+                self.failed[bs] = f"warm-up failed, not padded to it: {type(exc).__name__}: {exc}"
+                self.meta.pop(bs, None)
+                continue
             try:  # a size that cannot be captured runs eagerly over the same buffers and padding
                 if None in injected or str(bs) in injected:
                     raise faults.InjectedFault(f"injected capture failure at batch {bs} (LOCALRUN_FAULTS)")
@@ -86,9 +91,10 @@ class DecodeGraphs:
                     pool = g.pool() if pool is None else pool
                     self.graphs[bs] = g
             except Exception as exc:  # noqa: BLE001
-                self.failed[bs] = f"{type(exc).__name__}: {exc}"
+                self.failed[bs] = f"capture failed: {type(exc).__name__}: {exc}"
                 if self.capture:
                     torch.cuda.synchronize(r.device)
+        self.sizes = [s for s in self.sizes if s in self.meta]
         if self.capture:
             torch.cuda.synchronize(r.device)
 
