@@ -137,3 +137,23 @@ def test_graph_capture_failures_leave_those_sizes_eager(monkeypatch):
     assert engine.fallbacks == [f"decode batch {bs}: eager, not a CUDA graph (capture failed: InjectedFault: "
                                 f"injected capture failure at batch {bs} (LOCALRUN_FAULTS))" for bs in (1, 4)]
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+def test_an_out_of_memory_step_that_cannot_shrink_makes_the_engine_fatal(monkeypatch):
+    """When not even one full-length sequence's pages can be allocated again, the engine is fatal
+    (the native backend's runner then exits and the daemon reloads the model)."""
+    cfg = EngineConfig(device="cpu", max_model_len=64, kv_cache_tokens=1024, max_num_seqs=2)
+    engine = LLMEngine.from_random("tiny", cfg)
+    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1,kv_alloc:10")
+
+    async def main():
+        engine.start()
+        try:
+            return await _run(engine, [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
+        finally:
+            engine.shutdown()
+
+    toks, last = asyncio.run(main())
+    assert toks == [] and last.error_kind is None and last.error == engine.fatal
+    assert "shrinking failed: MemoryError: not enough host memory for a KV cache of 5 pages" in engine.fatal
+    assert engine.fallbacks == []

@@ -243,8 +243,8 @@ class LLMEngine:
             where = "GPU memory" if self.device.type == "cuda" else "memory"
             try:
                 what = fb.shrink_after_oom(self)
-            except MemoryError as err:  # not even one full-length sequence fits now: the model reloads
-                self.fatal = f"out of {where} in a step ({fb.short(exc)}), and shrinking failed: {err}"
+            except Exception as err:  # noqa: BLE001 - e.g. not even one full-length sequence fits: reload
+                self.fatal = f"out of {where} in a step ({fb.short(exc)}), and shrinking failed: {fb.short(err)}"
                 self._fail_all(self.fatal)
                 return
             self._fallback(f"out of memory in a step ({fb.short(exc)}): {what}")
