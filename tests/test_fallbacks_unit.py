@@ -97,13 +97,13 @@ async def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> 
 
 def test_an_out_of_memory_step_ends_its_requests_and_the_engine_goes_on(monkeypatch):
     cfg = EngineConfig(device="cpu", max_model_len=64, kv_cache_tokens=1024, max_num_seqs=1, max_num_batched_tokens=32)
-    engine = LLMEngine.from_random("tiny", cfg)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = LLMEngine.from_random("tiny", cfg).generate([[5, 6, 7, 8]], params)[0].token_ids
+    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1")
+    engine = LLMEngine.from_random("tiny", cfg)
     changes: list[int] = []
     engine.on_fallback = lambda: changes.append(len(engine.fallbacks))
-    before = engine.generate([[5, 6, 7, 8]], params)[0].token_ids
     pages = engine.pool.num_pages
-    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1")
 
     async def main():
         engine.start()
@@ -143,8 +143,9 @@ def test_an_out_of_memory_step_that_cannot_shrink_makes_the_engine_fatal(monkeyp
     """When not even one full-length sequence's pages can be allocated again, the engine is fatal
     (the native backend's runner then exits and the daemon reloads the model)."""
     cfg = EngineConfig(device="cpu", max_model_len=64, kv_cache_tokens=1024, max_num_seqs=2)
+    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1")
     engine = LLMEngine.from_random("tiny", cfg)
-    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1,kv_alloc:10")
+    monkeypatch.setenv("LOCALRUN_FAULTS", "step_oom:1,kv_alloc:10")  # from now on: the shrink's allocations
 
     async def main():
         engine.start()

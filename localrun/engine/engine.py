@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from localrun.engine import fallbacks as fb
+from localrun.engine import faults
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.kv.host import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv.pool import KVPool
@@ -171,7 +172,7 @@ class LLMEngine:
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
         self.runner.defer_grammar = True  # grammar masks are filled in _launch, after the previous step's tokens
-        self.runner.step_faults = True
+        self.runner.step_faults = bool(faults.active("step_oom"))  # read once: nothing per step otherwise
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
         graphs = config.cuda_graphs

@@ -126,7 +126,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
-        self.step_faults = False  # the engine's own runner: LOCALRUN_FAULTS step_oom applies to its steps
+        self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def setup_graphs(self, capture: bool) -> float:
