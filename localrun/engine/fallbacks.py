@@ -32,6 +32,7 @@ ATTENTION_KERNELS = ("store_kv", "paged_decode_attention", "extend_attention")
 POINTWISE_KERNELS = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS
 REASON_CHARS = 240  # a fallback's reason is cut to this many characters
+FP8_STORE_TOL = 0.13  # e4m3 keeps 3 mantissa bits: two roundings of one value may differ by a step (1/8)
 
 
 def short(exc: BaseException) -> str:
@@ -145,8 +146,9 @@ def try_kernels(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, 
                 torch.cuda.synchronize(device)  # a launch failure shows here, not later in a step
             want = _run(name, getattr(kernels, f"{name}_ref"), inp)
             err = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-6))) for a, b in zip(got, want))
-            if not err <= tol:  # NaN too
-                reason = f"its output differs from the torch reference (relative error {err:.3g} > {tol:g})"
+            limit = FP8_STORE_TOL if name == "store_kv" and kv_dtype == torch.float8_e4m3fn else tol
+            if not err <= limit:  # NaN too
+                reason = f"its output differs from the torch reference (relative error {err:.3g} > {limit:g})"
             else:
                 continue
         except Exception as exc:  # noqa: BLE001 - any failure of this kernel: use its reference
