@@ -320,6 +320,10 @@ def _host_cache_bytes(setting: int | float | None) -> int | None:
 
 
 def load(spec: LoadSpec) -> NativeBackend:
+    from localrun.engine import faults
+
+    if any(arg is None or arg == spec.name for arg in faults.active("native_load")):
+        raise faults.InjectedFault(f"{faults.ENV}=native_load: the native engine's load of {spec.name} fails")
     device, dtype = _device_dtype(spec)
     try:
         cfg = EngineConfig(
