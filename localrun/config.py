@@ -242,6 +242,7 @@ class Settings:
     image_max_count: int = 16  # images per request
     image_max_pixels: int = 1 << 24  # width x height per image
     generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
+    faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
     native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
 
     @property
@@ -300,9 +301,8 @@ class Settings:
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
+            "LOCALRUN_FAULTS": self.faults or "(none)",
             "LOCALRUN_NATIVE_ON_CPU": "1" if self.native_on_cpu else "0",
-            # read where a step runs (localrun.engine.faults), from the environment the daemon passes on
-            "LOCALRUN_FAULTS": os.environ.get("LOCALRUN_FAULTS") or "(none)",
         }
         return [(k, values[k]) for k in ENV_VARS]
 
@@ -351,6 +351,25 @@ def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
     return mode, draft, k
+
+
+FAULT_KINDS = ("kernel", "graph_capture", "kv_alloc", "step_oom", "native_load")
+
+
+def parse_faults(text: str | None) -> list[tuple[str, str | None]]:
+    """LOCALRUN_FAULTS: ``"kernel:rope, step_oom:2"`` -> ``[("kernel", "rope"), ("step_oom", "2")]``
+    (localrun/engine/faults.py uses it); an unknown kind is an error."""
+    out: list[tuple[str, str | None]] = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, arg = item.partition(":")
+        kind = kind.strip().lower()
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"LOCALRUN_FAULTS: unknown fault {kind!r}; known: {', '.join(FAULT_KINDS)}")
+        out.append((kind, arg.strip() or None))
+    return out
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -438,6 +457,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError("LOCALRUN_IMAGE_URL_TIMEOUT must be more than 0 and at most 10m")
     raw_generic = e.get("LOCALRUN_GENERIC_TOOLS")
     generic_tools = _flag("LOCALRUN_GENERIC_TOOLS", raw_generic) if (raw_generic or "").strip() else True
+    parse_faults(e.get("LOCALRUN_FAULTS"))  # a misspelt fault is a start-up error, not a silently ignored one
     return Settings(
         home=home,
         host=host,
@@ -469,6 +489,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         image_max_count=_int("LOCALRUN_IMAGE_MAX_COUNT", e.get("LOCALRUN_IMAGE_MAX_COUNT"), 16, 1),
         image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
         generic_tools=generic_tools,
+        faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
         native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
     )
 

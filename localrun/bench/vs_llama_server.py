@@ -247,6 +247,11 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
     mk = {"localrun": localrun_server, "llama-server": llama_server}
     servers = {name: f(cfg, home) for name, f in mk.items()}
     phases: list[dict[str, Any]] = []
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    try:  # SIGTERM ends the run like Ctrl+C: the finally below stops both servers (each in its own session)
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
     try:
         for s in servers.values():
             await start(s, cfg)
@@ -279,6 +284,10 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
         for s in servers.values():
             s.stop()
         shutil.rmtree(home, ignore_errors=True)
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
     return {"bench": "vs-llama-server", "config": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in cfg.__dict__.items()},
             "phases": phases, "summary": summarize(phases)}
@@ -380,6 +389,9 @@ def main(args) -> int:
                      shared_output_len=args.shared_output_len, rounds=args.rounds, workloads=workloads,
                      extra_buffers=extra_buffers("auto")[0])
         res = asyncio.run(run(cfg))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print("localrun bench llama-server: stopped; both servers were stopped", file=sys.stderr)
+        return 130
     except VsError as exc:
         print(f"localrun bench llama-server: {exc}", file=sys.stderr)
         return 1
