@@ -118,7 +118,7 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
 
 
 def test_gpu_check_stops_an_item_past_its_budget_and_records_failures(tmp_path, gpu_box_env):
-    # budgets no item can meet (0.2-0.3 s each, 3 s for the run): each is stopped and recorded, the run ends
+    # budgets no item can meet (0.2-0.6 s each, 3 s for the run): each is stopped and recorded, the run ends
     t0 = time.monotonic()
     p, res = _gpu_check(gpu_box_env, tmp_path / "a", "--skip", "kernel_parity,greedy_parity,prefix,coldstart",
                         "--budget-scale", "0.01", timeout=60)
@@ -128,7 +128,7 @@ def test_gpu_check_stops_an_item_past_its_budget_and_records_failures(tmp_path, 
     assert items["graph_capture"]["status"] == "timed out" and items["graph_capture"]["error"] == "timed out after 0.3 s"
     for name in ("throughput", "ttft_512", "itl"):
         assert items[name]["status"] == "timed out", items[name]
-        assert re.fullmatch(r"timed out after 0\.[23] s|not started: the run's time budget of 3 s was spent",
+        assert re.fullmatch(r"timed out after 0\.\d+ s|not started: the run's time budget of 3 s was spent",
                             items[name]["error"]), items[name]
     for name in ("kernel_parity", "greedy_parity", "prefix", "coldstart"):
         assert items[name] == {"status": "skipped", "reason": "skipped: --skip"}
