@@ -6,6 +6,8 @@ the runner's native load raise at its start (`native_load:MODEL` fails only that
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from daemon import MODEL, Daemon
@@ -79,5 +81,72 @@ def test_explicit_native_reports_the_load_error_and_the_daemon_serves_on(tmp_pat
         assert r.status_code == 200 and r.json()["response"], r.text
         (m,) = d.ps()
         assert m["name"] == OTHER and m["backend"] == "native" and m["fallbacks"] == [], m
+    finally:
+        d.stop()
+
+
+# -- in process: the real app and manager, a loader whose native load fails (fast) --------------------
+class NativeFails:
+    """A FakeModel's loader that refuses the native engine with an error a real load gives."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls, self.reasons, self.fake_loader = model, [], [], model.loader
+
+    async def loader(self, spec, backend: str):
+        from localrun.errors import BackendError
+
+        self.calls.append(backend)
+        self.reasons.append(spec.extra.get("reason", ""))
+        if backend == "native":
+            raise BackendError(f"the native engine cannot load {spec.name}: unsupported GGUF tensor type Q2_K")
+        return await self.fake_loader(spec, backend)
+
+
+def _in_process(tmp_path, **env):
+    from fakes import FakeModel, InProcessDaemon, library_home
+
+    fails = NativeFails(FakeModel())
+    home = library_home(tmp_path / "home")
+    model = fails.model
+    model.loader = fails.loader  # the app is handed the failing loader
+    return InProcessDaemon(home, model, **env), fails
+
+
+def test_auto_fallback_in_process_is_remembered_per_model(tmp_path):
+    import httpx
+
+    d, fails = _in_process(tmp_path, LOCALRUN_BACKEND="auto", LOCALRUN_NATIVE_ON_CPU="1")
+    try:
+        with httpx.Client(base_url=d.url, timeout=60) as http:
+            r = http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False})
+            assert r.status_code == 200 and r.json()["response"], r.text
+            assert fails.calls == ["native", "llamacpp"]
+            (m,) = http.get("/api/ps").json()["models"]
+            assert m["fallbacks"] == ["native engine failed to load: the native engine cannot load smollm2:135m: "
+                                      "unsupported GGUF tensor type Q2_K; running on llama.cpp"], m
+            assert fails.reasons[1].startswith("llama.cpp: native engine failed to load"), fails.reasons  # the load's reason
+            assert http.post("/api/generate", json={"model": MODEL, "keep_alive": 0}).status_code == 200
+            deadline = time.monotonic() + 10
+            while http.get("/api/ps").json()["models"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            r = http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False})
+            assert r.status_code == 200
+            assert fails.calls == ["native", "llamacpp", "llamacpp"]  # the failure is remembered for this model
+            assert http.get("/api/ps").json()["models"][0]["fallbacks"] == m["fallbacks"]
+    finally:
+        d.stop()
+
+
+def test_explicit_native_in_process_is_an_error(tmp_path):
+    import httpx
+
+    d, fails = _in_process(tmp_path, LOCALRUN_BACKEND="native")
+    try:
+        with httpx.Client(base_url=d.url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 500, r.text
+            assert "unsupported GGUF tensor type Q2_K" in r.json()["error"]["message"]
+            assert fails.calls == ["native"] and http.get("/api/ps").json()["models"] == []
     finally:
         d.stop()
