@@ -283,6 +283,7 @@ class Settings:
             "LOCALRUN_API_KEY": "(set)" if self.api_key else "(none)",
             "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": "1" if self.allow_unauthenticated_bind else "0",
             "LOCALRUN_BACKEND": self.backend,
+            "LOCALRUN_NATIVE_ON_CPU": "1" if self.native_on_cpu else "0",
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
@@ -302,7 +303,6 @@ class Settings:
             "LOCALRUN_LOG_LEVEL": self.log_level,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
             "LOCALRUN_FAULTS": self.faults or "(none)",
-            "LOCALRUN_NATIVE_ON_CPU": "1" if self.native_on_cpu else "0",
         }
         return [(k, values[k]) for k in ENV_VARS]
 
