@@ -182,3 +182,39 @@ def test_cpu_bench_moved_out_of_the_engine(capsys):
     assert "localrun.bench" not in engine_src  # the engine never imports the benchmarks
     assert main(["cpu", "--gguf", "/nonexistent.gguf", "--skip-hf", "--skip-prefix"]) == 1
     assert "nonexistent" in capsys.readouterr().err
+
+
+def test_gpu_check_records_an_item_whose_process_dies_and_goes_on(tmp_path, gpu_box_env):
+    """A crash (here a SIGKILL of the item's process, as a segfault or the OOM killer would end it)
+    costs that item only: recorded with its output's last lines, the next item runs in a new process."""
+    import psutil
+
+    out = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "localrun.bench", "gpu-check", "--tiny", "--out", str(out),
+                             "--skip", "kernel_parity,greedy_parity,graph_capture,throughput,ttft_512,itl"],
+                            cwd=ROOT, env=gpu_box_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        child = None
+        while child is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "the prefix item's process never started"
+            for p in psutil.Process(proc.pid).children():
+                try:
+                    if "--child" in p.cmdline() and '"items": ["prefix", "coldstart"]' in " ".join(p.cmdline()):
+                        child = p
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+        time.sleep(1.0)  # importing torch, or building its engine
+        child.kill()
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stdout[-3000:]
+    res = json.loads((out / "gpu-check-cpu-tiny.json").read_text())
+    pre, cold = res["items"]["prefix"], res["items"]["coldstart"]
+    assert pre["status"] == "error" and pre["error"] == "its process exited with code -9 before reporting", pre
+    assert "error_tail" in pre and pre["seconds"] >= 1.0
+    assert cold["status"] == "pass" and [r["triton_cache"] for r in cold["runs"]] == ["cold", "warm"], cold

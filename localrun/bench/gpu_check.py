@@ -760,7 +760,8 @@ def _run_group(items: list[str], spec: dict[str, Any], budgets: dict[str, float]
         timed_out = False
         while True:
             done = proc.poll() is not None
-            lines = progress.read_text(encoding="utf-8").splitlines() if progress.exists() else []
+            # whole lines only: the child may be writing the next one
+            lines = progress.read_text(encoding="utf-8").split("\n")[:-1] if progress.exists() else []
             for line in lines[seen:]:
                 ev = json.loads(line)
                 results[ev["item"]] = ev["result"]
