@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -716,12 +717,44 @@ def _child_main(spec_json: str, progress: str) -> int:
 
 
 # -- the run (parent) --------------------------------------------------------------------------
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def _watch(proc: subprocess.Popen, progress: Path, pending: list[str], results: dict[str, dict],
+           budgets: dict[str, float], deadline: float, started: float, budget: float,
+           on_result: Callable[[str], None], console) -> tuple[bool, float, float]:
+    """Follow a child's results until it exits, has reported every item, or overruns the current
+    item's budget: (timed out, that budget, when that item started)."""
+    seen = 0
+    while True:
+        done = proc.poll() is not None
+        # whole lines only: the child may be writing the next one
+        lines = progress.read_text(encoding="utf-8").split("\n")[:-1] if progress.exists() else []
+        for line in lines[seen:]:
+            ev = json.loads(line)
+            results[ev["item"]] = ev["result"]
+            pending.remove(ev["item"])
+            on_result(ev["item"])
+            started = time.monotonic()
+            if pending:
+                budget = min(budgets[pending[0]], deadline - started)
+                if console is not None:
+                    console.print(f"[bold]gpu-check: {pending[0]}[/bold] (budget {budget:.0f} s)")
+        seen = len(lines)
+        if done or not pending:
+            return False, budget, started
+        if time.monotonic() - started > budget:
+            return True, budget, started
+        time.sleep(0.2)
 
 
 def _run_group(items: list[str], spec: dict[str, Any], budgets: dict[str, float], deadline: float,
@@ -751,34 +784,18 @@ def _run_group(items: list[str], spec: dict[str, Any], budgets: dict[str, float]
             proc = subprocess.Popen([sys.executable, "-m", "localrun.bench.gpu_check", "--child",
                                      json.dumps({**spec, "items": pending}), str(progress)],
                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        started, seen = time.monotonic(), 0
+        started = time.monotonic()
         # a fresh process builds its engine first: an engine item after a stopped one gets that time too
         build = budgets.get("graph_capture", 0) if pending[0] in ENGINE_ITEMS else 0
         budget = min(budgets[pending[0]] + build, deadline - started)
         if console is not None:
             console.print(f"[bold]gpu-check: {pending[0]}[/bold] (budget {budget:.0f} s)")
-        timed_out = False
-        while True:
-            done = proc.poll() is not None
-            # whole lines only: the child may be writing the next one
-            lines = progress.read_text(encoding="utf-8").split("\n")[:-1] if progress.exists() else []
-            for line in lines[seen:]:
-                ev = json.loads(line)
-                results[ev["item"]] = ev["result"]
-                pending.remove(ev["item"])
-                on_result(ev["item"])
-                started = time.monotonic()
-                if pending:
-                    budget = min(budgets[pending[0]], deadline - started)
-                    if console is not None:
-                        console.print(f"[bold]gpu-check: {pending[0]}[/bold] (budget {budget:.0f} s)")
-            seen = len(lines)
-            if done or not pending:
-                break
-            if time.monotonic() - started > budget:
-                timed_out = True
-                break
-            time.sleep(0.2)
+        try:
+            timed_out, budget, started = _watch(proc, progress, pending, results, budgets, deadline, started, budget,
+                                                on_result, console)
+        except BaseException:  # Ctrl+C, SIGTERM: the item's process (in a session of its own) goes too
+            _kill_group(proc)
+            raise
         if proc.poll() is None:
             if pending and not timed_out:
                 proc.wait(10)
@@ -858,14 +875,21 @@ def run(a: argparse.Namespace, console=None) -> int:
             "total_budget": total}
     t_start = time.monotonic()
     deadline = t_start + total
-    with tempfile.TemporaryDirectory(prefix="localrun-gpu-check-") as work:
-        for group in GROUPS:
-            todo = [g for g in group if g not in skip]
-            for g in group:
-                if g in skip:
-                    results["items"][g] = {"status": "skipped", "reason": "skipped: --skip"}
-            if todo:
-                _run_group(todo, spec, budgets, deadline, results["items"], Path(work), save, console)
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: the item's process is ended too
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        with tempfile.TemporaryDirectory(prefix="localrun-gpu-check-") as work:
+            for group in GROUPS:
+                todo = [g for g in group if g not in skip]
+                for g in group:
+                    if g in skip:
+                        results["items"][g] = {"status": "skipped", "reason": "skipped: --skip"}
+                if todo:
+                    _run_group(todo, spec, budgets, deadline, results["items"], Path(work), save, console)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     results["items"] = {k: results["items"][k] for k in ITEMS if k in results["items"]}
     results["total_seconds"] = time.monotonic() - t_start
     results["env"] = environment()
