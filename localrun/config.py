@@ -32,6 +32,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_API_KEY": ("(none)", "when set, every API route requires 'Authorization: Bearer <key>'"),
     "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": ("0", "1 = listen on a non-loopback address (e.g. 0.0.0.0 in a container) without LOCALRUN_API_KEY; only requests addressed to localhost are answered then (publish the port on 127.0.0.1 only). 0 = such a bind is refused"),
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
+    "LOCALRUN_NATIVE_ON_CPU": ("0", "1 = with LOCALRUN_BACKEND=auto and no CUDA GPU, run GGUF models of the architectures the native engine supports on the native engine (torch on the CPU) instead of llama.cpp (vision models stay on llama.cpp); a model the native engine fails to load falls back to llama.cpp, the reason shown in ps"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
@@ -49,7 +50,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
-    "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load); never set it in normal use"),
+    "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load[:MODEL]); never set it in normal use"),
     "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 
@@ -242,6 +243,7 @@ class Settings:
     image_max_pixels: int = 1 << 24  # width x height per image
     generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
     faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
+    native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
 
     @property
     def models_dir(self) -> Path:
@@ -281,6 +283,7 @@ class Settings:
             "LOCALRUN_API_KEY": "(set)" if self.api_key else "(none)",
             "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": "1" if self.allow_unauthenticated_bind else "0",
             "LOCALRUN_BACKEND": self.backend,
+            "LOCALRUN_NATIVE_ON_CPU": "1" if self.native_on_cpu else "0",
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
@@ -487,6 +490,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
         generic_tools=generic_tools,
         faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
+        native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
     )
 
 

@@ -350,6 +350,10 @@ def _fault_paths(device: str) -> dict:
 
 
 def load(spec: LoadSpec) -> NativeBackend:
+    from localrun.engine import faults
+
+    if any(arg is None or arg == spec.name for arg in faults.active("native_load")):
+        raise faults.InjectedFault(f"{faults.ENV}=native_load: the native engine's load of {spec.name} fails")
     device, dtype = _device_dtype(spec)
     try:
         cfg = EngineConfig(

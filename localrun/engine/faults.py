@@ -10,7 +10,7 @@ the process that runs the step (the daemon passes its environment to runner proc
     graph_capture[:BS]  CUDA graph capture fails (for batch size BS only, or for all)
     kv_alloc[:N]        the first N KV pool allocations are refused as out of memory (default 1)
     step_oom[:N]        the first N forward steps raise out of memory (default 1)
-    native_load         the native engine fails to load any model
+    native_load[:MODEL] the native engine fails to load any model (or only the model named MODEL)
 
 Standard library only (the parsing lives in localrun/config.py): the engine and the benchmarks import it without the server's dependencies.
 """
