@@ -8,6 +8,7 @@
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
     localrun bench llama-server [--build DIR | --llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
+    localrun bench build-llama-server (prints llama-server's path; builds it once, see bench/llama_server_build.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--out results/] [--tiny]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
@@ -247,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import overhead  # stdlib-only at import
 
     overhead.add_parser(sub)
+    sub.add_parser("build-llama-server", help="print llama.cpp's llama-server binary's path: LOCALRUN_LLAMA_SERVER, "
+                   "else a cached build, else built once from the llama.cpp that llama-cpp-python vendors")
     return p
 
 
@@ -537,6 +540,12 @@ def _cmd_overhead(a: argparse.Namespace) -> int:
     return overhead.run(a)
 
 
+def _cmd_build_llama_server(a: argparse.Namespace) -> int:
+    from localrun.bench import llama_server_build
+
+    return llama_server_build.main()
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -546,7 +555,8 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead}
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead,
+            "build-llama-server": _cmd_build_llama_server}
 
 
 def main(argv: list[str] | None = None) -> int:
