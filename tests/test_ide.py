@@ -54,6 +54,18 @@ def daemon(tmp_path_factory, fim_gguf):
         d.stop()
 
 
+@pytest.fixture(scope="module")
+def llama_srv(llama_server_bin, fim_gguf):
+    """llama.cpp's own llama-server on the same GGUF, one slot of the daemon's context, the same threads."""
+    from llama_server import running_llama_server
+
+    from localrun.backends.llamacpp import physical_cores
+
+    with running_llama_server(llama_server_bin, fim_gguf, N_CTX, physical_cores()) as url:
+        with httpx.Client(base_url=url, timeout=120) as h:
+            yield h
+
+
 def _version_at_least(v: str, minimum: str) -> bool:
     """Copilot Chat's comparison (numeric, part by part)."""
     a, b = [int(x) for x in v.split(".")], [int(x) for x in minimum.split(".")]
@@ -129,6 +141,56 @@ def test_every_route_agrees_with_llama_cpp_streamed_and_not(daemon, ref):
     r = h.post("/v1/completions", json={"model": FIM, "prompt": CASES[0][0], "suffix": CASES[1][1], "max_tokens": N,
                                         "temperature": 0})
     assert r.json()["choices"][0]["text"] == other
+
+
+# other files' chunks: a few small ones, and more than the context leaves them (llama-server keeps their tail)
+BIG_EXTRA = "".join(f"def helper_{i}(x):\n    return x * {i} + {i * 7}\n\n" for i in range(150))
+EXTRAS = [[], [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}, {"text": "import os\n"}],
+          [{"filename": "helpers.py", "text": BIG_EXTRA}]]
+
+
+def test_every_route_equals_llama_servers_infill(daemon, llama_srv):
+    """The test of truth: greedy output of /api/generate (suffix), /v1/completions (suffix) and /infill, streamed
+    and not, equals what llama.cpp's own llama-server answers on /infill for the same GGUF; the prompt's length
+    equals llama-server's; and the answer changes with the suffix."""
+    h = daemon.http
+    seen: dict[tuple, str] = {}
+    cases = [(p, s, []) for p, _ in CASES for _, s in CASES] + [(CASES[0][0], CASES[0][1], e) for e in EXTRAS[1:]]
+    for prefix, suffix, extra in cases:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, "n_predict": N,
+                "temperature": 0, "cache_prompt": True}
+        r = llama_srv.post("/infill", json=body)
+        assert r.status_code == 200, r.text
+        truth = r.json()
+        want, n_prompt = truth["content"], truth["tokens_evaluated"]
+        seen[(prefix, suffix, len(extra))] = want
+        with llama_srv.stream("POST", "/infill", json={**body, "stream": True}) as s:
+            want_streamed = "".join(e["content"] for e in _sse(s))
+        # /infill
+        r = h.post("/infill", json={"model": FIM, **body})
+        assert r.status_code == 200, r.text
+        assert (r.json()["content"], r.json()["tokens_evaluated"]) == (want, n_prompt), (prefix, suffix, len(extra))
+        with h.stream("POST", "/infill", json={"model": FIM, **body, "stream": True}) as s:
+            assert "".join(e["content"] for e in _sse(s)) == want_streamed
+        if extra:
+            continue  # Ollama's and OpenAI's requests carry no other files
+        # Ollama /api/generate with suffix
+        gen = {"model": FIM, "prompt": prefix, "suffix": suffix, "options": {"temperature": 0, "num_predict": N}}
+        r = h.post("/api/generate", json={**gen, "stream": False})
+        assert r.status_code == 200, r.text
+        assert (r.json()["response"], r.json()["prompt_eval_count"]) == (want, n_prompt)
+        with h.stream("POST", "/api/generate", json=gen) as s:
+            assert "".join(x["response"] for x in _ndjson(s)) == want
+        # OpenAI /v1/completions with suffix
+        comp = {"model": FIM, "prompt": prefix, "suffix": suffix, "max_tokens": N, "temperature": 0}
+        r = h.post("/v1/completions", json=comp)
+        assert r.status_code == 200, r.text
+        assert (r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens"]) == (want, n_prompt)
+        with h.stream("POST", "/v1/completions", json={**comp, "stream": True}) as s:
+            assert "".join(c["choices"][0]["text"] for c in _sse(s) if c["choices"]) == want
+    # the suffix reaches the model on both servers: the same prefix, another suffix, another answer
+    assert seen[(CASES[0][0], CASES[0][1], 0)] != seen[(CASES[0][0], CASES[1][1], 0)]
+    assert seen[(CASES[1][0], CASES[0][1], 0)] != seen[(CASES[1][0], CASES[1][1], 0)]
 
 
 def test_infill_extra_chunks_prompt_and_response_fields(daemon, ref):

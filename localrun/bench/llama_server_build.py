@@ -6,8 +6,8 @@ and the tests that check agreement with it need the binary. :func:`ensure_llama_
 1. ``LOCALRUN_LLAMA_SERVER`` (a path to a llama-server binary) when it is set;
 2. else a build cached under the user cache directory (``~/.cache/localrun/llama-server/<version>-<machine>``),
    keyed by the installed llama-cpp-python version, reused when present;
-3. else it builds one there: the pinned sdist (``pip download --no-deps --no-binary :all:
-   llama-cpp-python==<installed version>``, from PyPI or pip's cache), unpacked, then cmake configure and
+3. else it builds one there: the pinned sdist (``pip download --no-deps --no-binary llama-cpp-python
+   llama-cpp-python==<installed version>``, from PyPI or pip's cache; its build tools may come as wheels), unpacked, then cmake configure and
    ``cmake --build --target llama-server -j<cores>`` (a few minutes on a fast machine; tens on 2 cores).
 
 A file lock keeps two processes from building at once (the second waits, then reuses the first's build).
@@ -162,7 +162,7 @@ def _sdist(version: str, where: Path, progress: Callable[[str], None]) -> Path:
     if not tarballs:
         progress(f"downloading the llama-cpp-python {version} source (pip download; ~75 MB) ...")
         dl.mkdir(parents=True, exist_ok=True)
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(dl),
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(dl),
               f"llama-cpp-python=={version}"], where / "download.log", DOWNLOAD_TIMEOUT, progress)
         tarballs = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
         if not tarballs:
