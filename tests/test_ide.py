@@ -370,3 +370,38 @@ def test_localrun_version_names_localrun_versions(daemon):
     r = subprocess.run([sys.executable, "-m", "localrun", "--version"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and f"localrun version {localrun.__version__}" in r.stdout
+
+
+def test_bench_typing_against_llama_server(llama_server_bin, fim_gguf, tmp_path):
+    """`localrun bench typing --llama-server`, briefly: both servers started on the tiny FIM model, rounds of the
+    same keystrokes interleaved; both servers' rows, their latencies and the ratio of p95 totals are printed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}, "COLUMNS": "240",
+           "LOCALRUN_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "localrun", "bench", "typing", "--llama-server", str(llama_server_bin),
+                        "--gguf", str(fim_gguf), "--file-tokens", "300", "--edits", "4", "--rate", "10",
+                        "--max-tokens", "4", "--rounds", "2", "--ctx", "2048", "--no-save", "--json"],
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert [(x["round"], x["server"]) for x in res["runs"]] == [(0, "localrun"), (0, "llama-server"),
+                                                                 (1, "llama-server"), (1, "localrun")]
+    s = res["summary"]
+    for name in ("localrun", "llama-server"):
+        assert s[name]["edits"] == 8 and s[name]["finished"] >= 2  # each round's last keystroke is awaited
+        assert 0 < s[name]["ttft_ms_p50"] <= s[name]["last_token_ms_p95"]
+        assert s[name]["prompt_tokens_mean"] > 200
+    ratio = s["ratio_p95_total"]
+    assert ratio == round(s["localrun"]["last_token_ms_p95"] / s["llama-server"]["last_token_ms_p95"], 3)
+    for row in ("│ localrun ", "│ llama-server ", f"localrun / llama-server: {ratio}", "machine: "):
+        assert row in r.stderr, r.stderr[-3000:]
+    # without a GGUF, or with a missing one: a clear message, exit 1, nothing started
+    for extra, message in (([], "--llama-server needs --gguf FILE"), (["--gguf", str(tmp_path / "no.gguf")],
+                                                                      "no such file")):
+        r = subprocess.run([sys.executable, "-m", "localrun", "bench", "typing", "--llama-server",
+                            str(llama_server_bin), *extra, "--no-save"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -14,6 +14,7 @@
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
+    localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
@@ -524,6 +525,9 @@ def _cmd_typing(a: argparse.Namespace) -> int:
     from localrun.bench.results import print_table
 
     res = typing_edits.run(a)
+    if res["bench"] == "typing-vs-llama-server":
+        return _finish(res, a, lambda con: _typing_vs_rows(res, con))
+    res.pop("samples", None)
 
     def rows(con) -> None:
         print_table(f"typing: {res['route']} at {res['url']}, {res['edits']} keystrokes at {res['rate']:g}/s, "
@@ -534,6 +538,27 @@ def _cmd_typing(a: argparse.Namespace) -> int:
                       res["last_token_ms_p95"], res["prompt_tokens_mean"], res["cached_tokens_mean"]]], con)
 
     return _finish(res, a, rows)
+def _typing_vs_rows(res: dict[str, Any], con) -> None:
+    from pathlib import Path
+
+    from localrun.bench.results import environment, print_table
+
+    m = environment()["machine"]
+    s = res["summary"]
+    print_table(f"typing: localrun ({res['route']}) vs llama-server (/infill) on {Path(res['gguf']).name}, "
+                f"{res['rounds']} rounds x {res['edits']} keystrokes at {res['rate']:g}/s, {res['max_tokens']} tokens "
+                f"each, {res['threads']} threads, {res['parallel']} slots",
+                ["server", "finished", "given up", "TTFT p50 ms", "TTFT p95 ms", "last token p50 ms",
+                 "last token p95 ms", "prompt tokens", "cached tokens"],
+                [[name, s[name]["finished"], s[name]["given_up"], s[name]["ttft_ms_p50"], s[name]["ttft_ms_p95"],
+                  s[name]["last_token_ms_p50"], s[name]["last_token_ms_p95"], s[name]["prompt_tokens_mean"],
+                  s[name]["cached_tokens_mean"]] for name in ("localrun", "llama-server")], con)
+    ratio = s["ratio_p95_total"]
+    con.print(f"p95 last-token latency, localrun / llama-server: {ratio if ratio is not None else 'n/a'} "
+              "(goal <= 1.0)")
+    con.print(f"machine: {m['cpu']}, {m['cores']} CPUs ({m['physical_cores']} physical), load {m['load_avg_1m']}")
+
+
 def _cmd_overhead(a: argparse.Namespace) -> int:
     from localrun.bench import overhead
 
