@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the cached build of the vendored llama.cpp); both started here on --gguf")
     p.add_argument("--gguf", help="with --llama-server: the GGUF both servers run (a model with FIM tokens)")
     p.add_argument("--rounds", type=int, default=2, help="with --llama-server: rounds per server")
-    p.add_argument("--threads", dest="typing_threads", type=int,
+    p.add_argument("--threads", dest="typing_threads", type=int, metavar="N",
                    help="with --llama-server: threads for both (default: the physical cores)")
     p.add_argument("--parallel", type=int, default=2, help="with --llama-server: sequences (slots) of both servers")
     p.add_argument("--ctx", type=int, default=4096, help="with --llama-server: context per sequence")
