@@ -454,7 +454,8 @@ class LlamaCppBackend:
                         held = item
                         req.delivered.set()
                         continue
-                    item.cut_chars = len(loose.decode("utf-8", "replace"))
+                    cut = loose.decode("utf-8", "replace")
+                    item.cut_chars = len(cut) if item.text.endswith(cut) else 0  # (not when a stop string cut it)
                 yield item
                 req.delivered.set()
                 if item.finish_reason is not None:
