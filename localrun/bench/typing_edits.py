@@ -137,16 +137,23 @@ async def run_typing(url: str, route: str, model: str | None, file_tokens: int, 
         rec: dict[str, Any] = {"i": i, "sent": time.perf_counter(), "first": None, "last": None, "final": None}
         records.append(rec)
         path, body = _body(route, model, prefix, tail, max_tokens)
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{path} answered {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                text, final = _read(route, line)
-                if text and rec["first"] is None:
-                    rec["first"] = time.perf_counter()
-                if final is not None:
-                    rec["final"] = final
-            rec["last"] = time.perf_counter()
+        for attempt in (1, 2):
+            try:
+                async with client.stream("POST", path, json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{path} answered {r.status_code}: {(await r.aread())[:300]!r}")
+                    async for line in r.aiter_lines():
+                        text, final = _read(route, line)
+                        if text and rec["first"] is None:
+                            rec["first"] = time.perf_counter()
+                        if final is not None:
+                            rec["final"] = final
+                    rec["last"] = time.perf_counter()
+                return
+            except httpx.RemoteProtocolError:
+                # a kept-alive connection the server had just closed: sent again on a new one (the time counts)
+                if attempt == 2 or rec["first"] is not None:
+                    raise
 
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as client:
         # one request first: loads the model, so the edits measure typing, not loading
