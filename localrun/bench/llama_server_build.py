@@ -7,8 +7,9 @@ and the tests that check agreement with it need the binary. :func:`ensure_llama_
 2. else a build cached under the user cache directory (``~/.cache/localrun/llama-server/<version>-<machine>``),
    keyed by the installed llama-cpp-python version, reused when present;
 3. else it builds one there: the pinned sdist (``pip download --no-deps --no-binary llama-cpp-python
-   llama-cpp-python==<installed version>``, from PyPI or pip's cache; its build tools may come as wheels), unpacked, then cmake configure and
-   ``cmake --build --target llama-server -j<cores>`` (a few minutes on a fast machine; tens on 2 cores).
+   llama-cpp-python==<installed version>``, from PyPI or pip's cache; its build tools may come as wheels),
+   unpacked, then cmake configure and ``cmake --build --target llama-server -j<cores>`` (a few minutes on a
+   fast machine; about 13 CPU-minutes in all, tens of minutes on 2 busy cores).
 
 A file lock keeps two processes from building at once (the second waits, then reuses the first's build).
 Missing tools (cmake, a C and C++ compiler) are a :class:`MissingToolError` naming them.
