@@ -42,6 +42,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_SPECULATIVE": ("off", "speculative decoding: off | ngram (prompt lookup: drafts copied from the prompt and output, verified by the model; pays on summarise/quote/edit work) | draft:PATH (native engine: a small draft model with the same tokenizer, GGUF file or safetensors directory); greedy output is unchanged (Modelfile: PARAMETER speculative ngram)"),
     "LOCALRUN_SPECULATIVE_TOKENS": ("4", "tokens drafted per step when LOCALRUN_SPECULATIVE is on (Modelfile: PARAMETER num_speculative_tokens N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
+    "LOCALRUN_LLAMA_SERVER": ("(built)", "benchmarks and tests that compare with llama.cpp's own server: the llama-server binary to run; unset, it is built once from the llama.cpp that the installed llama-cpp-python vendors and cached under the user cache dir (`localrun bench build-llama-server`)"),
     "LOCALRUN_IMAGE_URLS": ("0", "1 = fetch http(s) image URLs named in requests (public addresses only: never loopback, private, link-local or reserved ones; bounded by LOCALRUN_IMAGE_MAX_BYTES and LOCALRUN_IMAGE_URL_TIMEOUT); 0 = only images sent inline (base64 / data URLs)"),
     "LOCALRUN_IMAGE_URL_TIMEOUT": ("10s", "how long fetching one image URL may take, redirects included (LOCALRUN_IMAGE_URLS=1)"),
     "LOCALRUN_IMAGE_MAX_BYTES": ("20MiB", "encoded image bytes one request may carry, all its images together (bytes, or a size like 20MiB)"),
@@ -228,6 +229,7 @@ class Settings:
     log_level: str
     kv_cache_type: str = "auto"
     llamacpp_extra_buffers: str = "auto"
+    llama_server: str | None = None  # llama.cpp's llama-server binary for comparisons (None: built and cached)
     host_cache: int | float | None = None  # bytes, a fraction of available RAM, or None (auto)
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
@@ -293,6 +295,7 @@ class Settings:
             "LOCALRUN_SPECULATIVE": self.speculative,
             "LOCALRUN_SPECULATIVE_TOKENS": str(self.speculative_tokens),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
+            "LOCALRUN_LLAMA_SERVER": self.llama_server or "(built)",
             "LOCALRUN_IMAGE_URLS": "1" if self.image_urls else "0",
             "LOCALRUN_IMAGE_URL_TIMEOUT": f"{self.image_url_timeout:g}s",
             "LOCALRUN_IMAGE_MAX_BYTES": str(self.image_max_bytes),
@@ -474,6 +477,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         log_level=log_level,
         kv_cache_type=parse_kv_cache_type(e.get("LOCALRUN_KV_CACHE_TYPE")),
         llamacpp_extra_buffers=extra_buffers,
+        llama_server=(e.get("LOCALRUN_LLAMA_SERVER") or "").strip() or None,
         host_cache=parse_host_cache(e.get("LOCALRUN_HOST_CACHE")),
         load_timeout=load_timeout,
         shutdown_grace=grace,

