@@ -7,7 +7,7 @@
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
-    localrun bench llama-server [--build DIR | --llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
+    localrun bench llama-server [--llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
     localrun bench build-llama-server (prints llama-server's path; builds it once, see bench/llama_server_build.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--quick | --tiny] [--out results/]
