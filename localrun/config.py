@@ -298,6 +298,7 @@ class Settings:
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
+            "LOCALRUN_FAULTS": os.environ.get("LOCALRUN_FAULTS") or "(none)",  # read by engine/faults.py
         }
         return [(k, values[k]) for k in ENV_VARS]
 
