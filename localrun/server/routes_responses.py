@@ -523,7 +523,7 @@ async def create_response(request: Request):
     messages = chat_messages(context, instructions, len(context) - len(items))
     job = Job(resolved, opts, messages=messages, tools=tools, think=think,
               num_ctx=p.get_int(body, "num_ctx", 16, 1 << 20) or num_ctx, keep_alive=st.keep_alive(body),
-              api="openai.responses", images=take_images(messages))
+              api="openai.responses", images=take_images(messages), cache_key=p.cache_key(body))
     response = {
         "id": new_response_id(), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
@@ -531,7 +531,7 @@ async def create_response(request: Request):
         "model": resolved.name, "output": [], "parallel_tool_calls": parallel, "previous_response_id": previous,
         "reasoning": reasoning, "store": keep, "temperature": opts.temperature, "text": text,
         "tool_choice": choice_echo, "tools": tools_echo, "top_p": opts.top_p, "truncation": "disabled",
-        "usage": None, "user": p.get_str(body, "user"), "metadata": metadata,
+        "usage": None, "user": p.get_str(body, "user"), "metadata": metadata, "prompt_cache_key": job.cache_key,
     }
     if request_tools.notes:
         response["notes"] = request_tools.notes  # what was left out, rather than a 400

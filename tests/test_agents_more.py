@@ -1,0 +1,70 @@
+"""What coding agents need beyond a chat client, against the real daemon (llama.cpp, the bundled
+SmolLM2) through the SDKs they use: `prompt_cache_key` as a prefix-cache hint (Chat Completions
+and Responses).
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from daemon import MODEL, Daemon
+
+pytestmark = pytest.mark.timeout(900)
+
+# three long prompts, each its own beyond the template's system prompt
+TEXTS = {name: f"Project {name}: " + " ".join(f"{name}{i} is the {i}th part of the {name} plan." for i in range(24))
+         + " Summarize it." for name in ("alpha", "bravo", "delta")}
+
+
+@pytest.fixture(scope="module")
+def two_slots(tmp_path_factory):
+    """A daemon whose llama.cpp runner decodes two sequences: two cached prefixes at a time."""
+    d = Daemon(tmp_path_factory.mktemp("agents_more"), LOCALRUN_CONTEXT_LENGTH="1024", LOCALRUN_NUM_PARALLEL="2")
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+def _chat(client: openai.OpenAI, text: str, key: str | None):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2,
+                                       temperature=0, **({"prompt_cache_key": key} if key else {}))
+    return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+def _responses(client: openai.OpenAI, text: str, key: str | None):
+    r = client.responses.create(model=MODEL, input=text, max_output_tokens=16, temperature=0, store=False,
+                                **({"prompt_cache_key": key} if key else {}))
+    assert getattr(r, "prompt_cache_key", None) == key or (r.model_extra or {}).get("prompt_cache_key") == key
+    return r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("call", [_chat, _responses], ids=["chat", "responses"])
+def test_prompt_cache_key_keeps_its_prefix(two_slots, call):
+    """Two slots: a keyed conversation's prompt, then two other prompts. Without a key, the second
+    other prompt evicts it (least recently used); with one, the other prompts take the keyless
+    slot, and the keyed prompt's next request reads it from the cache."""
+    client = openai.OpenAI(base_url=two_slots.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    results = {}
+    for key in (None, f"conversation-{call.__name__}"):
+        tag = f"[{call.__name__} {key}] "  # each round's prompts share nothing with earlier rounds' past the tag
+        call(client, tag + TEXTS["delta"], None)  # some earlier traffic
+        n, _ = call(client, tag + TEXTS["alpha"], key)
+        call(client, tag + TEXTS["bravo"], None)  # other traffic, no key
+        n2, cached = call(client, tag + TEXTS["alpha"], key)  # the keyed conversation's next turn
+        assert n2 == n
+        results[key is not None] = cached
+    keyless, keyed = results[False], results[True]
+    assert keyed >= n - 8, results  # all but the last few tokens (llama.cpp recomputes a couple)
+    assert keyless < n // 2, results  # without the hint, the other traffic evicted it
+
+
+def test_prompt_cache_key_must_be_a_short_string(two_slots):
+    client = openai.OpenAI(base_url=two_slots.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for bad in (7, "k" * 2000):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           extra_body={"prompt_cache_key": bad})
+        assert "prompt_cache_key" in str(e.value), e.value
