@@ -68,3 +68,40 @@ def test_prompt_cache_key_must_be_a_short_string(two_slots):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                            extra_body={"prompt_cache_key": bad})
         assert "prompt_cache_key" in str(e.value), e.value
+
+
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Use the apply_patch tool to edit files.",
+               "format": {"type": "grammar", "syntax": "lark", "definition":
+                          'start: begin_patch hunk+ end_patch\nbegin_patch: "*** Begin Patch" LF\n'
+                          'end_patch: "*** End Patch" LF?\nhunk: "*** Add File: " filename LF add_line+\n'
+                          'add_line: "+" /(.*)/ LF -> line\nfilename: /(.+)/\n%import common.LF'}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_custom_tool_on_the_real_model(two_slots, stream):
+    """Codex's apply_patch (a custom tool with a Lark grammar) through the openai SDK on SmolLM2, whose
+    template renders no tools: a forced call comes back as a custom_tool_call with the raw input the
+    model wrote (a string, streamed as custom_tool_call_input events); its output goes back in."""
+    client = openai.OpenAI(base_url=two_slots.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    kw = dict(model=MODEL, input="Create hello.txt containing hello.", tools=[APPLY_PATCH], store=False,
+              tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=48, temperature=0)
+    if stream:
+        with client.responses.stream(**kw) as s:
+            events = list(s)
+            r = s.get_final_response()
+        deltas = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+        done = [e.input for e in events if e.type == "response.custom_tool_call_input.done"]
+        assert done == [deltas] == [r.output[0].input], events[-3:]
+    else:
+        r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["custom_tool_call"], r.output
+    call = r.output[0]
+    assert call.name == "apply_patch" and isinstance(call.input, str) and call.call_id
+    r2 = client.responses.create(model=MODEL, tools=[APPLY_PATCH], store=False, max_output_tokens=16, temperature=0,
+                                 input=[{"role": "user", "content": "Create hello.txt containing hello."},
+                                        {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch",
+                                         "input": call.input},
+                                        {"type": "custom_tool_call_output", "call_id": call.call_id,
+                                         "output": "Done: added hello.txt"}])
+    assert r2.status in ("completed", "incomplete") and r2.output
+    assert all(o.type in ("message", "custom_tool_call") for o in r2.output), r2.output
