@@ -308,7 +308,7 @@ def test_launch_without_the_agent_is_a_clear_error(real, tmp_path):
 @pytest.mark.slow
 def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
     """`localrun launch claude --model smol-greedy (SmolLM2, greedy) -- -p ...`: the agent model is made with the
-    model's trained context (8,192) and Claude Code answers through it."""
+    model's trained context (8,192, which the free memory holds) and Claude Code answers through it."""
     import sys
 
     bins = _agents()
@@ -324,7 +324,7 @@ def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
                        stdin=subprocess.DEVNULL)
     print(f"localrun launch claude: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r} {r.stderr[-2000:]!r}")
     assert r.returncode == 0, (r.stdout, r.stderr, real.log.read_text()[-3000:])
-    assert f"{greedy}:latest-agent (context 8192 tokens)" in r.stdout
+    assert f"{greedy}:latest-agent (context 8192 tokens: the model's trained context" in r.stdout
     shown = real.http.post("/api/show", json={"model": f"{greedy}:latest-agent"}).json()
     assert "num_ctx" in shown["parameters"] and "8192" in shown["parameters"]
     assert "temperature" in shown["parameters"]  # the agent model keeps its base model's parameters

@@ -105,3 +105,52 @@ def test_custom_tool_on_the_real_model(two_slots, stream):
                                          "output": "Done: added hello.txt"}])
     assert r2.status in ("completed", "incomplete") and r2.output
     assert all(o.type in ("message", "custom_tool_call") for o in r2.output), r2.output
+
+
+def test_launch_context_is_what_memory_holds(tmp_path, monkeypatch):
+    """`launch`'s context: the trained context when the free memory holds it; less free memory, the
+    largest multiple of 1,024 whose load the manager's own memory plan accepts."""
+    import asyncio
+    import dataclasses
+
+    from fakes import library_home
+
+    from localrun.backends import llamacpp
+    from localrun.backends.base import LoadSpec
+    from localrun.config import settings as read_settings
+    from localrun.library import Library
+    from localrun.server import manager as m
+    from localrun.server.memory import plan_load
+
+    home = library_home(tmp_path)
+    settings = read_settings({"LOCALRUN_HOME": str(home), "LOCALRUN_NUM_PARALLEL": "1"})
+    resolved = Library(home / "models").resolve(MODEL)
+    mgr = m.ModelManager(settings, Library(home / "models"))
+    n, why = asyncio.run(mgr.fitting_context(resolved, 8192))
+    assert n == 8192 and "trained" in why
+
+    spec = LoadSpec(name=MODEL, weights=resolved.weights, format=resolved.format, num_ctx=8192,
+                             num_parallel=1, extra={"gguf_info": resolved.info})
+    layers = resolved.info.block_count
+
+    def fits(ctx: int, ram: int) -> bool:
+        try:
+            plan_load(llamacpp.estimate_memory(dataclasses.replace(spec, num_ctx=ctx)), layers, ram_free=ram)
+            return True
+        except m.InsufficientMemory:
+            return False
+
+    ram = llamacpp.estimate_memory(dataclasses.replace(spec, num_ctx=4096)).total_bytes  # about what 4,096 tokens need
+    monkeypatch.setattr(m, "free_ram", lambda: ram)
+    n, why = asyncio.run(mgr.fitting_context(resolved, 8192))
+    assert 1024 <= n < 8192 and n % 1024 == 0 and "free memory" in why, (n, why)
+    assert fits(n, ram) and not fits(n + 1024, ram)
+
+
+
+def test_show_fit_context_over_http(two_slots):
+    """What `localrun launch` asks the daemon: the context the model was trained for, the free memory
+    permitting (on this machine it does, for SmolLM2)."""
+    fit = two_slots.http.post("/api/show", json={"model": MODEL, "fit_context": True}).json()["fit_context"]
+    assert fit["num_ctx"] == fit["trained"] == 8192 and fit["reason"], fit
+    assert "fit_context" not in two_slots.http.post("/api/show", json={"model": MODEL}).json()
