@@ -154,3 +154,13 @@ def test_show_fit_context_over_http(two_slots):
     fit = two_slots.http.post("/api/show", json={"model": MODEL, "fit_context": True}).json()["fit_context"]
     assert fit["num_ctx"] == fit["trained"] == 8192 and fit["reason"], fit
     assert "fit_context" not in two_slots.http.post("/api/show", json={"model": MODEL}).json()
+
+
+def test_cache_key_crosses_to_the_runner():
+    """The hint reaches the runner process (the wire between daemon and runner keeps it)."""
+    from localrun.backends.base import GenerationRequest
+    from localrun.backends.wire import request_from_wire, request_to_wire
+
+    r = request_from_wire(request_to_wire(GenerationRequest(prompt="p", request_id="r", cache_key="conv-1")))
+    assert r.cache_key == "conv-1"
+    assert request_from_wire(request_to_wire(GenerationRequest(prompt="p", request_id="r"))).cache_key is None
