@@ -32,6 +32,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_API_KEY": ("(none)", "when set, every API route requires 'Authorization: Bearer <key>'"),
     "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": ("0", "1 = listen on a non-loopback address (e.g. 0.0.0.0 in a container) without LOCALRUN_API_KEY; only requests addressed to localhost are answered then (publish the port on 127.0.0.1 only). 0 = such a bind is refused"),
     "LOCALRUN_BACKEND": ("auto", "auto | llamacpp | native: which backend runs models"),
+    "LOCALRUN_NATIVE_ON_CPU": ("0", "1 = with LOCALRUN_BACKEND=auto and no CUDA GPU, run GGUF models of the architectures the native engine supports on the native engine (torch on the CPU) instead of llama.cpp (vision models stay on llama.cpp); a model the native engine fails to load falls back to llama.cpp, the reason shown in ps"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
@@ -41,6 +42,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_SPECULATIVE": ("off", "speculative decoding: off | ngram (prompt lookup: drafts copied from the prompt and output, verified by the model; pays on summarise/quote/edit work) | draft:PATH (native engine: a small draft model with the same tokenizer, GGUF file or safetensors directory); greedy output is unchanged (Modelfile: PARAMETER speculative ngram)"),
     "LOCALRUN_SPECULATIVE_TOKENS": ("4", "tokens drafted per step when LOCALRUN_SPECULATIVE is on (Modelfile: PARAMETER num_speculative_tokens N)"),
     "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": ("auto", "auto | on | off: llama.cpp's extra buffer types (AMX, repacked weights); auto = off on CPUs with AMX, where they crash"),
+    "LOCALRUN_LLAMA_SERVER": ("(built)", "benchmarks and tests that compare with llama.cpp's own server: the llama-server binary to run; unset, it is built once from the llama.cpp that the installed llama-cpp-python vendors and cached under the user cache dir (`localrun bench build-llama-server`)"),
     "LOCALRUN_IMAGE_URLS": ("0", "1 = fetch http(s) image URLs named in requests (public addresses only: never loopback, private, link-local or reserved ones; bounded by LOCALRUN_IMAGE_MAX_BYTES and LOCALRUN_IMAGE_URL_TIMEOUT); 0 = only images sent inline (base64 / data URLs)"),
     "LOCALRUN_IMAGE_URL_TIMEOUT": ("10s", "how long fetching one image URL may take, redirects included (LOCALRUN_IMAGE_URLS=1)"),
     "LOCALRUN_IMAGE_MAX_BYTES": ("20MiB", "encoded image bytes one request may carry, all its images together (bytes, or a size like 20MiB)"),
@@ -49,7 +51,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
-    "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load); never set it in normal use"),
+    "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load[:MODEL]); never set it in normal use"),
     "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 
@@ -227,6 +229,7 @@ class Settings:
     log_level: str
     kv_cache_type: str = "auto"
     llamacpp_extra_buffers: str = "auto"
+    llama_server: str | None = None  # llama.cpp's llama-server binary for comparisons (None: built and cached)
     host_cache: int | float | None = None  # bytes, a fraction of available RAM, or None (auto)
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
@@ -241,6 +244,8 @@ class Settings:
     image_max_count: int = 16  # images per request
     image_max_pixels: int = 1 << 24  # width x height per image
     generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
+    faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
+    native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
 
     @property
     def models_dir(self) -> Path:
@@ -280,6 +285,7 @@ class Settings:
             "LOCALRUN_API_KEY": "(set)" if self.api_key else "(none)",
             "LOCALRUN_ALLOW_UNAUTHENTICATED_BIND": "1" if self.allow_unauthenticated_bind else "0",
             "LOCALRUN_BACKEND": self.backend,
+            "LOCALRUN_NATIVE_ON_CPU": "1" if self.native_on_cpu else "0",
             "LOCALRUN_CONTEXT_LENGTH": str(self.context_length),
             "LOCALRUN_GPU_MEMORY_FRACTION": f"{self.gpu_memory_fraction:g}",
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
@@ -289,6 +295,7 @@ class Settings:
             "LOCALRUN_SPECULATIVE": self.speculative,
             "LOCALRUN_SPECULATIVE_TOKENS": str(self.speculative_tokens),
             "LOCALRUN_LLAMACPP_EXTRA_BUFFERS": self.llamacpp_extra_buffers,
+            "LOCALRUN_LLAMA_SERVER": self.llama_server or "(built)",
             "LOCALRUN_IMAGE_URLS": "1" if self.image_urls else "0",
             "LOCALRUN_IMAGE_URL_TIMEOUT": f"{self.image_url_timeout:g}s",
             "LOCALRUN_IMAGE_MAX_BYTES": str(self.image_max_bytes),
@@ -298,7 +305,7 @@ class Settings:
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
-            "LOCALRUN_FAULTS": os.environ.get("LOCALRUN_FAULTS") or "(none)",  # read by engine/faults.py
+            "LOCALRUN_FAULTS": self.faults or "(none)",
         }
         return [(k, values[k]) for k in ENV_VARS]
 
@@ -347,6 +354,25 @@ def speculative_for_load(extra: dict) -> tuple[str, str | None, int]:
     if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}")
     return mode, draft, k
+
+
+FAULT_KINDS = ("kernel", "graph_capture", "kv_alloc", "step_oom", "native_load")
+
+
+def parse_faults(text: str | None) -> list[tuple[str, str | None]]:
+    """LOCALRUN_FAULTS: ``"kernel:rope, step_oom:2"`` -> ``[("kernel", "rope"), ("step_oom", "2")]``
+    (localrun/engine/faults.py uses it); an unknown kind is an error."""
+    out: list[tuple[str, str | None]] = []
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, arg = item.partition(":")
+        kind = kind.strip().lower()
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"LOCALRUN_FAULTS: unknown fault {kind!r}; known: {', '.join(FAULT_KINDS)}")
+        out.append((kind, arg.strip() or None))
+    return out
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -434,6 +460,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError("LOCALRUN_IMAGE_URL_TIMEOUT must be more than 0 and at most 10m")
     raw_generic = e.get("LOCALRUN_GENERIC_TOOLS")
     generic_tools = _flag("LOCALRUN_GENERIC_TOOLS", raw_generic) if (raw_generic or "").strip() else True
+    parse_faults(e.get("LOCALRUN_FAULTS"))  # a misspelt fault is a start-up error, not a silently ignored one
     return Settings(
         home=home,
         host=host,
@@ -450,6 +477,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         log_level=log_level,
         kv_cache_type=parse_kv_cache_type(e.get("LOCALRUN_KV_CACHE_TYPE")),
         llamacpp_extra_buffers=extra_buffers,
+        llama_server=(e.get("LOCALRUN_LLAMA_SERVER") or "").strip() or None,
         host_cache=parse_host_cache(e.get("LOCALRUN_HOST_CACHE")),
         load_timeout=load_timeout,
         shutdown_grace=grace,
@@ -465,6 +493,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         image_max_count=_int("LOCALRUN_IMAGE_MAX_COUNT", e.get("LOCALRUN_IMAGE_MAX_COUNT"), 16, 1),
         image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
         generic_tools=generic_tools,
+        faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
+        native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
     )
 
 

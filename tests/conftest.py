@@ -40,6 +40,15 @@ def vlm(tmp_path_factory, request) -> tuple[Path, Path]:
     return build_tiny_vlm(cache)
 
 
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    """llama.cpp's llama-server (LOCALRUN_LLAMA_SERVER, else built once from the vendored llama.cpp and cached;
+    tests/llama_server.py); skipped only where cmake or a C/C++ compiler is missing."""
+    from llama_server import llama_server_binary
+
+    return llama_server_binary()
+
+
 @pytest.fixture
 def localrun_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"

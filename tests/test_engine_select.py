@@ -62,3 +62,21 @@ def test_real_gguf_header_facts(smollm2_gguf):
     tiny_gpu = GPU("tiny", (8, 0), GiB, GiB)
     c = choose("auto", "gguf", tiny_gpu, info, llamacpp_gpu=False)
     assert c.backend == "llamacpp" and "Q4_1" in c.reason
+
+
+def test_native_on_cpu_lets_auto_pick_the_native_engine_without_a_gpu():
+    from localrun.config import settings
+
+    assert choose("auto", "gguf", None, None).backend == "llamacpp"  # the default on a CPU
+    c = choose("auto", "gguf", None, None, arch="llama", native_on_cpu=True)
+    assert c.backend == "native" and "LOCALRUN_NATIVE_ON_CPU=1" in c.reason
+    # an architecture the native engine does not run, a vision model, a GPU: unchanged
+    assert choose("auto", "gguf", None, None, arch="mamba", native_on_cpu=True).backend == "llamacpp"
+    assert choose("auto", "gguf", None, None, arch="llama", vision=True, native_on_cpu=True).backend == "llamacpp"
+    assert choose("auto", "gguf", SMALL, facts("Q4_K_M", 8.03e9, 4.9e9), llamacpp_gpu=False,
+                  native_on_cpu=True).backend == "llamacpp"
+    assert settings({"LOCALRUN_NATIVE_ON_CPU": "1"}).native_on_cpu
+    assert not settings({}).native_on_cpu
+    with pytest.raises(ValueError, match="LOCALRUN_NATIVE_ON_CPU"):
+        settings({"LOCALRUN_NATIVE_ON_CPU": "maybe"})
+    assert dict(settings({"LOCALRUN_NATIVE_ON_CPU": "1"}).describe())["LOCALRUN_NATIVE_ON_CPU"] == "1"

@@ -54,6 +54,18 @@ def daemon(tmp_path_factory, fim_gguf):
         d.stop()
 
 
+@pytest.fixture(scope="module")
+def llama_srv(llama_server_bin, fim_gguf):
+    """llama.cpp's own llama-server on the same GGUF, one slot of the daemon's context, the same threads."""
+    from llama_server import running_llama_server
+
+    from localrun.backends.llamacpp import physical_cores
+
+    with running_llama_server(llama_server_bin, fim_gguf, N_CTX, physical_cores()) as url:
+        with httpx.Client(base_url=url, timeout=120) as h:
+            yield h
+
+
 def _version_at_least(v: str, minimum: str) -> bool:
     """Copilot Chat's comparison (numeric, part by part)."""
     a, b = [int(x) for x in v.split(".")], [int(x) for x in minimum.split(".")]
@@ -129,6 +141,56 @@ def test_every_route_agrees_with_llama_cpp_streamed_and_not(daemon, ref):
     r = h.post("/v1/completions", json={"model": FIM, "prompt": CASES[0][0], "suffix": CASES[1][1], "max_tokens": N,
                                         "temperature": 0})
     assert r.json()["choices"][0]["text"] == other
+
+
+# other files' chunks: a few small ones, and more than the context leaves them (llama-server keeps their tail)
+BIG_EXTRA = "".join(f"def helper_{i}(x):\n    return x * {i} + {i * 7}\n\n" for i in range(150))
+EXTRAS = [[], [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}, {"text": "import os\n"}],
+          [{"filename": "helpers.py", "text": BIG_EXTRA}]]
+
+
+def test_every_route_equals_llama_servers_infill(daemon, llama_srv):
+    """The test of truth: greedy output of /api/generate (suffix), /v1/completions (suffix) and /infill, streamed
+    and not, equals what llama.cpp's own llama-server answers on /infill for the same GGUF; the prompt's length
+    equals llama-server's; and the answer changes with the suffix."""
+    h = daemon.http
+    seen: dict[tuple, str] = {}
+    cases = [(p, s, []) for p, _ in CASES for _, s in CASES] + [(CASES[0][0], CASES[0][1], e) for e in EXTRAS[1:]]
+    for prefix, suffix, extra in cases:
+        body = {"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra, "n_predict": N,
+                "temperature": 0, "cache_prompt": True}
+        r = llama_srv.post("/infill", json=body)
+        assert r.status_code == 200, r.text
+        truth = r.json()
+        want, n_prompt = truth["content"], truth["tokens_evaluated"]
+        seen[(prefix, suffix, len(extra))] = want
+        with llama_srv.stream("POST", "/infill", json={**body, "stream": True}) as s:
+            want_streamed = "".join(e["content"] for e in _sse(s))
+        # /infill
+        r = h.post("/infill", json={"model": FIM, **body})
+        assert r.status_code == 200, r.text
+        assert (r.json()["content"], r.json()["tokens_evaluated"]) == (want, n_prompt), (prefix, suffix, len(extra))
+        with h.stream("POST", "/infill", json={"model": FIM, **body, "stream": True}) as s:
+            assert "".join(e["content"] for e in _sse(s)) == want_streamed
+        if extra:
+            continue  # Ollama's and OpenAI's requests carry no other files
+        # Ollama /api/generate with suffix
+        gen = {"model": FIM, "prompt": prefix, "suffix": suffix, "options": {"temperature": 0, "num_predict": N}}
+        r = h.post("/api/generate", json={**gen, "stream": False})
+        assert r.status_code == 200, r.text
+        assert (r.json()["response"], r.json()["prompt_eval_count"]) == (want, n_prompt)
+        with h.stream("POST", "/api/generate", json=gen) as s:
+            assert "".join(x["response"] for x in _ndjson(s)) == want
+        # OpenAI /v1/completions with suffix
+        comp = {"model": FIM, "prompt": prefix, "suffix": suffix, "max_tokens": N, "temperature": 0}
+        r = h.post("/v1/completions", json=comp)
+        assert r.status_code == 200, r.text
+        assert (r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens"]) == (want, n_prompt)
+        with h.stream("POST", "/v1/completions", json={**comp, "stream": True}) as s:
+            assert "".join(c["choices"][0]["text"] for c in _sse(s) if c["choices"]) == want
+    # the suffix reaches the model on both servers: the same prefix, another suffix, another answer
+    assert seen[(CASES[0][0], CASES[0][1], 0)] != seen[(CASES[0][0], CASES[1][1], 0)]
+    assert seen[(CASES[1][0], CASES[0][1], 0)] != seen[(CASES[1][0], CASES[1][1], 0)]
 
 
 def test_infill_extra_chunks_prompt_and_response_fields(daemon, ref):
@@ -308,3 +370,38 @@ def test_localrun_version_names_localrun_versions(daemon):
     r = subprocess.run([sys.executable, "-m", "localrun", "--version"], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and f"localrun version {localrun.__version__}" in r.stdout
+
+
+def test_bench_typing_against_llama_server(llama_server_bin, fim_gguf, tmp_path):
+    """`localrun bench typing --llama-server`, briefly: both servers started on the tiny FIM model, rounds of the
+    same keystrokes interleaved; both servers' rows, their latencies and the ratio of p95 totals are printed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}, "COLUMNS": "240",
+           "LOCALRUN_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "localrun", "bench", "typing", "--llama-server", str(llama_server_bin),
+                        "--gguf", str(fim_gguf), "--file-tokens", "300", "--edits", "4", "--rate", "10",
+                        "--max-tokens", "4", "--rounds", "2", "--ctx", "2048", "--no-save", "--json"],
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert [(x["round"], x["server"]) for x in res["runs"]] == [(0, "localrun"), (0, "llama-server"),
+                                                                 (1, "llama-server"), (1, "localrun")]
+    s = res["summary"]
+    for name in ("localrun", "llama-server"):
+        assert s[name]["edits"] == 8 and s[name]["finished"] >= 2  # each round's last keystroke is awaited
+        assert 0 < s[name]["ttft_ms_p50"] <= s[name]["last_token_ms_p95"]
+        assert s[name]["prompt_tokens_mean"] > 200
+    ratio = s["ratio_p95_total"]
+    assert ratio == round(s["localrun"]["last_token_ms_p95"] / s["llama-server"]["last_token_ms_p95"], 3)
+    for row in ("│ localrun ", "│ llama-server ", f"localrun / llama-server: {ratio}", "machine: "):
+        assert row in r.stderr, r.stderr[-3000:]
+    # without a GGUF, or with a missing one: a clear message, exit 1, nothing started
+    for extra, message in (([], "--llama-server needs --gguf FILE"), (["--gguf", str(tmp_path / "no.gguf")],
+                                                                      "no such file")):
+        r = subprocess.run([sys.executable, "-m", "localrun", "bench", "typing", "--llama-server",
+                            str(llama_server_bin), *extra, "--no-save"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -132,6 +132,9 @@ class Chunk:
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
     prompt_tokens: int | None = None  # on the first chunk when the runner tokenized the prompt (request.window)
     prompt_token_ids: list[int] | None = None  # on the first chunk of an infill request: the laid-out prompt
+    # on the last chunk: its text's last cut_chars characters are the bytes after the output's last whole character
+    # (llama-server's streams never send them: the chunks before held them back while the bytes ended inside one)
+    cut_chars: int = 0
 
 
 def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
@@ -141,7 +144,8 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
     return Chunk(text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lps,
                  finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence,
                  prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens,
-                 prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids)
+                 prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
+                 cut_chars=b.cut_chars)
 
 
 # Texts up to this many characters are tokenized on the caller's event loop (llama.cpp takes about

@@ -14,7 +14,7 @@ import time
 import uuid
 from functools import lru_cache
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -219,8 +219,24 @@ class NativeBackend:
             supports_embeddings=True, supports_logprobs=True, supports_json_schema=True,
             max_token_bytes=self.tokenizer.max_token_bytes(),
             supports_groups=tp == 1,  # tensor parallelism: the engine runs group members on their own
+            fallbacks=list(engine.fallbacks),
         )
+        self.on_info: Callable[[], None] | None = None  # the runner sends self.info to the daemon (any thread)
+        engine.on_fallback = self._fallbacks_changed
         engine.start()
+
+    def _fallbacks_changed(self) -> None:
+        """A fallback after loading (engine thread): the new list, and the pool's size, go to ps."""
+        pool, tp = self.engine.pool, self.engine.tp.world
+        self.info.fallbacks = list(self.engine.fallbacks)
+        self.info.size_bytes = (self.engine.weight_bytes + pool.nbytes) * tp
+        if self.info.device == "CUDA":
+            self.info.size_vram_bytes = self.info.size_bytes
+        if self.on_info is not None:
+            try:
+                self.on_info()
+            except RuntimeError:  # the runner's event loop is closing: nobody to tell
+                pass
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         if len(text) <= INLINE_TOKENIZE_CHARS:  # a short text costs less than the hop to a thread
@@ -269,6 +285,8 @@ class NativeBackend:
                 if d.error:
                     if _cuda_error(d.error) or self.engine.fatal:  # a poisoned CUDA context, a dead
                         self.fatal = d.error  # tensor-parallel rank: the runner must restart
+                    elif d.error_kind == "out_of_memory":  # the engine shrank itself and goes on
+                        raise BackendError(d.error, status=503, code="out_of_memory")
                     raise BackendError(d.error)
                 usage = None
                 if d.usage is not None:
@@ -319,7 +337,23 @@ def _host_cache_bytes(setting: int | float | None) -> int | None:
     return setting
 
 
+def _fault_paths(device: str) -> dict:
+    """LOCALRUN_FAULTS on CPU: a graph_capture fault turns on the padded decode path (the capture
+    procedure, without CUDA) and a kernel fault the Triton kernels (under TRITON_INTERPRET=1 only),
+    so that the fault has the step it names to fail."""
+    from localrun.engine import faults
+
+    if device == "cuda":
+        return {}
+    return {**({"cuda_graphs": True} if faults.active("graph_capture") else {}),
+            **({"use_triton": True} if faults.active("kernel") else {})}
+
+
 def load(spec: LoadSpec) -> NativeBackend:
+    from localrun.engine import faults
+
+    if any(arg is None or arg == spec.name for arg in faults.active("native_load")):
+        raise faults.InjectedFault(f"{faults.ENV}=native_load: the native engine's load of {spec.name} fails")
     device, dtype = _device_dtype(spec)
     try:
         cfg = EngineConfig(
@@ -327,7 +361,7 @@ def load(spec: LoadSpec) -> NativeBackend:
             kv_cache_dtype=kv_dtype_name(_kv_dtype(spec, dtype)),
             max_num_seqs=max(spec.num_parallel, MAX_BATCH if device != "cuda" else CUDA_MAX_NUM_SEQS),
             kv_cache_tokens=None if device == "cuda" else _kv_tokens(spec), weight_dtype=_weight_dtype(spec),
-            tensor_parallel=_tensor_parallel(spec), **_speculative(spec),
+            tensor_parallel=_tensor_parallel(spec), **_speculative(spec), **_fault_paths(device),
         )
     except ValueError as exc:  # e.g. fp8 weights on a GPU without fp8 tensor cores
         raise BackendError(f"the native engine cannot load {spec.name}: {exc}") from None

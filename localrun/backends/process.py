@@ -136,6 +136,8 @@ class RemoteBackend:
             elif t == "result":
                 if (f := self._calls.pop(rid, None)) is not None and not f.done():
                     f.set_result(msg["result"])
+            elif t == "info":  # the backend's info changed after loading (e.g. a fallback)
+                self.info = wire.info_from_wire(msg["info"])
             elif t == "ready":
                 self.info = wire.info_from_wire(msg["info"])
                 if not self._ready.done():

@@ -9,8 +9,12 @@ file of 4.9 GB becomes ~16 GB), so it goes to llama.cpp when that would not fit 
 free memory, or when llama.cpp's build can offload to the GPU (it then decodes from the
 quantized weights, ~3x fewer bytes per token than bfloat16). A GGUF of an architecture the
 native engine does not run (localrun.archs) goes to llama.cpp; a safetensors model of one is
-refused with a clear error. The reason is a sentence users see in ``localrun ps`` /
-``/api/ps`` and in the log.
+refused with a clear error. With ``LOCALRUN_NATIVE_ON_CPU=1`` and no CUDA GPU, ``auto`` runs a
+GGUF of an architecture the native engine supports on the native engine (torch on the CPU). The
+reason is a sentence users see in ``localrun ps`` / ``/api/ps`` and in the log.
+
+When ``auto`` chose the native engine for a GGUF model and its load fails, the model manager
+loads it with llama.cpp instead (``fallback_reason``); ``LOCALRUN_BACKEND=native`` reports the error.
 """
 
 from __future__ import annotations
@@ -201,14 +205,16 @@ def model_architecture(fmt: str, weights: str | Path | None, info=None) -> str |
 
 
 def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
-           llamacpp_gpu: bool | None = None, arch: str | None = None, vision: bool = False) -> Choice:
+           llamacpp_gpu: bool | None = None, arch: str | None = None, vision: bool = False,
+           native_on_cpu: bool = False) -> Choice:
     """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
 
     info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
     tensor_bytes, architecture) of a GGUF model; without them a GGUF on a capable GPU goes to
     the native engine. arch: the model's architecture (default: info's; see
     model_architecture). llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it).
-    vision: the model has a vision projector (only llama.cpp runs one)."""
+    vision: the model has a vision projector (only llama.cpp runs one). native_on_cpu
+    (LOCALRUN_NATIVE_ON_CPU): auto without a CUDA GPU picks the native engine for a GGUF it runs."""
     arch = arch or getattr(info, "architecture", None)
     foreign = bool(arch) and not is_native(arch)  # an architecture the native engine does not run
     if setting == "native" and foreign:
@@ -255,9 +261,20 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
     if gpu is not None:
         return Choice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} has compute capability "
                                   f"{gpu.capability[0]}.{gpu.capability[1]} (< 8.0 for the native engine)")
+    if native_on_cpu and gpu is None and not foreign:
+        err = native_import_error()
+        if err is None:
+            return Choice("native", "native engine on CPU (torch reference path): LOCALRUN_NATIVE_ON_CPU=1")
+        return Choice("llamacpp", f"llama.cpp on CPU: LOCALRUN_NATIVE_ON_CPU=1 but the native engine does not "
+                                  f"import ({err})")
     if is_apple_silicon():
         return Choice("llamacpp", "llama.cpp with Metal: Apple silicon")
     return Choice("llamacpp", "llama.cpp on CPU: no CUDA GPU found")
+
+
+def fallback_reason(error: str) -> str:
+    """What ps shows when auto's native choice failed to load and llama.cpp runs the model instead."""
+    return f"native engine failed to load: {error}; running on llama.cpp"
 
 
 def backend_module(name: str) -> ModuleType:
@@ -272,4 +289,4 @@ def backend_module(name: str) -> ModuleType:
 
 
 __all__ = ["GPU", "Choice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon",
-           "native_import_error", "llamacpp_build", "llamacpp_gpu_advice", "LLAMACPP_CUDA_INSTALL", "LlamaCppBuild"]
+           "native_import_error", "fallback_reason", "llamacpp_build", "llamacpp_gpu_advice", "LLAMACPP_CUDA_INSTALL", "LlamaCppBuild"]

@@ -3,7 +3,8 @@
 The pipe is one end of a Unix socket pair each (:class:`Channel`): every message is a 4-byte
 little-endian length, then one JSON object. Daemon -> runner: ``{"op": ..., "id": ...}``
 (generate, abort, delivered, tokenize, detokenize, embed, close). Runner -> daemon:
-``{"t": ..., "id": ...}`` (ready, load_error, chunk, error, result, fatal). The codecs here turn
+``{"t": ..., "id": ...}`` (ready, load_error, chunk, error, result, fatal, and info: the
+BackendInfo again after a change, e.g. a fallback after loading). The codecs here turn
 the Backend protocol's dataclasses into those dicts and back; errors travel as their class
 name, status and message so the daemon re-raises the same typed error.
 """
@@ -133,6 +134,8 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["p"] = c.prompt_tokens
     if c.prompt_token_ids is not None:
         d["pi"] = c.prompt_token_ids
+    if c.cut_chars:
+        d["cc"] = c.cut_chars
     return d
 
 
@@ -140,7 +143,7 @@ def chunk_from_wire(d: dict) -> Chunk:
     lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
     return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
                  usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"), prompt_tokens=d.get("p"),
-                 prompt_token_ids=d.get("pi"))
+                 prompt_token_ids=d.get("pi"), cut_chars=int(d.get("cc") or 0))
 
 
 # -- load spec and info -----------------------------------------------------------------------

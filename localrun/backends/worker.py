@@ -79,9 +79,16 @@ class Runner:
         # since Python 3.11's wait_for swallows a cancel that lands with the event it awaits
         # (the daemon's 'delivered' and 'abort' often arrive in one read)
         self.aborted: set[int] = set()
+        if hasattr(backend, "on_info"):  # a backend whose info changes after loading (a fallback)
+            loop = asyncio.get_running_loop()
+            backend.on_info = lambda: loop.call_soon_threadsafe(self.send_info)
 
     def send(self, obj: dict) -> None:
         self.chan.send(obj)
+
+    def send_info(self) -> None:
+        """The backend's BackendInfo again (``info``): the daemon's ps shows it from now on."""
+        self.send({"t": "info", "info": wire.info_to_wire(self.backend.info)})
 
     async def serve(self) -> None:
         while True:

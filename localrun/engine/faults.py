@@ -1,5 +1,7 @@
-"""Injected faults (``LOCALRUN_FAULTS``): make a named step fail for real, so each fallback of the
-GPU path can be exercised on any machine, through the real runner process and daemon.
+"""Injected faults (LOCALRUN_FAULTS): make a named load or engine step fail for real.
+
+Each fallback of the GPU path can so be exercised on any machine, through the real runner process
+and daemon.
 
 The value is a comma-separated list of ``KIND`` or ``KIND:ARG`` items, read from the environment of
 the process that runs the step (the daemon passes its environment to runner processes):
@@ -8,9 +10,9 @@ the process that runs the step (the daemon passes its environment to runner proc
     graph_capture[:BS]  CUDA graph capture fails (for batch size BS only, or for all)
     kv_alloc[:N]        the first N KV pool allocations are refused as out of memory (default 1)
     step_oom[:N]        the first N forward steps raise out of memory (default 1)
-    native_load         the native engine fails to load any model
+    native_load[:MODEL] the native engine fails to load any model (or only the model named MODEL)
 
-Standard library only: the engine and the benchmarks import it without the server's dependencies.
+Standard library only (the parsing lives in localrun/config.py): the engine and the benchmarks import it without the server's dependencies.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import os
 import threading
 
+from localrun.config import FAULT_KINDS as KINDS, parse_faults
+
 ENV = "LOCALRUN_FAULTS"
-KINDS = ("kernel", "graph_capture", "kv_alloc", "step_oom", "native_load")
 
 
 class InjectedFault(RuntimeError):
@@ -28,17 +31,7 @@ class InjectedFault(RuntimeError):
 
 def parse(text: str | None) -> list[tuple[str, str | None]]:
     """``"kernel:rope, step_oom:2"`` -> ``[("kernel", "rope"), ("step_oom", "2")]``; unknown kinds are an error."""
-    out: list[tuple[str, str | None]] = []
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        kind, _, arg = item.partition(":")
-        kind = kind.strip().lower()
-        if kind not in KINDS:
-            raise ValueError(f"{ENV}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
-        out.append((kind, arg.strip() or None))
-    return out
+    return parse_faults(text)
 
 
 _lock = threading.Lock()

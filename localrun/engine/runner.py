@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from localrun.engine import faults
 from localrun.engine.config import EngineConfig
 from localrun.engine.kv.pool import KVPool, PageTable
 from localrun.engine.layers.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
@@ -50,6 +51,7 @@ class DecodeGraphs:
     def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool) -> None:
         self.runner, self.sizes, self.capture = runner, sorted(sizes), capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.failed: dict[int, str] = {}  # batch size -> why its capture failed (it runs eagerly)
         self.meta: dict[int, AttnMetadata] = {}
         cfg = runner.model.cfg
         self.logits = torch.zeros((max(sizes), cfg.vocab_size), dtype=torch.float32, device=runner.device)
@@ -68,17 +70,31 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         r = self.runner
         pool = None
+        injected = faults.active("graph_capture")
         for bs in reversed(self.sizes):  # largest first: the smaller graphs fit in its memory pool
-            r.buffers.write(padding_step(bs, r.table.dummy_row))
-            self.meta[bs] = r.attn.prepare(padding_step(bs, r.table.dummy_row), for_graph=True)
-            self._forward(bs)  # warm-up: every kernel compiled before capture
-            if self.capture:
-                torch.cuda.synchronize(r.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._forward(bs)
-                pool = g.pool() if pool is None else pool
-                self.graphs[bs] = g
+            try:
+                r.buffers.write(padding_step(bs, r.table.dummy_row))
+                self.meta[bs] = r.attn.prepare(padding_step(bs, r.table.dummy_row), for_graph=True)
+                self._forward(bs)  # warm-up: every kernel compiled before capture
+            except Exception as exc:  # noqa: BLE001 - not padded to this size: the next larger, or unpadded
+                self.failed[bs] = f"warm-up failed, not padded to it: {type(exc).__name__}: {exc}"
+                self.meta.pop(bs, None)
+                continue
+            try:  # a size that cannot be captured runs eagerly over the same buffers and padding
+                if None in injected or str(bs) in injected:
+                    raise faults.InjectedFault(f"injected capture failure at batch {bs} (LOCALRUN_FAULTS)")
+                if self.capture:
+                    torch.cuda.synchronize(r.device)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        self._forward(bs)
+                    pool = g.pool() if pool is None else pool
+                    self.graphs[bs] = g
+            except Exception as exc:  # noqa: BLE001
+                self.failed[bs] = f"capture failed: {type(exc).__name__}: {exc}"
+                if self.capture:
+                    torch.cuda.synchronize(r.device)
+        self.sizes = [s for s in self.sizes if s in self.meta]
         if self.capture:
             torch.cuda.synchronize(r.device)
 
@@ -105,11 +121,12 @@ class ModelRunner:
         # speculative decoding samples every drafted position: up to a step's tokens
         samples = max_tokens if getattr(config, "speculative", "off") != "off" else None
         self.buffers = StepBuffers(max_tokens, config.max_num_seqs, self.device, max_samples=samples)
-        self.attn = make_backend(triton, pool, self.table, self.buffers)
+        self.attn = make_backend(triton, pool, self.table, self.buffers, model.ops.refs)
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
+        self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def setup_graphs(self, capture: bool) -> float:
@@ -233,6 +250,8 @@ class ModelRunner:
         if step.has_pending:  # last step's tokens, straight from the device
             prev = self.buffers.view("prev_idx", T)
             ids.copy_(torch.where(prev >= 0, self.last_tokens[prev.clamp(min=0).long()], ids))
+        if self.step_faults and faults.take("step_oom"):
+            raise torch.OutOfMemoryError("injected: out of memory in the forward (LOCALRUN_FAULTS step_oom)")
         if bs is not None:
             logits = self.graphs.run(bs)[:S]
         else:

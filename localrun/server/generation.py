@@ -81,6 +81,7 @@ class Delta:
     reasoning: str = ""
     logprobs: list[TokenLogprob] | None = None
     token_ids: list[int] = field(default_factory=list)
+    cut_chars: int = 0  # the last chunk's Chunk.cut_chars: content's last characters a llama-server stream leaves out
 
 
 @dataclass
@@ -231,7 +232,8 @@ class Generation:
                         if hide_reasoning:
                             reasoning = ""
                         if reasoning or content or chunk.logprobs:
-                            yield Delta(i, content, reasoning, chunk.logprobs, list(chunk.token_ids))
+                            yield Delta(i, content, reasoning, chunk.logprobs, list(chunk.token_ids),
+                                        chunk.cut_chars if chunk.finish_reason is not None else 0)
                         if chunk.finish_reason is not None:
                             reasoning, content, calls = parser.finish()
                             if hide_reasoning:

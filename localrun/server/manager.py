@@ -14,6 +14,8 @@
   runner that dies is forgotten at once: its requests got their errors from the runner's
   proxy, and the next request loads the model again. A runner that dies while loading is
   tried once more; a second death is an error naming the likely cause.
+- When ``auto`` chose the native engine for a GGUF model and its load fails, the model is
+  loaded with llama.cpp instead, the reason in ps's "fallbacks".
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Backend, LoadSpec
 from localrun.backends.process import RunnerDied, describe_exit, likely_cause
-from localrun.backends.select import (Choice, backend_module, choose, is_apple_silicon, llamacpp_build,
-                                     local_cuda_gpu, model_architecture)
+from localrun.backends.select import (Choice, backend_module, choose, fallback_reason, is_apple_silicon,
+                                     llamacpp_build, local_cuda_gpu, model_architecture)
 from localrun.config import AUTO_PARALLEL, Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
 from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
@@ -60,6 +62,7 @@ class Runner:
     expires_at: float | None = None  # wall clock; None while busy or forever
     last_used: float = field(default_factory=time.monotonic)
     closing: bool = False
+    fallbacks: list[str] = field(default_factory=list)  # the daemon's own (auto's native -> llama.cpp)
 
     @property
     def info(self):
@@ -86,7 +89,7 @@ class Runner:
             "device": info.device,
             "placement": info.placement or info.device,
             "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
-            "fallbacks": list(info.fallbacks),
+            "fallbacks": [*self.fallbacks, *info.fallbacks],
             "slots": info.slots,
             "active": self.active,
             "waiting": self.waiting,
@@ -151,6 +154,7 @@ class ModelManager:
         self._changed = asyncio.Event()
         self._reaper: asyncio.Task | None = None
         self._queued: dict[str, int] = {}
+        self._native_failed: dict[str, str] = {}  # model digest -> why auto's native load failed
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -373,11 +377,35 @@ class ModelManager:
                 await self._wait_change(1.0)
 
     async def _load(self, resolved: Any, num_ctx: int) -> Runner:
+        """Load with the backend `choose` picks; when auto picked the native engine for a GGUF and
+        that load fails (for any reason: an architecture or quantization it cannot run, a CUDA
+        error, no memory), load it with llama.cpp instead. The failure is logged once and kept
+        (per model digest, until the daemon restarts: later loads go to llama.cpp directly) and
+        shown in ps's "fallbacks". LOCALRUN_BACKEND=native reports the error instead."""
         key = resolved.name
         gpu = await asyncio.to_thread(local_cuda_gpu)
         choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                         arch=model_architecture(resolved.format, resolved.weights, resolved.info),
-                        vision=getattr(resolved, "projector", None) is not None)
+                        vision=getattr(resolved, "projector", None) is not None,
+                        native_on_cpu=self.settings.native_on_cpu)
+        if not (self.settings.backend == "auto" and choice.backend == "native" and resolved.format == "gguf"):
+            return await self._load_with(resolved, num_ctx, gpu, choice)
+        error = self._native_failed.get(resolved.digest)
+        if error is None:
+            try:
+                return await self._load_with(resolved, num_ctx, gpu, choice)
+            except Exception as exc:  # noqa: BLE001 - any failure of the native load: llama.cpp runs it
+                error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                error = error.removeprefix(f"failed to load {key}: ")  # the runner's wrapping says it twice
+                self._native_failed[resolved.digest] = error
+                log.warning("%s: %s", key, fallback_reason(error))
+            gpu = await asyncio.to_thread(local_cuda_gpu)
+        why = fallback_reason(error)
+        return await self._load_with(resolved, num_ctx, gpu, Choice("llamacpp", f"llama.cpp: {why}"), [why])
+
+    async def _load_with(self, resolved: Any, num_ctx: int, gpu: Any, choice: Choice,
+                         fallbacks: list[str] | None = None) -> Runner:
+        key = resolved.name
         module = backend_module(choice.backend)
         spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
                         num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
@@ -453,7 +481,7 @@ class ModelManager:
         log.info("loaded %s in %.2fs", key, dt)
         runner = Runner(name=key, digest=resolved.digest, resolved=resolved, backend=backend, choice=choice,
                         plan=plan, num_ctx=num_ctx, load_seconds=dt, sem=asyncio.Semaphore(backend.info.slots),
-                        keep_alive=self.settings.keep_alive)
+                        keep_alive=self.settings.keep_alive, fallbacks=list(fallbacks or ()))
         self.runners[key] = runner
         exited = getattr(backend, "exited", None)
         if exited is not None:

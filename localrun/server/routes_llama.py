@@ -210,9 +210,12 @@ async def infill(request: Request):
         async for ev in _bounded(gen, t_max):
             if isinstance(ev, Delta) and ev.content:
                 n += len(ev.token_ids)
-                new_line = new_line or "\n" in ev.content
-                yield data({"index": 0, "content": ev.content, "tokens": ev.token_ids, "stop": False, "id_slot": -1,
-                            "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens})
+                # llama-server's stream never sends the bytes after the output's last whole character
+                content = ev.content[:len(ev.content) - min(ev.cut_chars, len(ev.content))]
+                new_line = new_line or "\n" in content
+                if content:
+                    yield data({"index": 0, "content": content, "tokens": ev.token_ids, "stop": False,
+                                "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens})
             elif isinstance(ev, Done):
                 out = final(gen, "", ev.finish_reason, ev.stop_sequence)
                 out["has_new_line"] = new_line

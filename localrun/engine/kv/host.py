@@ -88,6 +88,11 @@ class HostKVPool:
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self.stored_pages = self.loaded_pages = 0  # totals copied down / up
 
+    def rebind(self, device_pool: KVPool) -> None:
+        """Copy to and from `device_pool`'s tensors from now on (the device pool was resized:
+        same page shapes, new tensors)."""
+        self._device_tensors = device_pool.page_tensors()
+
     @staticmethod
     def pages_for_budget(device_pool: KVPool, budget_bytes: int) -> int:
         """Host pages that fit in budget_bytes. On CUDA the buffer is pinned, and PyTorch's pinned

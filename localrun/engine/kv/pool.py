@@ -31,10 +31,15 @@ class OutOfPages(RuntimeError):
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device) -> None:
+        self.cfg, self.page_size, self.dtype, self.device = cfg, page_size, dtype, device
+        self.quantized = dtype in QUANTIZED_KV_DTYPES
+        self._allocate(num_pages)
+
+    def _allocate(self, num_pages: int) -> None:
         if num_pages < 1:
             raise ValueError("the KV pool needs at least one page")
-        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        self.quantized = dtype in QUANTIZED_KV_DTYPES
+        cfg, page_size, dtype, device = self.cfg, self.page_size, self.dtype, self.device
+        self.num_pages = num_pages
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         n = cfg.num_layers
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
@@ -49,6 +54,17 @@ class KVPool:
         self.layers = list(zip(self.k_caches, self.v_caches, self.k_scales, self.v_scales))
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    def resize(self, num_pages: int) -> None:
+        """Reallocate the pool with `num_pages` pages (every page must be free: nothing refers to
+        one). The old pages are dropped first, so the new ones can reuse their memory; on a
+        failed allocation the pool has no pages until a resize succeeds."""
+        if len(self._free) != self.num_pages:
+            raise RuntimeError(f"resize of a KV pool with {self.num_pages - len(self._free)} pages in use")
+        self.k_caches = self.v_caches = self.layers = []
+        self.k_scales = self.v_scales = []
+        self.num_pages, self.refcount, self._free = 0, [], []
+        self._allocate(num_pages)
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype) -> int:

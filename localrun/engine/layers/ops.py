@@ -9,9 +9,11 @@ _POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_
 
 class Ops:
     """The model's pointwise ops: localrun.kernels' Triton kernels on CUDA tensors (reference=False)
-    or their torch references."""
+    or their torch references. `refs`: the kernels (pointwise or attention) that run their torch
+    reference although the Triton kernels are on (their warm-up trial failed: engine/fallbacks.py);
+    the attention backend reads it too."""
 
-    def __init__(self, reference: bool = False) -> None:
-        self.reference = reference
+    def __init__(self, reference: bool = False, refs: frozenset[str] = frozenset()) -> None:
+        self.reference, self.refs = reference, frozenset(refs)
         for name in _POINTWISE:
-            setattr(self, name, getattr(kernels, f"{name}_ref" if reference else name))
+            setattr(self, name, getattr(kernels, f"{name}_ref" if reference or name in self.refs else name))

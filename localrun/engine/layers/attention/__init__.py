@@ -33,9 +33,12 @@ def check_kv_dtype(kv_dtype: torch.dtype, device, triton: bool) -> None:
 
 
 def use_triton(device: str, use: bool | None) -> bool:
-    """The Triton kernels on CUDA (use None or True, when Triton imports); else the torch references."""
-    if not str(device).startswith("cuda") or use is False:
+    """The Triton kernels on CUDA (use None or True, when Triton imports); on CPU only when asked
+    (use True) under Triton's interpreter (TRITON_INTERPRET=1: tests); else the torch references."""
+    if use is False:
         return False
+    if not str(device).startswith("cuda"):
+        return bool(use) and kernels.uses_triton(torch.empty(0))
     if not kernels.triton_available():
         if use:
             raise RuntimeError("use_triton=True but triton is not importable")
@@ -44,5 +47,7 @@ def use_triton(device: str, use: bool | None) -> bool:
     return True
 
 
-def make_backend(triton: bool, pool: KVPool, table: PageTable, buffers: StepBuffers) -> AttentionBackend:
-    return (TritonAttention if triton else TorchAttention)(pool, table, buffers)
+def make_backend(triton: bool, pool: KVPool, table: PageTable, buffers: StepBuffers,
+                 refs: frozenset[str] = frozenset()) -> AttentionBackend:
+    """The Triton backend (its kernels in `refs` run their torch reference) or the torch one."""
+    return TritonAttention(pool, table, buffers, refs) if triton else TorchAttention(pool, table, buffers)

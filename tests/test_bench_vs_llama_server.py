@@ -1,0 +1,60 @@
+"""`localrun bench llama-server`: a run stopped with SIGTERM (a CI timeout, `kill`) stops both servers it
+started, the daemon's runner process included, instead of leaving them running in their own sessions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+
+def _servers(bench: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [p for p in bench.children(recursive=True)
+                if any("llama-server" in a or a == "localrun.server" or a == "localrun.backends.worker"
+                       for a in p.cmdline())]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_sigterm_stops_both_servers(llama_server_bin, smollm2_gguf, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    proc = subprocess.Popen([sys.executable, "-m", "localrun.bench", "llama-server", "--llama-server",
+                             str(llama_server_bin), "--gguf", str(smollm2_gguf), "--rounds", "1", "--workloads",
+                             "single", "--single-requests", "200", "--threads", "1", "--parallel", "1",
+                             "--ctx", "512"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    bench = psutil.Process(proc.pid)
+    seen: list[psutil.Process] = []
+    deadline = time.monotonic() + 300
+    try:
+        # both servers up, with the daemon's runner: llama-server, the daemon and its worker
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen = _servers(bench)
+            names = " ".join(" ".join(p.cmdline()) for p in seen)
+            if "llama-server" in names and "localrun.server" in names and "localrun.backends.worker" in names:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stdout.read()
+        assert len(seen) >= 3, [p.cmdline() for p in seen]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 130, out
+        assert "both servers were stopped" in out
+        gone, alive = psutil.wait_procs(seen, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in seen:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
