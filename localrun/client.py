@@ -127,8 +127,9 @@ class _Requests:
     def ps(self) -> _Call:
         return _Call("GET", "/api/ps", pick=lambda b: b.get("models") or [])
 
-    def show(self, name: str, verbose: bool = False) -> _Call:
-        return _Call("POST", "/api/show", _drop_none({"model": name, "verbose": verbose or None}))
+    def show(self, name: str, verbose: bool = False, fit_context: bool = False) -> _Call:
+        return _Call("POST", "/api/show", _drop_none({"model": name, "verbose": verbose or None,
+                                                      "fit_context": fit_context or None}))
 
     def pull(self, name: str, insecure: bool = False) -> _Call:
         return _Call("POST", "/api/pull", _drop_none({"model": name, "insecure": insecure or None, "stream": True}), stream=True)

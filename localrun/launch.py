@@ -6,8 +6,9 @@ Claude Code with ``ANTHROPIC_BASE_URL`` (and its non-essential traffic off), Cod
 ``model_providers.localrun`` entry (``wire_api = "responses"``) passed as ``-c`` overrides, so
 neither reaches anything but the daemon. Agents send 15-25k-token prompts and no context size,
 so the model they get is ``<model>-agent`` (made here: the same weights, ``PARAMETER num_ctx``
-set to the context the model was trained for, as the daemon's ceiling); the daemon's memory
-plan still refuses a load that does not fit, with its own message.
+set as ``ollama launch`` does: the context the model was trained for as the ceiling, lowered to
+what the free memory holds, by the daemon's own memory plan (``/api/show`` with
+``fit_context``: the load's estimate and plan, every model unloaded); the choice is printed.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def run(args, client) -> int:
             raise LaunchError("name the model for the agent with --model (one of: " + ", ".join(base or ["none yet: "
                               "`localrun pull` one"]) + ")")
         model = base[0]
-    info = client.show(model)
-    ctx = trained_context(info)
+    info = client.show(model, fit_context=True)
+    fit = info.get("fit_context") if isinstance(info.get("fit_context"), dict) else {}
+    ctx = fit.get("num_ctx") or trained_context(info)  # the daemon's memory plan; an older daemon: trained
     name = model
     if ctx:
         name = agent_model_name(model)
@@ -92,8 +94,8 @@ def run(args, client) -> int:
         if last.get("status") != "success":
             raise LaunchError(f"could not make {name}: {last.get('error') or last}")
     argv, env = command(args.agent, exe, client.base_url, name, getattr(client, "api_key", None), args.agent_args)
-    print(f"localrun: {args.agent} on {name} (context {ctx or 'the default'} tokens) via {client.base_url}",
-          flush=True)
+    print(f"localrun: {args.agent} on {name} (context {ctx or 'the default'} tokens"
+          + (f": {fit['reason']}" if fit.get("reason") else "") + f") via {client.base_url}", flush=True)
     try:
         return subprocess.call(argv, env=env)
     except KeyboardInterrupt:

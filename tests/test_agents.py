@@ -240,9 +240,12 @@ def test_claude_code_runs_on_the_bundled_model(real, greedy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="not yet: on SmolLM2-135M, Codex's ~7.5k-token prompt leaves the tiny model little room and "
-                          "it starts a tool call it cannot finish (the response ends incomplete, and codex exec exits "
-                          "1); the daemon's side of Codex's request is checked by test_codex_request_replayed",
+@pytest.mark.xfail(reason="the model, not the daemon: SmolLM2-135M answers `Say hello` under Codex's ~7.4k-token prompt "
+                          "with tool calls only. Greedy: two get_goal calls every turn (Codex answers each with "
+                          '{"goal":null,...}), seven turns until the prompt is 8,252 tokens > 8,192 and the 400 makes '
+                          "codex exec exit 1. With Codex's goals feature off: a request_user_input call cut at "
+                          "num_predict 64, and Codex ends on `Incomplete response returned, reason: "
+                          "max_output_tokens`. Recorded requests/answers: see test_codex_request_replayed",
                    strict=False)
 def test_codex_exec_runs_on_the_bundled_model(real, tmp_path):
     bins = _agents()
@@ -308,7 +311,7 @@ def test_launch_without_the_agent_is_a_clear_error(real, tmp_path):
 @pytest.mark.slow
 def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
     """`localrun launch claude --model smol-greedy (SmolLM2, greedy) -- -p ...`: the agent model is made with the
-    model's trained context (8,192) and Claude Code answers through it."""
+    model's trained context (8,192, which the free memory holds) and Claude Code answers through it."""
     import sys
 
     bins = _agents()
@@ -324,7 +327,7 @@ def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
                        stdin=subprocess.DEVNULL)
     print(f"localrun launch claude: rc {r.returncode} in {time.monotonic() - t0:.1f}s: {r.stdout!r} {r.stderr[-2000:]!r}")
     assert r.returncode == 0, (r.stdout, r.stderr, real.log.read_text()[-3000:])
-    assert f"{greedy}:latest-agent (context 8192 tokens)" in r.stdout
+    assert f"{greedy}:latest-agent (context 8192 tokens: the model's trained context" in r.stdout
     shown = real.http.post("/api/show", json={"model": f"{greedy}:latest-agent"}).json()
     assert "num_ctx" in shown["parameters"] and "8192" in shown["parameters"]
     assert "temperature" in shown["parameters"]  # the agent model keeps its base model's parameters
@@ -366,6 +369,9 @@ def test_generic_format_parse_and_schema():
     assert p.feed('"arguments": {"file_path": "/a"}}]}') == ("", "")
     _, content, calls = p.finish()
     assert content == "" and calls[0]["name"] == "Read"
+    p = OutputParser(None, {"Read"}, generic=True)  # cut short (max_tokens) before a call was whole: no JSON text
+    assert p.feed('{ "tool_calls": [{ "name": "Read", "parameters": { "file_pa') == ("", "")
+    assert p.finish() == ("", "", [])
     # the conversation as a template without tools renders it
     msgs = g.rewrite_messages([{"role": "user", "content": "read /a"},
                                {"role": "assistant", "content": "", "tool_calls": [

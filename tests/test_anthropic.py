@@ -47,13 +47,17 @@ def _events(d, body: dict, headers: dict | None = None) -> list[tuple[str, dict]
 
 
 def _check_sequence(events: list[tuple[str, dict]]) -> None:
-    """Anthropic's grammar: message_start, blocks (start, deltas, stop, indexes 0..n-1 in
-    order), message_delta, message_stop; each `event:` line names its data's type."""
+    """Anthropic's grammar: message_start, ping, blocks (start, deltas, stop, indexes 0..n-1 in
+    order), message_delta, message_stop; keep-alive pings may come between any two; each
+    `event:` line names its data's type."""
     assert all(name == data["type"] for name, data in events), events
     kinds = [data["type"] for _, data in events]
-    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert all(data == {"type": "ping"} for _, data in events if data["type"] == "ping"), events
     open_index, next_index = None, 0
-    for _, data in events[1:-2]:
+    for _, data in events[2:-2]:
+        if data["type"] == "ping":
+            continue
         if data["type"] == "content_block_start":
             assert open_index is None and data["index"] == next_index, events
             open_index, next_index = data["index"], next_index + 1
@@ -122,11 +126,37 @@ def test_stream_event_sequence_and_sdk_helpers(daemon):
     _check_sequence(events)
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
-    assert events[1][1]["content_block"] == {"type": "text", "text": ""}
+    assert events[2][1]["content_block"] == {"type": "text", "text": ""}
     assert "".join(d["delta"]["text"] for _, d in events if d["type"] == "content_block_delta") == DEFAULT_REPLY
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert delta["usage"]["output_tokens"] == len(DEFAULT_REPLY)
+
+
+def test_keepalive_pings_between_slow_events(home, monkeypatch):
+    """A model slower than PING_EVERY between tokens (a long prefill): keep-alive pings go out in
+    between, in Anthropic's shape; the SDK skips them and its accumulated message equals the
+    unstreamed one."""
+    from localrun.server import routes_anthropic
+
+    monkeypatch.setattr(routes_anthropic, "PING_EVERY", 0.05)
+    fake = FakeModel(token_delay=0.15)
+    d = InProcessDaemon(home, fake)
+    try:
+        body = {"model": MODEL, "max_tokens": 6, "messages": HI}
+        events = _events(d, body)
+        _check_sequence(events)
+        kinds = [data["type"] for _, data in events]
+        assert kinds.count("ping") > 2 and "ping" in kinds[3:-3], kinds  # inside the text block too
+        client = _client(d)
+        with client.messages.stream(**body) as s:
+            streamed = s.get_final_message()
+        whole = client.messages.create(**body)
+        assert [(b.type, b.text) for b in streamed.content] == [(b.type, b.text) for b in whole.content] == [("text", DEFAULT_REPLY[:6])]
+        assert streamed.stop_reason == whole.stop_reason == "max_tokens"
+        assert streamed.usage.output_tokens == whole.usage.output_tokens == 6
+    finally:
+        d.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -143,7 +173,7 @@ def test_forced_tool_use_round_trip(daemon, fake, stream):
         json_deltas = [d["delta"] for _, d in events if d["type"] == "content_block_delta"]
         assert [d["type"] for d in json_deltas] == ["input_json_delta"]  # the call comes whole
         assert json.loads(json_deltas[0]["partial_json"]) == {"city": "Paris"}
-        assert events[1][1]["content_block"]["input"] == {}
+        assert events[2][1]["content_block"]["input"] == {}
     else:
         msg = client.messages.create(**kw)
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
@@ -199,7 +229,7 @@ def test_thinking_blocks(daemon, fake):
         ("thinking", "Two and two."), ("text", "Four.")]
     events = _events(daemon, {"model": "thinker", "max_tokens": 200, "messages": puzzle})  # unset: as the model does
     _check_sequence(events)
-    assert events[1][1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert events[2][1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
     assert {d["delta"]["type"] for _, d in events if d["type"] == "content_block_delta"} == {"thinking_delta", "text_delta"}
     # earlier turns' thinking blocks are accepted and left out of the prompt
     r = client.messages.create(model="thinker", max_tokens=200, thinking={"type": "disabled"}, messages=[

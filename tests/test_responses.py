@@ -37,6 +37,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather fo
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
 REPLY = "Hello from the fake model."
+PATCH = '*** Begin Patch\n*** Add File: hello.txt\n+hello "you"\n*** End Patch'
+PATCH_CALL = json.dumps({"name": "apply_patch", "arguments": {"input": PATCH}})
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+               "format": {"type": "grammar", "syntax": "lark",
+                          "definition": 'start: "*** Begin Patch" LF hunk+ "*** End Patch" LF?'}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
@@ -48,7 +53,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture
 def fake():
-    return FakeModel(rules={"22C and sunny": "Sunny in Paris.", "Two cities": TWO_CALLS, "Weather": CALL,
+    return FakeModel(rules={"22C and sunny": "Sunny in Paris.", "Patched": "Done.", "Patch it": PATCH_CALL, "Two cities": TWO_CALLS, "Weather": CALL,
                             "puzzle": "<think>Two and two.</think>\n\nFour.", "JSON please": '{"city": "Paris"}'})
 
 
@@ -172,6 +177,45 @@ def test_function_call_round_trip_through_previous_response_id(daemon, client, f
         < prompt.index("<|im_start|>tool\n22C and sunny")
     items = list(client.responses.input_items.list(r2.id, order="asc"))
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_custom_tool_call_round_trip(daemon, client, fake, stream):
+    """A custom (freeform) tool, as Codex's apply_patch: the model sees a function taking one string
+    (the grammar in its description); its call comes back as a custom_tool_call with the raw
+    input; a custom_tool_call_output goes back in."""
+    kw = dict(model="toolsmol", input="Patch it", tools=[APPLY_PATCH, WEATHER], store=False)
+    if not stream:
+        r = client.responses.create(**kw)
+    else:
+        events = _raw_events(daemon, kw)  # each checked against the SDK's event types
+        kinds = [e["type"] for e in events]
+        assert kinds[2:-1] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                               "response.custom_tool_call_input.done", "response.output_item.done"], kinds
+        assert events[3]["delta"] == events[4]["input"] == PATCH
+        with client.responses.stream(**kw) as s:
+            r = s.get_final_response()
+    assert [o.type for o in r.output] == ["custom_tool_call"]
+    call = r.output[0]
+    assert call.name == "apply_patch" and call.input == PATCH and call.call_id.startswith("call_")
+    assert r.tools[0].type == "custom" and r.tools[0].format.definition.startswith("start:")
+    shown = json.loads(_prompt(fake).split("Tools: ")[1].split("<|im_end|>")[0].split("}{")[0] + "}")
+    assert shown["function"]["name"] == "apply_patch"
+    assert shown["function"]["parameters"]["properties"] == {"input": {"type": "string",
+                                                                       "description": "the tool's raw input"}}
+    assert "lark grammar:\nstart:" in shown["function"]["description"]
+
+    r2 = client.responses.create(model="toolsmol", tools=[APPLY_PATCH], input=[
+        {"role": "user", "content": "Patch it please"},
+        {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Patched hello.txt"}])
+    assert r2.output_text == "Done."
+    prompt = _prompt(fake)
+    assert json.dumps(PATCH)[1:-1] in prompt.split("CALLS")[1] and "<|im_start|>tool\nPatched hello.txt" in prompt
+    r3 = client.responses.create(model="toolsmol", input="Anything", tools=[APPLY_PATCH],
+                                 tool_choice={"type": "custom", "name": "apply_patch"})
+    assert r3.tool_choice.name == "apply_patch"
+    assert fake.requests[-1].options.json_schema["properties"]["name"] == {"const": "apply_patch"}
 
 
 def test_tool_choice_forces_a_call_and_parallel_tool_calls(client, fake):
@@ -363,6 +407,10 @@ def test_backend_error_mid_stream_is_an_error_event_then_failed(daemon, client, 
     ({"model": MODEL, "input": "Hi", "tools": [{"type": "made_up_tool"}]}, "function tools"),
     ({"model": MODEL, "input": "Hi", "tools": [{"type": "namespace", "name": "ns"}]}, "namespace"),
     ({"model": "toolsmol", "input": "Hi", "tool_choice": "required"}, "'tools' is empty"),
+    ({"model": "toolsmol", "input": "Hi", "tools": [{"type": "custom", "name": "x", "format": {"type": "grammar"}}]},
+     "grammar format"),
+    ({"model": "toolsmol", "input": "Hi", "tools": [{"type": "custom", "name": "x", "format": {
+        "type": "grammar", "syntax": "lark", "definition": "x" * 40000}}]}, "longer than"),
     ({"model": "toolsmol", "input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
      "tool_choice"),
     ({"model": MODEL, "input": "Hi", "truncation": "auto"}, "truncation"),

@@ -95,6 +95,9 @@ class GenerationRequest:
     # texts of special (control) tokens the output keeps as text: a tool-call format's markers
     # (Mistral's [TOOL_CALLS], gpt-oss's <|channel|>, ...), which detokenizing drops otherwise
     preserve: list[str] | None = None
+    # a client's routing / cache hint (OpenAI's prompt_cache_key): requests with the same key prefer
+    # the cached prefix (llama.cpp: the sequence) the key last used, and other traffic evicts it last
+    cache_key: str | None = None
 
 
 @dataclass

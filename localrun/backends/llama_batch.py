@@ -177,6 +177,7 @@ class Request:
     images: list[ImageSpan] = field(default_factory=list)  # in prompt order
     on_end: Any = None  # called once on the loop's thread when the request leaves it (frees its image chunks)
     preserved: frozenset = frozenset()  # special tokens whose text this request's output keeps
+    cache_key: str | None = None  # the client's prompt_cache_key (see _start)
 
     def __post_init__(self) -> None:
         o = self.options
@@ -213,6 +214,7 @@ class BatchedLlama:
 
             self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-image-{name}")
         self.slots = [Slot(i) for i in range(parallel)]
+        self._keyed: dict[str, int] = {}  # cache key -> the slot its last request used (at most one key a slot)
         self._waiting: list[Request] = []
         self._running: list[Request] = []  # admission order
         self._inbox: deque[Request] = deque()
@@ -356,16 +358,23 @@ class BatchedLlama:
         # prompt evaluated from its last token alone gets slightly different logits (and a greedy
         # answer that depends on what ran before); batches of two or more agree exactly.
         usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
+        # a cache key (prompt_cache_key): on a tie the slot the key last used wins, and a new slot is
+        # taken from those no other key last used while there are such (keyless: nothing changes)
+        mine = self._keyed.get(r.cache_key) if r.cache_key else None
+        owned = {sid for key, sid in self._keyed.items() if key != r.cache_key} if self._keyed else set()
         n, src = 0, None
         for sl in self.slots:
             k = _common(sl.tokens, usable)
             for img in r.images:  # an image's cells are reused whole or not at all
                 if img.start < k < img.end:
                     k = img.start
-            if k > n or (k == n and k and src is not None and src.request is not None and sl.request is None):
+            if k > n or (k == n and k and src is not None and src.id != mine
+                         and ((src.request is not None and sl.request is None) or sl.id == mine)):
                 n, src = k, sl
         free = [sl for sl in self.slots if sl.request is None]
         spare = [sl for sl in free if sl is not src]
+        if owned and src is not None and src.id not in owned and not [sl for sl in spare if sl.id not in owned]:
+            spare = []  # every other free slot holds another key's prefix: r takes src over (if idle)
         if src is not None and src.request is None and (n + MIN_RECOMPUTE >= src.prompt_len or not spare):
             # r covers the whole prompt src last served (the same prompt again, a chat's next turn, an
             # editor's next keystroke), or nothing else is free: r takes src over, cut back to the
@@ -375,12 +384,17 @@ class BatchedLlama:
         else:
             # a free slot, empty ones first, else the least recently used; src (running, or idle with
             # more of its own prompt than r shares) keeps what it holds and r gets a copy of it
-            dst = min(spare, key=lambda sl: (bool(sl.tokens), sl.last_used))
+            dst = min(spare or free, key=lambda sl: (bool(sl.tokens), sl.id in owned, sl.last_used))
             if n:
                 self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
                 dst.tokens = list(src.tokens)  # copies streams whole), cut back below
                 self.counters["copied_prefixes"] += 1
         self._truncate(dst, n)
+        if self._keyed or r.cache_key:  # the slot's cells are r's now: its key's, no other's
+            for key in [key for key, sid in self._keyed.items() if sid == dst.id]:
+                del self._keyed[key]
+            if r.cache_key:
+                self._keyed[r.cache_key] = dst.id
         dst.request, dst.last_used = r, time.monotonic()
         r.sid, r.n_cached, r.computed = dst.id, n, n
         r.pending = r.prompt[n:]

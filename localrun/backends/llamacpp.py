@@ -471,7 +471,7 @@ class LlamaCppBackend:
             out: asyncio.Queue = asyncio.Queue()
             req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
                           speculative=self.speculative, rid=request.request_id, images=spans,
-                          preserved=self._preserved(request.preserve))
+                          preserved=self._preserved(request.preserve), cache_key=request.cache_key)
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)

@@ -100,6 +100,8 @@ def request_to_wire(r: GenerationRequest) -> dict:
         d["infill"] = dict(r.infill.__dict__)
     if r.return_prompt_ids:
         d["rp"] = True
+    if r.cache_key:
+        d["ck"] = r.cache_key
     return d
 
 
@@ -113,7 +115,8 @@ def request_from_wire(d: dict) -> GenerationRequest:
                              images=[base64.b64decode(b) for b in d["images"]] if d.get("images") else None,
                              infill=Infill(**d["infill"]) if d.get("infill") else None,
                              return_prompt_ids=bool(d.get("rp")),
-                             preserve=list(d["preserve"]) if d.get("preserve") else None)
+                             preserve=list(d["preserve"]) if d.get("preserve") else None,
+                             cache_key=d.get("ck") if isinstance(d.get("ck"), str) else None)
 
 
 # -- chunks ---------------------------------------------------------------------------------

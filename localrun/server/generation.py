@@ -71,6 +71,7 @@ class Job:
     infill: Infill | None = None
     prompt_ids: bool = False  # keep the prompt's token ids (Generation.prompt_ids: Ollama's `context`)
     tool_format: str | None = None  # "generic": the template cannot render tools (server/generic_tools.py)
+    cache_key: str | None = None  # the client's prompt_cache_key: a routing / prefix-cache hint for the backend
 
 
 @dataclass
@@ -513,11 +514,11 @@ class GenerationService:
                 out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
                                              add_special=job.add_special, window=lease.num_ctx, images=images,
                                              return_prompt_ids=job.prompt_ids, group=(gid, job.n, i) if gid else None,
-                                             preserve=_preserve(job)))
+                                             preserve=_preserve(job), cache_key=job.cache_key))
             else:
                 out.append(GenerationRequest(prompt=prompt, options=oi, request_id=uuid.uuid4().hex,
                                              prompt_token_ids=ids, group=(gid, job.n, i) if gid else None,
-                                             preserve=_preserve(job)))
+                                             preserve=_preserve(job), cache_key=job.cache_key))
         return out
 
 

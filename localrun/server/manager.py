@@ -217,6 +217,51 @@ class ModelManager:
             n = int(train)
         return n
 
+    async def fitting_context(self, resolved: Any, ceiling: int) -> tuple[int, str]:
+        """The largest num_ctx up to `ceiling` (the ceiling, or a multiple of 1,024) that a load of
+        `resolved` fits in the memory free with every model unloaded: the plan a load makes
+        (estimate_memory, then plan_load), asked at each size; one sequence when NUM_PARALLEL is
+        auto (a load then sizes its slots from what is left). (num_ctx, why)."""
+        gpu = await asyncio.to_thread(local_cuda_gpu)
+        choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
+                        arch=model_architecture(resolved.format, resolved.weights, resolved.info),
+                        vision=getattr(resolved, "projector", None) is not None)
+        module = backend_module(choice.backend)
+        offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
+        gpu_kind, gpu_free = None, None
+        if gpu is not None and (choice.backend == "native" or offload):
+            gpu_kind, gpu_free = "CUDA", gpu.free_bytes + sum(r.plan.size_vram for r in self.runners.values())
+        elif offload and is_apple_silicon():
+            gpu_kind = "Metal"
+        ram = free_ram() + sum(r.plan.size - r.plan.size_vram for r in self.runners.values())
+        layers = int(getattr(resolved.info, "block_count", 0) or 1)
+        spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=ceiling,
+                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
+        for k in ("kv_cache_type", "weight_dtype", "num_gpu"):
+            if resolved.parameters and k in resolved.parameters:
+                spec.extra[k] = resolved.parameters[k]
+
+        def fits(n: int) -> bool:
+            try:
+                plan_load(module.estimate_memory(dataclasses.replace(spec, num_ctx=n)), layers, ram_free=ram,
+                          gpu_free=gpu_free, gpu_kind=gpu_kind)
+                return True
+            except InsufficientMemory:
+                return False
+
+        def search() -> tuple[int, str]:
+            if fits(ceiling):
+                return ceiling, "the model's trained context, which the free memory holds"
+            lo, hi = 0, ceiling // 1024  # fits(lo * 1024) (or lo 0: none checked fits), not fits(hi * 1024)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
+            if lo == 0:
+                return min(ceiling, 1024), "not even 1,024 tokens fit the free memory: the load will say why"
+            return lo * 1024, f"what the free memory holds (the model was trained for {ceiling})"
+
+        return await asyncio.to_thread(search)
+
     @asynccontextmanager
     async def use(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> AsyncIterator["Lease"]:
         """Hold one generation slot of `resolved`'s model (loading it first if needed)."""

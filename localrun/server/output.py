@@ -31,6 +31,7 @@ from localrun.server.tool_formats import ToolFormat
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
 _RESPONSE_OPEN = re.compile(r'\{\s*"response"\s*:\s*"')  # the generic format's answer begins
+_CALLS_OPEN = re.compile(r'\s*\{\s*"tool_calls"\s*:')  # the generic format's calls begin
 _RESPONSE_KEY = '{"response":"'
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -350,6 +351,8 @@ class OutputParser:
             parsed = parse(rest, self.tool_names)
             if parsed is not None:
                 return reasoning, parsed[0], parsed[1]
+            if _CALLS_OPEN.match(rest):  # a call cut short (max_tokens) before one was whole: no text
+                return reasoning, "", []
         if self.tool_format is not None:
             left, found = self.tool_format.parse(rest, self.tools)
             if found:

@@ -72,6 +72,18 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
     return v
 
 
+MAX_CACHE_KEY = 1024
+
+
+def cache_key(body: dict) -> str | None:
+    """OpenAI's `prompt_cache_key` (Chat Completions and Responses): a routing / prefix-cache hint
+    (requests with the same key prefer the cached prefix the key last used); empty: none."""
+    v = get_str(body, "prompt_cache_key")
+    if v is not None and len(v) > MAX_CACHE_KEY:
+        raise InvalidRequest(f"'prompt_cache_key' must be at most {MAX_CACHE_KEY} characters")
+    return v or None
+
+
 def get_stop(value: Any, key: str = "stop") -> list[str]:
     if value is None:
         return []

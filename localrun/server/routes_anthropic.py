@@ -21,12 +21,17 @@ the generation service's events -> Anthropic's SSE events or one message object.
   stop sequences ended the output.
 - usage: ``input_tokens`` counts the prompt tokens not read from the prefix cache,
   ``cache_read_input_tokens`` those that were (Anthropic's split: they sum to the prompt).
+- Streaming: message_start, a ping, then each block (content_block_start, its deltas,
+  content_block_stop), message_delta (stop reason and the final usage), message_stop, as
+  Anthropic sends them; a ping goes out whenever PING_EVERY seconds pass without an event (a
+  long prefill), so proxies and clients with idle timeouts keep the connection.
 - Errors are Anthropic-shaped (app.py); a full queue is 529 overloaded_error, as Anthropic
   answers (the SDK retries it); an error mid-stream is an ``error`` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -45,6 +50,7 @@ router = APIRouter(prefix="/v1")
 log = logging.getLogger("localrun.server")
 
 MAX_TOKENS = 1 << 20
+PING_EVERY = 10.0  # seconds without an event (a long prefill) before a keep-alive ping
 _THINK = {"enabled": True, "disabled": False, "adaptive": None}
 
 
@@ -348,6 +354,31 @@ def sse_event(data: dict) -> bytes:
             + b"\n\n")
 
 
+async def _with_pings(events: AsyncIterator[Any], every: float) -> AsyncIterator[Any]:
+    """`events`, with None in between whenever `every` seconds pass without one (a ping is due).
+    The pending event is waited for, never cancelled, so no event is lost; when the consumer
+    goes away the wait is cancelled (as the stream itself would be)."""
+    it = events.__aiter__()
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            if nxt is None:
+                nxt = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({nxt}, timeout=every)
+            if not done:
+                yield None
+                continue
+            fut, nxt = nxt, None
+            try:
+                ev = fut.result()
+            except StopAsyncIteration:
+                return
+            yield ev
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+
+
 class _Blocks:
     """Content blocks as they stream: one open text or thinking block at a time; a tool call
     comes whole (start, its input JSON in one delta, stop)."""
@@ -448,12 +479,16 @@ async def messages(request: Request):
 
     async def produce() -> AsyncIterator[bytes]:
         start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None),
-                         {"input_tokens": gen.prompt_tokens, "output_tokens": 0})
+                         {"input_tokens": gen.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                          "cache_read_input_tokens": 0})
         yield sse_event({"type": "message_start", "message": start})
+        yield sse_event({"type": "ping"})  # as Anthropic: one at once, more while nothing else is sent
         done: Done | None = None
-        async for ev in gen.events():
+        async for ev in _with_pings(gen.events(), PING_EVERY):
             out: list[bytes] = []
-            if isinstance(ev, Delta):
+            if ev is None:
+                out.append(sse_event({"type": "ping"}))
+            elif isinstance(ev, Delta):
                 if ev.reasoning:
                     out += blocks.piece("thinking", ev.reasoning)
                 if ev.content:

@@ -77,6 +77,11 @@ async def show(request: Request):
         mi = info.get("model_info")
         if isinstance(mi, dict):  # Ollama drops the big token arrays unless verbose
             info = {**info, "model_info": {k: v for k, v in mi.items() if not isinstance(v, list)}}
+    if c.get_bool(body, "fit_context"):  # localrun's own: the context `launch` gives an agent
+        resolved = await st.resolve(_name(body))
+        train = getattr(resolved.info, "context_length", None) or st.settings.context_length
+        n, why = await st.manager.fitting_context(resolved, int(train))
+        info = {**info, "fit_context": {"num_ctx": n, "trained": train, "reason": why}}
     if "insert" in info.get("capabilities", ()) and ".Suffix" not in (info.get("template") or ""):
         # Continue decides a model can fill in the middle by ".Suffix" in its Ollama (Go) template; ours is
         # Jinja, and localrun lays the FIM tokens out itself: an inert Jinja comment says so

@@ -210,7 +210,8 @@ async def chat_completions(request: Request):
         if forced is not None:
             opts.json_schema = forced
     job = Job(resolved, opts, messages=messages, tools=tools, think=thinking_switch(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages))
+              keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages),
+              cache_key=p.cache_key(body))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 

@@ -11,6 +11,9 @@ its semantic SSE events (a translator only; generation is the service's).
   flattened into the function tools the model sees; a call of one comes back with its
   `namespace` and its name there. Hosted tools the daemon cannot run (web_search, file_search,
   ...) are left out of the prompt and named in the response's `notes` rather than refused;
+  custom tools (freeform input, such as Codex's apply_patch with a grammar) are shown to the
+  model as a function taking one string (the grammar in its description), and its calls come
+  back as custom_tool_call items with that raw input;
   their call items in the input are skipped. Developer messages (and instructions) before the
   conversation become one system message.
 - Stateful: with `store` (the default) the response and the items it saw are kept
@@ -149,9 +152,13 @@ def input_items(value: Any) -> list[dict]:
                           "name": _str_field(item, "name", where), "arguments": _str_field(item, "arguments", where),
                           "status": "completed",
                           **({"namespace": item["namespace"]} if isinstance(item.get("namespace"), str) else {})})
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            items.append({"type": "custom_tool_call", "id": rid or _new("ctc"), "call_id": _str_field(item, "call_id", where),
+                          "name": _str_field(item, "name", where), "input": _str_field(item, "input", where),
+                          "status": "completed"})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out = item.get("output")
-            items.append({"type": "function_call_output", "id": rid or _new("fco"),
+            items.append({"type": kind, "id": rid or _new("fco" if kind == "function_call_output" else "ctco"),
                           "call_id": _str_field(item, "call_id", where),
                           "output": out if isinstance(out, str) else _parts_text(out, where + ".output"),
                           "status": "completed"})
@@ -167,7 +174,8 @@ def input_items(value: Any) -> list[dict]:
             raise InvalidRequest(f"{where}: item_reference is not supported; use previous_response_id or send the item")
         else:
             raise InvalidRequest(f"{where}: items of type {json.dumps(kind)[:40]} are not supported (message, "
-                                 "function_call, function_call_output, reasoning)")
+                                 "function_call, function_call_output, custom_tool_call, custom_tool_call_output, "
+                                 "reasoning)")
     return items
 
 
@@ -212,17 +220,17 @@ def chat_messages(items: list[dict], instructions: str | None, first_input: int 
                 msg["reasoning_content"] = thought
             thought = "" if role in ("assistant", "user") else thought
             msgs.append(msg)
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             names[it["call_id"]] = it["name"]
-            call = {"type": "function", "id": it["call_id"],
-                    "function": {"name": it["name"], "arguments": _arguments(it["arguments"])}}
+            args = _arguments(it["arguments"]) if kind == "function_call" else {CUSTOM_INPUT: it["input"]}
+            call = {"type": "function", "id": it["call_id"], "function": {"name": it["name"], "arguments": args}}
             if last is not None and last["role"] == "assistant":  # the same turn: text, then calls
                 last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call],
                              **({"reasoning_content": thought} if thought else {})})
             thought = ""
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             msgs.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"],
                          **({"name": names[it["call_id"]]} if it["call_id"] in names else {})})
     return msgs
@@ -231,8 +239,10 @@ def chat_messages(items: list[dict], instructions: str | None, first_input: int 
 # -- the rest of the request -----------------------------------------------------------------------
 # tools OpenAI runs on its side: the daemon cannot, so they are left out of the prompt (with a note)
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
-                "computer_use_preview", "computer_use", "mcp", "local_shell", "tool_search", "custom")
+                "computer_use_preview", "computer_use", "mcp", "local_shell", "tool_search")
 MAX_TOOLS = 512
+CUSTOM_INPUT = "input"  # a custom tool, as the model sees it: a function taking this one string
+MAX_CUSTOM_FORMAT = 32 * 1024  # a custom tool's grammar, shown to the model (characters)
 
 
 class _Tools:
@@ -244,6 +254,29 @@ class _Tools:
         self.echo: list[dict] = []
         self.namespace: dict[str, tuple[str, str]] = {}  # flattened name -> (namespace, its name there)
         self.notes: list[str] = []
+        self.custom: set[str] = set()  # custom (freeform) tools: their calls are custom_tool_call items
+
+    def add_custom(self, t: dict, where: str) -> None:
+        """A custom tool (freeform input, e.g. Codex's apply_patch with a Lark grammar): rendered as a
+        function taking one string, its format's grammar in the description (the model writes the
+        raw input; the grammar is shown, not enforced: llama.cpp's grammars are GBNF)."""
+        fmt = t.get("format") or {"type": "text"}
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+            raise InvalidRequest(f"{where}: a custom tool's 'format' must be {{'type': 'text'}} or "
+                                 "{'type': 'grammar', 'syntax', 'definition'}")
+        how = "Its input is free-form text."
+        if fmt["type"] == "grammar":
+            definition = fmt.get("definition")
+            if not isinstance(definition, str) or fmt.get("syntax") not in ("lark", "regex"):
+                raise InvalidRequest(f"{where}: a grammar format needs 'syntax' (lark or regex) and a 'definition'")
+            if len(definition) > MAX_CUSTOM_FORMAT:
+                raise InvalidRequest(f"{where}: the grammar 'definition' is longer than {MAX_CUSTOM_FORMAT} characters")
+            how = f"Its input follows this {fmt['syntax']} grammar:\n{definition}"
+        desc = ((t.get("description") or "").strip() + "\n\n" + how).strip()
+        self.add_function({"name": t.get("name"), "description": desc, "parameters": {
+            "type": "object", "properties": {CUSTOM_INPUT: {"type": "string", "description": "the tool's raw input"}},
+            "required": [CUSTOM_INPUT], "additionalProperties": False}}, where)
+        self.custom.add(t["name"])
 
     def add_function(self, t: dict, where: str, namespace: str | None = None) -> None:
         name = t.get("name")
@@ -282,14 +315,17 @@ def _tools(value: Any, template: str | None) -> tuple[list[dict] | None, list[di
                     raise InvalidRequest(f"tools[{i}].tools[{j}] must be a function tool")
                 tools.add_function(f, f"tools[{i}].tools[{j}]", namespace=t["name"])
             tools.echo.append(t)
+        elif kind == "custom":
+            tools.add_custom(t, f"tools[{i}]")
+            tools.echo.append(t)
         elif kind in HOSTED_TOOLS:
             tools.notes.append(f"tools[{i}]: {kind} is a hosted tool, which localrun cannot run; it was left out "
                                "of the prompt")
             tools.echo.append(t)
         else:
             raise InvalidRequest(f"tools[{i}]: {json.dumps(kind)[:40]} tools are not supported; localrun "
-                                 "runs function tools ({'type': 'function', 'name', 'parameters'}) and namespaces of "
-                                 "them")
+                                 "runs function tools ({'type': 'function', 'name', 'parameters'}), namespaces of "
+                                 "them and custom tools")
     return (p.check_tools(tools.chat, template) if tools.chat else None), tools.echo, tools
 
 
@@ -299,10 +335,11 @@ def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[Any, Any]:
         return "auto", "auto"
     if choice in ("auto", "none", "required"):
         named: Any = choice
-    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
         named = {"name": choice["name"]}
     else:
-        raise InvalidRequest("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+        raise InvalidRequest("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function' (or 'custom'), "
+                             "'name': ...}")
     if named not in ("auto", "none") and not tools:
         raise InvalidRequest("'tool_choice' asks for a tool call but 'tools' is empty")
     return named, choice
@@ -370,9 +407,11 @@ def _refuse_unsupported(body: dict) -> None:
 class _Builder:
     """Events -> the response's output items, and the semantic stream events on the way."""
 
-    def __init__(self, response: dict, max_calls: int | None, namespace: dict | None = None) -> None:
+    def __init__(self, response: dict, max_calls: int | None, namespace: dict | None = None,
+                 custom: set | None = None) -> None:
         self.response = response
         self.namespace = namespace or {}  # flattened tool name -> (namespace, its name there)
+        self.custom = custom or set()  # custom tools' names: their calls become custom_tool_call items
         self.max_calls = max_calls  # parallel_tool_calls false: 1
         self.seq = 0
         self.open: dict | None = None  # the reasoning or message item being written
@@ -442,6 +481,9 @@ class _Builder:
         elif isinstance(ev, ToolCalls):
             out += self._close()
             for call in ev.calls[:self.max_calls]:
+                if call["name"] in self.custom:
+                    out += self._custom_call(call)
+                    continue
                 item = {"type": "function_call", "id": _new("fc"), "call_id": call["id"], "name": call["name"],
                         "arguments": "", "status": "in_progress"}
                 if call["name"] in self.namespace:  # a namespace's tool: named as the client defined it
@@ -461,6 +503,25 @@ class _Builder:
             if self.open is None and not self.response["output"]:  # nothing written: an empty message
                 out += self._start("message")
             out += self._close(status)
+        return out
+
+    def _custom_call(self, call: dict) -> list[dict]:
+        """A custom tool's call: its raw input (the one string argument the model wrote)."""
+        try:
+            args = json.loads(call["arguments"])
+        except ValueError:
+            args = call["arguments"]
+        raw = args.get(CUSTOM_INPUT) if isinstance(args, dict) else args
+        raw = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)
+        item = {"type": "custom_tool_call", "id": _new("ctc"), "call_id": call["id"], "name": call["name"],
+                "input": "", "status": "in_progress"}
+        self.response["output"].append(item)
+        at = {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
+        out = [self.event("response.output_item.added", output_index=at["output_index"], item=copy.deepcopy(item)),
+               self.event("response.custom_tool_call_input.delta", delta=raw, **at),
+               self.event("response.custom_tool_call_input.done", input=raw, **at)]
+        item.update(input=raw, status="completed")
+        out.append(self.event("response.output_item.done", output_index=at["output_index"], item=copy.deepcopy(item)))
         return out
 
     def done(self, usage) -> dict:
@@ -523,7 +584,7 @@ async def create_response(request: Request):
     messages = chat_messages(context, instructions, len(context) - len(items))
     job = Job(resolved, opts, messages=messages, tools=tools, think=think,
               num_ctx=p.get_int(body, "num_ctx", 16, 1 << 20) or num_ctx, keep_alive=st.keep_alive(body),
-              api="openai.responses", images=take_images(messages))
+              api="openai.responses", images=take_images(messages), cache_key=p.cache_key(body))
     response = {
         "id": new_response_id(), "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": False, "error": None, "incomplete_details": None, "instructions": instructions,
@@ -531,12 +592,12 @@ async def create_response(request: Request):
         "model": resolved.name, "output": [], "parallel_tool_calls": parallel, "previous_response_id": previous,
         "reasoning": reasoning, "store": keep, "temperature": opts.temperature, "text": text,
         "tool_choice": choice_echo, "tools": tools_echo, "top_p": opts.top_p, "truncation": "disabled",
-        "usage": None, "user": p.get_str(body, "user"), "metadata": metadata,
+        "usage": None, "user": p.get_str(body, "user"), "metadata": metadata, "prompt_cache_key": job.cache_key,
     }
     if request_tools.notes:
         response["notes"] = request_tools.notes  # what was left out, rather than a 400
         log.info("responses: %s", "; ".join(request_tools.notes))
-    builder = _Builder(response, max_calls if parallel else 1, request_tools.namespace)
+    builder = _Builder(response, max_calls if parallel else 1, request_tools.namespace, request_tools.custom)
 
     async def finish(usage) -> dict:
         done = builder.done(usage)
