@@ -210,7 +210,6 @@ async def compare(gguf: str, llama_server_bin: str, route: str, file_tokens: int
                   max_tokens: int, rounds: int, threads: int, parallel: int, ctx: int, timeout: float = 120.0,
                   progress=print) -> dict[str, Any]:
     """localrun and llama-server, both started here on ``gguf``, rounds of the same keystrokes interleaved."""
-    import shutil
     import tempfile
     from pathlib import Path
 
@@ -228,7 +227,7 @@ async def compare(gguf: str, llama_server_bin: str, route: str, file_tokens: int
     home = Path(tempfile.mkdtemp(prefix="localrun-typing-"))
     servers = {"localrun": vs.localrun_server(cfg, home), "llama-server": vs.llama_server(cfg, home)}
     runs: list[dict[str, Any]] = []
-    try:
+    async with vs.serving(servers, home):  # both stopped however the run ends (SIGTERM too)
         for s in servers.values():
             await vs.start(s, cfg)
         for rnd in range(rounds):
@@ -246,10 +245,6 @@ async def compare(gguf: str, llama_server_bin: str, route: str, file_tokens: int
                 runs.append(res)
                 progress(f"round {rnd + 1} {name:12} TTFT p50 {res['ttft_ms_p50']} ms  last token p95 "
                          f"{res['last_token_ms_p95']} ms  finished {res['finished']}/{res['edits']}")
-    finally:
-        for s in servers.values():
-            s.stop()
-        shutil.rmtree(home, ignore_errors=True)
     summary: dict[str, Any] = {}
     for name in servers:
         mine = [r for r in runs if r["server"] == name]
@@ -300,5 +295,7 @@ def run_compare(a: argparse.Namespace) -> dict[str, Any]:
         return asyncio.run(compare(a.gguf, str(binary), a.route, a.file_tokens, a.edits, a.rate, a.max_tokens,
                                    a.rounds, a.typing_threads or physical_cores(), a.parallel, a.ctx, a.timeout,
                                    progress))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise ValueError("stopped; both servers were stopped") from None
     except (BuildError, VsError) as exc:
         raise ValueError(str(exc)) from None

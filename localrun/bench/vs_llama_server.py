@@ -27,6 +27,7 @@ llama-server gets ``--no-repack`` to match.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -166,6 +167,28 @@ def llama_server(cfg: Config, home: Path) -> Server:
     return Server("llama-server", argv, dict(os.environ), port, cfg.gguf.name, home)
 
 
+@contextlib.asynccontextmanager
+async def serving(servers: dict[str, Server], home: Path):
+    """The servers of a run (started inside): when the run ends, however it ends, both are stopped and
+    ``home`` removed. SIGTERM ends the run like Ctrl+C (the running task is cancelled), so a killed
+    benchmark never leaves servers running in their own sessions."""
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
+    try:
+        yield
+    finally:
+        for s in servers.values():
+            s.stop()
+        shutil.rmtree(home, ignore_errors=True)
+        try:
+            loop.remove_signal_handler(signal.SIGTERM)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+
 async def _ready(server: Server, timeout: float = 300.0) -> None:
     import httpx
 
@@ -247,12 +270,7 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
     mk = {"localrun": localrun_server, "llama-server": llama_server}
     servers = {name: f(cfg, home) for name, f in mk.items()}
     phases: list[dict[str, Any]] = []
-    loop, me = asyncio.get_running_loop(), asyncio.current_task()
-    try:  # SIGTERM ends the run like Ctrl+C: the finally below stops both servers (each in its own session)
-        loop.add_signal_handler(signal.SIGTERM, me.cancel)
-    except (NotImplementedError, RuntimeError, ValueError):
-        pass
-    try:
+    async with serving(servers, home):
         for s in servers.values():
             await start(s, cfg)
             await warm(s, vocab, 0)
@@ -280,14 +298,6 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
                     phases.append(res)
                     progress(f"round {rnd + 1} {w:8} {name:12} {res['output_tok_s']:8.1f} out tok/s  "
                              f"TTFT p50 {res['ttft_ms_p50']} ms  ITL p50 {res['itl_ms_p50']} ms")
-    finally:
-        for s in servers.values():
-            s.stop()
-        shutil.rmtree(home, ignore_errors=True)
-        try:
-            loop.remove_signal_handler(signal.SIGTERM)
-        except (NotImplementedError, RuntimeError, ValueError):
-            pass
     return {"bench": "vs-llama-server", "config": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in cfg.__dict__.items()},
             "phases": phases, "summary": summarize(phases)}
