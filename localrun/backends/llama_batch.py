@@ -193,9 +193,8 @@ class BatchedLlama:
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
 
     def __init__(self, lib, model, ctx, *, parallel: int, step_tokens: int, share_prefixes: bool = True,
-                 name: str = "", encode=None, decode_image=None, threadpool=None) -> None:
+                 name: str = "", encode=None, decode_image=None) -> None:
         self.lib, self.model, self.ctx = lib, model, ctx
-        self.threadpool = threadpool  # a ThreadPool attached to ctx (freed after it), or None
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.mem = lib.llama_get_memory(ctx)
@@ -264,9 +263,6 @@ class BatchedLlama:
         if self.ctx:
             self.lib.llama_free(self.ctx)
             self.ctx = None
-        if self.threadpool is not None:  # after the context: it computes on the pool until freed
-            self.threadpool.free()
-            self.threadpool = None
         if self.model:
             self.lib.llama_model_free(self.model)
             self.model = None

@@ -96,64 +96,6 @@ def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
     return True, "extra buffer types on"
 
 
-class ThreadPool:
-    """A persistent ggml CPU threadpool attached to a llama.cpp context, as llama-server attaches one
-    (common_threadpools). Without it ggml starts and joins its worker threads for every graph it
-    computes, one per micro-batch: measured on 2 AMD EPYC vCPUs, SmolLM2-135M decode steps of 8
-    sequences took 25% longer without one. llama-cpp-python binds none of this: the functions come
-    from ggml's own libraries, found the way llama.cpp's common code finds them (the CPU device's
-    registry, so builds with dynamically loaded backends work too). Anything missing: no pool, and
-    llama.cpp works as before."""
-
-    def __init__(self, ctx, n_threads: int) -> None:
-        import ctypes
-
-        from llama_cpp import llama_cpp as lib
-        from llama_cpp._ctypes_extensions import load_shared_library
-
-        base = lib._base_path
-        ggml = load_shared_library("ggml", base)
-        ggml_base = load_shared_library("ggml-base", base)
-        vp = ctypes.c_void_p
-        ggml.ggml_backend_dev_by_type.argtypes, ggml.ggml_backend_dev_by_type.restype = [ctypes.c_int], vp
-        ggml_base.ggml_backend_dev_backend_reg.argtypes, ggml_base.ggml_backend_dev_backend_reg.restype = [vp], vp
-        get = ggml_base.ggml_backend_reg_get_proc_address
-        get.argtypes, get.restype = [vp, ctypes.c_char_p], vp
-        dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
-        reg = ggml_base.ggml_backend_dev_backend_reg(dev) if dev else None
-        new_at, free_at = (get(reg, b"ggml_threadpool_new"), get(reg, b"ggml_threadpool_free")) if reg else (0, 0)
-        if not (new_at and free_at):
-            raise OSError("this llama.cpp build's CPU backend exports no threadpool")
-        self._new = ctypes.CFUNCTYPE(vp, vp)(new_at)
-        self._free = ctypes.CFUNCTYPE(None, vp)(free_at)
-        # ggml_threadpool_params: its layout depends on GGML_MAX_N_THREADS, so it lives in a buffer far
-        # larger than it, filled by ggml itself (n_threads, normal priority, hybrid polling)
-        params = ctypes.create_string_buffer(1 << 16)
-        ggml_base.ggml_threadpool_params_init.argtypes = [vp, ctypes.c_int]
-        ggml_base.ggml_threadpool_params_init.restype = None
-        ggml_base.ggml_threadpool_params_init(ctypes.addressof(params), int(n_threads))
-        self.pool = self._new(ctypes.addressof(params))
-        if not self.pool:
-            raise OSError(f"ggml could not start a threadpool of {n_threads} threads")
-        attach = lib._lib.llama_attach_threadpool
-        attach.argtypes, attach.restype = [vp, vp, vp], None
-        attach(ctx, self.pool, None)
-
-    def free(self) -> None:
-        """After the context is freed (it uses the pool until then)."""
-        if self.pool:
-            self._free(self.pool)
-            self.pool = None
-
-    @classmethod
-    def attach(cls, ctx, n_threads: int) -> "ThreadPool | None":
-        try:
-            return cls(ctx, n_threads)
-        except (OSError, AttributeError, RuntimeError) as exc:
-            log.info("llama.cpp runs without a persistent threadpool (%s): its threads start per step", exc)
-            return None
-
-
 @contextlib.contextmanager
 def model_params(**fields: Any):
     """Set llama_model_params fields that llama_cpp.Llama() does not expose (use_extra_bufts).
@@ -338,11 +280,10 @@ class LlamaCppBackend:
                 lib.llama_free(ctx)
                 lib.llama_model_free(model)
                 raise
-        threadpool = ThreadPool.attach(ctx, self.n_threads)
         images = dict(encode=self._encode_image, decode_image=self._decode_image) if self._mtmd else {}
         self._n_batch = int(cparams.n_batch)
         self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, step_tokens=step_tokens, share_prefixes=share,
-                                   name=spec.name, threadpool=threadpool, **images)
+                                   name=spec.name, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._n_layer = int(lib.llama_model_n_layer(model))
@@ -352,8 +293,7 @@ class LlamaCppBackend:
         size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
         how = (f"{self.n_threads} threads, {self.extra_bufts_reason}; one batched context: {parallel} parallel "
-               f"sequences of {spec.num_ctx} KV cells each" + (", cached prefixes" if share else "")
-               + ("" if threadpool else "; no persistent threadpool (threads start per step)"))
+               f"sequences of {spec.num_ctx} KV cells each" + (", cached prefixes" if share else ""))
         self.info = BackendInfo(
             name="llama.cpp",
             device=device,
