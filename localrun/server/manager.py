@@ -223,9 +223,9 @@ class ModelManager:
         (estimate_memory, then plan_load), asked at each size; one sequence when NUM_PARALLEL is
         auto (a load then sizes its slots from what is left). (num_ctx, why)."""
         gpu = await asyncio.to_thread(local_cuda_gpu)
-        choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
-                        arch=model_architecture(resolved.format, resolved.weights, resolved.info),
-                        vision=getattr(resolved, "projector", None) is not None)
+        choice = self._choose(resolved, gpu)
+        if self._fell_back(resolved, choice):  # auto's native load of it failed before: llama.cpp loads it
+            choice = Choice("llamacpp", "llama.cpp")
         module = backend_module(choice.backend)
         offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
         gpu_kind, gpu_free = None, None
@@ -235,11 +235,7 @@ class ModelManager:
             gpu_kind = "Metal"
         ram = free_ram() + sum(r.plan.size - r.plan.size_vram for r in self.runners.values())
         layers = int(getattr(resolved.info, "block_count", 0) or 1)
-        spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=ceiling,
-                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
-        for k in ("kv_cache_type", "weight_dtype", "num_gpu"):
-            if resolved.parameters and k in resolved.parameters:
-                spec.extra[k] = resolved.parameters[k]
+        spec = self._spec(resolved, ceiling)  # the spec a load of it would get
 
         def fits(n: int) -> bool:
             try:
@@ -376,6 +372,36 @@ class ModelManager:
             else:
                 await self._wait_change(1.0)
 
+    def _choose(self, resolved: Any, gpu: Any) -> Choice:
+        """The backend `choose` picks for `resolved` on this machine, with this daemon's settings."""
+        return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
+                      arch=model_architecture(resolved.format, resolved.weights, resolved.info),
+                      vision=getattr(resolved, "projector", None) is not None,
+                      native_on_cpu=self.settings.native_on_cpu)
+
+    def _may_fall_back(self, resolved: Any, choice: Choice) -> bool:
+        """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""
+        return self.settings.backend == "auto" and choice.backend == "native" and resolved.format == "gguf"
+
+    def _fell_back(self, resolved: Any, choice: Choice) -> bool:
+        """Such a load failed before (kept until the daemon restarts): llama.cpp loads it."""
+        return self._may_fall_back(resolved, choice) and resolved.digest in self._native_failed
+
+    def _spec(self, resolved: Any, num_ctx: int) -> LoadSpec:
+        """What a load of `resolved` with `num_ctx` asks its backend for."""
+        spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
+                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
+        if getattr(resolved, "projector", None) is not None:
+            spec.extra["projector"] = str(resolved.projector)
+        if resolved.parameters:
+            for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
+                      "speculative", "num_speculative_tokens"):
+                if k in resolved.parameters:
+                    spec.extra[k] = resolved.parameters[k]
+        if "num_thread" in spec.extra:
+            spec.extra["n_threads"] = int(spec.extra["num_thread"])
+        return spec
+
     async def _load(self, resolved: Any, num_ctx: int) -> Runner:
         """Load with the backend `choose` picks; when auto picked the native engine for a GGUF and
         that load fails (for any reason: an architecture or quantization it cannot run, a CUDA
@@ -384,11 +410,8 @@ class ModelManager:
         shown in ps's "fallbacks". LOCALRUN_BACKEND=native reports the error instead."""
         key = resolved.name
         gpu = await asyncio.to_thread(local_cuda_gpu)
-        choice = choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
-                        arch=model_architecture(resolved.format, resolved.weights, resolved.info),
-                        vision=getattr(resolved, "projector", None) is not None,
-                        native_on_cpu=self.settings.native_on_cpu)
-        if not (self.settings.backend == "auto" and choice.backend == "native" and resolved.format == "gguf"):
+        choice = self._choose(resolved, gpu)
+        if not self._may_fall_back(resolved, choice):
             return await self._load_with(resolved, num_ctx, gpu, choice)
         error = self._native_failed.get(resolved.digest)
         if error is None:
@@ -407,17 +430,7 @@ class ModelManager:
                          fallbacks: list[str] | None = None) -> Runner:
         key = resolved.name
         module = backend_module(choice.backend)
-        spec = LoadSpec(name=key, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
-                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
-        if getattr(resolved, "projector", None) is not None:
-            spec.extra["projector"] = str(resolved.projector)
-        if resolved.parameters:
-            for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
-                      "speculative", "num_speculative_tokens"):
-                if k in resolved.parameters:
-                    spec.extra[k] = resolved.parameters[k]
-        if "num_thread" in spec.extra:
-            spec.extra["n_threads"] = int(spec.extra["num_thread"])
+        spec = self._spec(resolved, num_ctx)
         # what llama.cpp's build can do is asked once, in a child process: off the event loop
         offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
 
