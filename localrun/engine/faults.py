@@ -12,7 +12,8 @@ the process that runs the step (the daemon passes its environment to runner proc
     step_oom[:N]        the first N forward steps raise out of memory (default 1)
     native_load[:MODEL] the native engine fails to load any model (or only the model named MODEL)
 
-Standard library only (the parsing lives in localrun/config.py): the engine and the benchmarks import it without the server's dependencies.
+Standard library only (the parsing lives in localrun/config.py): the engine and the benchmarks import
+it without the server's dependencies.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 
-from localrun.config import FAULT_KINDS as KINDS, parse_faults
+from localrun.config import parse_faults
 
 ENV = "LOCALRUN_FAULTS"
 
@@ -29,18 +30,13 @@ class InjectedFault(RuntimeError):
     """Raised where LOCALRUN_FAULTS asks a step to fail."""
 
 
-def parse(text: str | None) -> list[tuple[str, str | None]]:
-    """``"kernel:rope, step_oom:2"`` -> ``[("kernel", "rope"), ("step_oom", "2")]``; unknown kinds are an error."""
-    return parse_faults(text)
-
-
 _lock = threading.Lock()
-_counts: dict[tuple[str, str | None], int] = {}
+_counts: dict[str, int] = {}  # kind -> calls of take() that failed so far
 
 
 def active(kind: str, env: dict[str, str] | None = None) -> list[str | None]:
     """The arguments of every ``kind`` fault set (``[None]`` for a bare ``kind``; ``[]`` when unset)."""
-    return [arg for k, arg in parse((env if env is not None else os.environ).get(ENV)) if k == kind]
+    return [arg for k, arg in parse_faults((env if env is not None else os.environ).get(ENV)) if k == kind]
 
 
 def take(kind: str, default_count: int = 1, env: dict[str, str] | None = None) -> bool:
@@ -50,10 +46,10 @@ def take(kind: str, default_count: int = 1, env: dict[str, str] | None = None) -
         return False
     limit = sum(int(a) if a and a.isdigit() else default_count for a in args)
     with _lock:
-        n = _counts.get((kind, None), 0)
+        n = _counts.get(kind, 0)
         if n >= limit:
             return False
-        _counts[(kind, None)] = n + 1
+        _counts[kind] = n + 1
         return True
 
 
