@@ -12,8 +12,10 @@ so the Triton kernels can run in Triton's CPU interpreter (TRITON_INTERPRET=1) w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+from collections.abc import Iterator
 
 import pytest
 
@@ -45,15 +47,16 @@ def tiny_dir(tmp_path_factory, smollm2_gguf):
     return d
 
 
-def _daemon(home, tiny_dir, **env) -> Daemon:
+@contextlib.contextmanager
+def _daemon(home, tiny_dir, **env) -> Iterator[Daemon]:
+    """A native-engine daemon with the tiny model created (env: LOCALRUN_FAULTS and the like), stopped after."""
     d = Daemon(home, LOCALRUN_BACKEND="native", LOCALRUN_CONTEXT_LENGTH="512", LOCALRUN_NUM_PARALLEL="1", **env)
     try:
         r = d.http.post("/api/create", json={"model": TINY, "modelfile": f"FROM {tiny_dir}\n", "stream": False})
         assert r.status_code == 200, r.text
-    except BaseException:
+        yield d
+    finally:
         d.stop()
-        raise
-    return d
 
 
 def _client(d: Daemon):
@@ -74,19 +77,15 @@ def _fallbacks(d: Daemon) -> list[str]:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_dir) -> str:
-    d = _daemon(tmp_path_factory.mktemp("home-baseline"), tiny_dir)
-    try:
+    with _daemon(tmp_path_factory.mktemp("home-baseline"), tiny_dir) as d:
         text = _complete(d)
         assert text and _fallbacks(d) == []
         return text
-    finally:
-        d.stop()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its CPU interpreter)")
 def test_a_kernel_that_fails_at_warm_up_runs_its_torch_reference(tmp_path, tiny_dir, baseline):
-    d = _daemon(tmp_path / "home", tiny_dir, TRITON_INTERPRET="1", LOCALRUN_FAULTS="kernel:apply_rope")
-    try:
+    with _daemon(tmp_path / "home", tiny_dir, TRITON_INTERPRET="1", LOCALRUN_FAULTS="kernel:apply_rope") as d:
         assert _complete(d) == baseline  # the other kernels are Triton's (interpreted), rope the reference
         fbs = _fallbacks(d)
         assert len(fbs) == 1 and fbs[0].startswith("kernel apply_rope: torch reference (Triton compile/launch "
@@ -96,53 +95,41 @@ def test_a_kernel_that_fails_at_warm_up_runs_its_torch_reference(tmp_path, tiny_
         log = d.log.read_text(errors="replace")
         assert log.count("fallback: kernel apply_rope") == 1  # once, at warm-up, not per step
         assert "fallback: kernel" not in log.replace("fallback: kernel apply_rope", "")
-    finally:
-        d.stop()
 
 
 def test_a_graph_capture_that_fails_runs_that_batch_size_eagerly(tmp_path, tiny_dir, baseline):
-    d = _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="graph_capture:1")
-    try:
+    with _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="graph_capture:1") as d:
         assert _complete(d) == baseline
         fbs = _fallbacks(d)
         assert fbs == [fbs[0]] and fbs[0].startswith("decode batch 1: eager, not a CUDA graph (capture failed: "
                                                      "InjectedFault"), fbs  # the other sizes are not named
         assert _complete(d) == baseline
-    finally:
-        d.stop()
 
 
 def test_a_kv_pool_allocation_refused_is_retried_smaller(tmp_path, tiny_dir, baseline):
     # CPU: 512 tokens x 4 sequences = 129 pages of 16; refused twice: 64 pages, then the floor of one
     # full-length sequence (512 / 16 + 1 = 33 pages)
-    d = _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="kv_alloc:2")
-    try:
+    with _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="kv_alloc:2") as d:
         assert _complete(d) == baseline
         fbs = _fallbacks(d)
         assert len(fbs) == 1 and fbs[0].startswith("KV cache: 33 pages instead of 129 (allocating 129 failed: "
                                                    "OutOfMemoryError"), fbs
         (m,) = d.ps()
         assert "528 tokens" in m["reason"]  # the pool as allocated
-    finally:
-        d.stop()
 
 
 def test_a_kv_pool_that_never_fits_is_a_clear_load_error(tmp_path, tiny_dir):
-    d = _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="kv_alloc:9")
-    try:
+    with _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="kv_alloc:9") as d:
         with pytest.raises(openai.APIStatusError) as info:
             _complete(d)
         assert info.value.status_code == 507
         msg = str(info.value)
         assert "not enough host memory for a KV cache of 33 pages" in msg and "lower num_ctx" in msg, msg
         assert d.http.get("/api/version").status_code == 200 and d.ps() == []  # the daemon goes on
-    finally:
-        d.stop()
 
 
 def test_out_of_memory_in_a_step_is_a_503_and_the_engine_goes_on(tmp_path, tiny_dir, baseline):
-    d = _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="step_oom:1")
-    try:
+    with _daemon(tmp_path / "home", tiny_dir, LOCALRUN_FAULTS="step_oom:1") as d:
         with pytest.raises(openai.APIStatusError) as info:
             _complete(d)
         assert info.value.status_code == 503
@@ -157,5 +144,3 @@ def test_out_of_memory_in_a_step_is_a_503_and_the_engine_goes_on(tmp_path, tiny_
         assert d.runner_pid(TINY + ":latest") == pid
         (m,) = d.ps()
         assert m["size"] > 0 and "fallbacks" in m
-    finally:
-        d.stop()
