@@ -108,12 +108,15 @@ def _check_anthropic_sequence(events: list) -> None:
     assert open_index is None and next_index >= 1, kinds
 
 
-def test_claude_code_bare_request_replayed(real):
+def test_claude_code_bare_request_replayed(real, greedy):
     """`claude -p --bare --tools Read`'s request, as sent (adaptive thinking, context management,
     output_config.effort, metadata, cache_control, ?beta=true), streamed: Anthropic's events, in
-    order, with text or a Read call; then the same request once more reads the prefix cache."""
+    order, with text or a Read call; then the same request once more reads the prefix cache. On the
+    greedy model, as Claude Code itself runs in these tests (sampled at Anthropic's default of 1, a
+    tool call cut off by max_tokens before it was whole sometimes left no block at all)."""
     client = _anthropic(real)
     kw = _claude_kwargs(CLAUDE_BARE, 24)
+    kw["model"] = greedy
     stream = client.messages.create(stream=True, **kw)
     events = list(stream)
     _check_anthropic_sequence(events)
