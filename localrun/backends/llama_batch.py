@@ -425,6 +425,10 @@ class BatchedLlama:
             budget -= len(chunk)
         if not rows:
             return bool(prefills)
+        # in slot order: with one KV stream per sequence, llama.cpp cuts a batch into one ubatch per run
+        # of consecutive sequence ids in batch order (split_equal, sequential), each a whole forward
+        # pass; in arrival order 8 streams took 2-3 passes a step (measured 67 ms against 56 ms)
+        rows.sort(key=lambda row: row[0].sid)
         self._fill(rows)
         ret = self.lib.llama_decode(self.ctx, self._batch)
         if ret != 0:
