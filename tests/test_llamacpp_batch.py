@@ -205,6 +205,32 @@ def test_each_step_feeds_its_sequences_in_slot_order(smollm2_gguf):
         run(b.close())
 
 
+def test_a_prompt_chunk_is_not_cut_by_the_streams_decoding_beside_it(backend):
+    """A long prompt arriving while a stream decodes is prefilled in chunks of step_tokens beside
+    that stream's token (not step_tokens less the decode tokens: a chunk cut by them left llama.cpp
+    a short extra pass)."""
+    engine = backend.engine
+    prompt = chatml("Summarise the rules.", "Reply as a poet. " + SYSTEM)  # not cached by the tests before
+
+    async def main():
+        o = SamplingOptions(temperature=0.0, max_tokens=60, ignore_eos=True)
+        gen = backend.generate(GenerationRequest(prompt=chatml("Tell me a long story."), options=o))
+        await gen.__anext__()
+        spy = engine.lib = _DecodeOrder(engine.lib, engine)
+        try:
+            _, last, _ = await collect(backend, prompt, max_tokens=2)
+        finally:
+            engine.lib = spy._lib
+            await gen.aclose()
+        return spy.batches, last
+
+    batches, last = run(main())
+    n_prompt = last.usage.prompt_tokens - last.usage.cached_tokens
+    assert n_prompt > engine.step_tokens  # the test needs a prompt longer than one chunk
+    sizes = [len(b) for b in batches if len(set(b)) == 2]  # steps that fed both sequences
+    assert engine.step_tokens + 1 in sizes, sizes
+
+
 def test_logit_bias_bans_a_token(backend):
     text, last, ids = run(collect(backend, chatml("What is the capital of France?"), max_tokens=8))
     banned = ids[0]

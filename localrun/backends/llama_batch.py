@@ -11,7 +11,8 @@ One :class:`BatchedLlama` owns a model's single ``llama_context``: ``parallel`` 
    being prefilled waits for that prefill instead of computing the same tokens beside it;
 2. builds one ``llama_batch``: every decoding sequence's next token (plus prompt-lookup drafts when
    speculative decoding is on), then prefill chunks of the others, first come first served, up to
-   ``step_tokens`` tokens in all, so a long prompt never stalls the streams already running;
+   ``step_tokens`` tokens, so a long prompt never stalls the streams already running; laid out in
+   slot order, as llama.cpp computes one forward pass per run of consecutive sequence ids;
 3. calls ``llama_decode`` once (the GIL is released: the daemon's pipe keeps moving meanwhile);
 4. samples each sequence that has an output row with its own sampler chain (logit bias,
    penalties, grammar, top-k/p, min-p, temperature, its own seeded RNG), handles stop tokens, stop
@@ -415,7 +416,10 @@ class BatchedLlama:
                 r.draft = self._draft(r) if r.speculative else []
                 rows.append((r, r.pending + r.draft, True))
                 n_decode += 1 + len(r.draft)
-        budget = self.step_tokens - n_decode
+        # prefill chunks get step_tokens beside the decode tokens (the context's n_batch has room for
+        # both): a chunk cut short by the decode tokens (two 256-token prompts as 256 + 250) made
+        # llama.cpp's equal split compute the longer one's last tokens in a pass of their own
+        budget = self.step_tokens
         prefills = [r for r in self._running if r.computed < len(r.prompt) and self._text_ready(r)]
         for r in prefills:
             if budget <= 0:

@@ -262,7 +262,7 @@ class LlamaCppBackend:
         # prefix is a stream copy instead (a memcpy), and cached prefixes cost no step anything
         cparams.kv_unified = False
         cparams.swa_full = True  # a sliding-window layer keeps every cell, so any prefix can be reused
-        cparams.n_batch = step_tokens + parallel * (1 + self.speculative)
+        cparams.n_batch = step_tokens + parallel * (1 + self.speculative)  # a prefill chunk + every decode row
         cparams.n_ubatch = min(512, cparams.n_batch)
         cparams.n_outputs_max_per_seq = 0
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
