@@ -205,6 +205,43 @@ def test_each_step_feeds_its_sequences_in_slot_order(smollm2_gguf):
         run(b.close())
 
 
+def test_a_stream_moves_next_to_the_others_when_one_between_them_ends(backend, smollm2_gguf):
+    """Three streams run in slots 0, 1 and 2; the middle one is cancelled. The one in slot 2 moves to
+    slot 1 (its stream copied) instead of leaving a gap that would cost a second forward pass on
+    every step, and both remaining streams still get the answers they get alone."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    qa, qb, qc = chatml(QUESTIONS[0]), chatml(QUESTIONS[1]), chatml(QUESTIONS[3])
+    alone = {q: run(collect(backend, q, max_tokens=40, ignore_eos=True))[0] for q in (qa, qc)}
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
+                                 extra={"n_threads": 2}))
+    try:
+        spy = b.engine.lib = _DecodeOrder(b.engine.lib, b.engine)
+
+        async def cancelled_early():
+            o = SamplingOptions(temperature=0.0, max_tokens=40, ignore_eos=True)
+            gen = b.generate(GenerationRequest(prompt=qb, options=o))
+            for _ in range(3):
+                await gen.__anext__()
+            await gen.aclose()
+
+        async def main():
+            return await asyncio.gather(collect(b, qa, max_tokens=40, ignore_eos=True), cancelled_early(),
+                                        collect(b, qc, max_tokens=40, ignore_eos=True))
+
+        (ta, _, _), _, (tc, _, _) = run(main())
+        st = run(b.stats())
+    finally:
+        b.engine.lib = spy._lib
+        run(b.close())
+    assert {s for batch in spy.batches for s in batch} == {0, 1, 2}
+    assert st["moved_sequences"] == 1
+    for batch in spy.batches:  # never two runs of sequence ids (two passes) in one step
+        ids = sorted(set(batch))
+        assert ids == list(range(ids[0], ids[0] + len(ids))), batch
+    assert ta == alone[qa] and tc == alone[qc]
+
+
 def test_a_prompt_chunk_is_not_cut_by_the_streams_decoding_beside_it(backend):
     """A long prompt arriving while a stream decodes is prefilled in chunks of step_tokens beside
     that stream's token (not step_tokens less the decode tokens: a chunk cut by them left llama.cpp

@@ -223,7 +223,7 @@ class BatchedLlama:
         self.fatal: str | None = None
         self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
                              copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
-                             spec_steps=0, image_tokens=0)
+                             spec_steps=0, image_tokens=0, moved_sequences=0)
         self._pieces: dict[int, bytes] = {}
         self._outbox: list[tuple[Request, Any]] = []
         self._alloc_batch(self.step_tokens)
@@ -293,6 +293,7 @@ class BatchedLlama:
                     self._inbox.clear()
                 self._reap()
                 self._admit()
+                self._compact()
                 if self._running:
                     worked = self._step()
                     for r in [r for r in self._running if r.finished]:  # e.g. an image that failed to encode
@@ -330,6 +331,42 @@ class BatchedLlama:
                 continue
             del self._waiting[i]
             self._start(r)
+
+    def _apart(self, sid: int) -> bool:
+        """Whether a sequence in slot ``sid`` would stand apart from every running one."""
+        running = {r.sid for r in self._running}
+        return bool(running) and sid - 1 not in running and sid + 1 not in running
+
+    def _compact(self) -> None:
+        """Keep the running sequences in consecutive slots. With one KV stream per sequence llama.cpp
+        computes a step as one forward pass per run of consecutive sequence ids, so streams in slots 0
+        and 2 cost two passes a step where slots 0 and 1 cost one. A sequence outside the window of
+        slots that holds most running ones moves into a free slot inside it: its stream is copied
+        whole (``llama_memory_seq_cp``, a memcpy, cheaper than the pass it saves on every step after),
+        and the slot it leaves keeps the tokens as an idle cached prefix."""
+        if not self.share_prefixes or len(self._running) < 2:
+            return  # (recurrent state is no KV stream: no runs to keep together)
+        ids = {r.sid for r in self._running}
+        k = len(ids)
+        if max(ids) - min(ids) == k - 1:
+            return
+        start = max(range(self.parallel - k + 1), key=lambda a: (len(ids.intersection(range(a, a + k))), -a))
+        free = [i for i in range(start, start + k) if i not in ids]
+        outside = sorted((r for r in self._running if not start <= r.sid < start + k), key=lambda r: r.sid)
+        for r, dst in zip(outside, free):
+            self._move(r, self.slots[dst])
+
+    def _move(self, r: Request, dst: Slot) -> None:
+        src = self.slots[r.sid]
+        self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream, dst's cells first cleared
+        dst.tokens, dst.prompt_len = list(src.tokens), src.prompt_len
+        dst.request, dst.last_used = r, src.last_used
+        src.request, src.last_used = None, time.monotonic()
+        for key, sid in list(self._keyed.items()):
+            if sid == src.id:
+                self._keyed[key] = dst.id
+        r.sid = dst.id
+        self.counters["moved_sequences"] += 1
 
     def _wait_for_shared_prefill(self, r: Request) -> bool:
         """True when a running prefill will soon hold more of r's prompt than the cache does now:
@@ -381,7 +418,8 @@ class BatchedLlama:
         else:
             # a free slot, empty ones first, else the least recently used; src (running, or idle with
             # more of its own prompt than r shares) keeps what it holds and r gets a copy of it
-            dst = min(spare or free, key=lambda sl: (bool(sl.tokens), sl.id in owned, sl.last_used))
+            # (next to the running ones first: see _compact)
+            dst = min(spare or free, key=lambda sl: (self._apart(sl.id), bool(sl.tokens), sl.id in owned, sl.last_used))
             if n:
                 self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
                 dst.tokens = list(src.tokens)  # copies streams whole), cut back below
