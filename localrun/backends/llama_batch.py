@@ -343,7 +343,8 @@ class BatchedLlama:
         and 2 cost two passes a step where slots 0 and 1 cost one. A sequence outside the window of
         slots that holds most running ones moves into a free slot inside it: its stream is copied
         whole (``llama_memory_seq_cp``, a memcpy, cheaper than the pass it saves on every step after),
-        and the slot it leaves keeps the tokens as an idle cached prefix."""
+        and the slot it leaves keeps the tokens as an idle cached prefix (a slot that another
+        ``prompt_cache_key`` last used is not taken)."""
         if not self.share_prefixes or len(self._running) < 2:
             return  # (recurrent state is no KV stream: no runs to keep together)
         ids = {r.sid for r in self._running}
@@ -352,9 +353,12 @@ class BatchedLlama:
             return
         start = max(range(self.parallel - k + 1), key=lambda a: (len(ids.intersection(range(a, a + k))), -a))
         free = [i for i in range(start, start + k) if i not in ids]
-        outside = sorted((r for r in self._running if not start <= r.sid < start + k), key=lambda r: r.sid)
-        for r, dst in zip(outside, free):
-            self._move(r, self.slots[dst])
+        key_of = {sid: key for key, sid in self._keyed.items()}  # a slot another key last used stays its
+        for r in sorted((r for r in self._running if not start <= r.sid < start + k), key=lambda r: r.sid):
+            dst = next((i for i in free if key_of.get(i) in (None, r.cache_key)), None)
+            if dst is not None:
+                free.remove(dst)
+                self._move(r, self.slots[dst])
 
     def _move(self, r: Request, dst: Slot) -> None:
         src = self.slots[r.sid]
@@ -362,8 +366,10 @@ class BatchedLlama:
         dst.tokens, dst.prompt_len = list(src.tokens), src.prompt_len
         dst.request, dst.last_used = r, src.last_used
         src.request, src.last_used = None, time.monotonic()
-        for key, sid in list(self._keyed.items()):
-            if sid == src.id:
+        for key, sid in list(self._keyed.items()):  # dst's cells are r's now: r's key follows, dst's old key goes
+            if sid == dst.id:
+                del self._keyed[key]
+            elif sid == src.id:
                 self._keyed[key] = dst.id
         r.sid = dst.id
         self.counters["moved_sequences"] += 1
@@ -418,8 +424,9 @@ class BatchedLlama:
         else:
             # a free slot, empty ones first, else the least recently used; src (running, or idle with
             # more of its own prompt than r shares) keeps what it holds and r gets a copy of it
-            # (next to the running ones first: see _compact)
-            dst = min(spare or free, key=lambda sl: (self._apart(sl.id), bool(sl.tokens), sl.id in owned, sl.last_used))
+            # (one another key last used only when there is no other; then next to the running ones: see
+            # _compact)
+            dst = min(spare or free, key=lambda sl: (sl.id in owned, self._apart(sl.id), bool(sl.tokens), sl.last_used))
             if n:
                 self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
                 dst.tokens = list(src.tokens)  # copies streams whole), cut back below
