@@ -332,11 +332,6 @@ class BatchedLlama:
             del self._waiting[i]
             self._start(r)
 
-    def _apart(self, sid: int) -> bool:
-        """Whether a sequence in slot ``sid`` would stand apart from every running one."""
-        running = {r.sid for r in self._running}
-        return bool(running) and sid - 1 not in running and sid + 1 not in running
-
     def _compact(self) -> None:
         """Keep the running sequences in consecutive slots. With one KV stream per sequence llama.cpp
         computes a step as one forward pass per run of consecutive sequence ids, so streams in slots 0
@@ -422,11 +417,12 @@ class BatchedLlama:
             # greedy request gets the same answer.
             dst = src
         else:
-            # a free slot, empty ones first, else the least recently used; src (running, or idle with
-            # more of its own prompt than r shares) keeps what it holds and r gets a copy of it
-            # (one another key last used only when there is no other; then next to the running ones: see
-            # _compact)
-            dst = min(spare or free, key=lambda sl: (sl.id in owned, self._apart(sl.id), bool(sl.tokens), sl.last_used))
+            # a free slot: one another key last used only when there is no other; then one next to the
+            # running ones (see _compact); then an empty one, else the least recently used. src (running,
+            # or idle with more of its own prompt than r shares) keeps what it holds; r gets a copy of it
+            near = {q.sid + d for q in self._running for d in (-1, 1)}  # empty while nothing runs: no preference
+            dst = min(spare or free, key=lambda sl: (sl.id in owned, bool(near) and sl.id not in near, bool(sl.tokens),
+                                                     sl.last_used))
             if n:
                 self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
                 dst.tokens = list(src.tokens)  # copies streams whole), cut back below
@@ -455,12 +451,10 @@ class BatchedLlama:
     def _step(self) -> bool:
         """One step; False when nothing could run (the prefilling requests wait for image encodes)."""
         rows: list[tuple[Request, list[int], bool]] = []  # (request, tokens fed, decoding)
-        n_decode = 0
         for r in self._running:
             if r.computed >= len(r.prompt) and r.pending:  # decoding: its last token (+ drafts)
                 r.draft = self._draft(r) if r.speculative else []
                 rows.append((r, r.pending + r.draft, True))
-                n_decode += 1 + len(r.draft)
         # prefill chunks get step_tokens beside the decode tokens (the context's n_batch has room for
         # both): a chunk cut short by the decode tokens (two 256-token prompts as 256 + 250) made
         # llama.cpp's equal split compute the longer one's last tokens in a pass of their own
