@@ -24,7 +24,7 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
    (../shared/reference/benchmarks.md) and as a fraction of the machine's ceiling.
 5. ttft_512: time to first token at 512 prompt tokens (one request at a time, fresh prompts).
 6. itl: batch-1 inter-token latency (512-token prompt, 256 tokens out), through the streaming API.
-7. prefix: a 1,024-token shared system prompt + 64 questions, prefix cache on vs off.
+7. prefix: a 1,024-token shared system prompt + 64 questions sent at once, prefix cache on vs off.
 8. coldstart: a fresh process imports the engine, builds the 8B shape, captures its graphs and
    returns one token; the first run with an empty Triton cache, the next ones sharing it.
 
@@ -353,12 +353,17 @@ def itl(engine, sizes: Sizes) -> dict[str, Any]:
 
 # -- 5. prefix ---------------------------------------------------------------------------------
 def prefix(model, mcfg, device: str, sizes: Sizes, fraction: float) -> dict[str, Any]:
-    from localrun.bench.prefix import build_shared, run_shared
+    import random
+
+    from localrun.bench.prefix import _ids, _measure, build_shared, run_shared
     from localrun.engine import LLMEngine
 
     runs = {}
     for on in (True, False):
         engine = LLMEngine(model, mcfg, _engine_config(device, sizes, fraction, enable_prefix_cache=on), None)
+        # unrelated prompts first (as `bench prefix`): the first steps' one-time costs count in neither run
+        _measure(engine, [_ids(random.Random(99 + i), 64, mcfg.vocab_size) for i in range(2)], 4)
+        engine.clear_prefix_cache()
         prompts = build_shared(mcfg.vocab_size, sizes.system_len, sizes.questions, sizes.question_len)
         runs["cache_on" if on else "cache_off"] = run_shared(engine, prompts, sizes.prefix_output)
         engine.shutdown()

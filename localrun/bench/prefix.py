@@ -74,14 +74,13 @@ def _summary(outs: list, submit_times: list[float], elapsed: float) -> dict[str,
 
 
 def run_shared(engine, prompts: list[list[int]], max_tokens: int, console=None) -> dict[str, Any]:
-    """The first question goes alone (afterwards the system prompt has been seen, as in any
-    running deployment), then the rest together; both count."""
+    """Every question at once, as a load generator sends them (SGLang's bench_serving): with the
+    cache on, the engine computes the system prompt once (the scheduler admits one of the
+    requests that share an uncached page, the others the step after, from the cache)."""
     prog, update = progress_bar("shared prefix", len(prompts), console)
     with prog:
-        first, t_a, dt_a = _measure(engine, prompts[:1], max_tokens)
-        rest, t_b, dt_b = _measure(engine, prompts[1:], max_tokens, lambda d, n: update(1 + d)) if len(prompts) > 1 \
-            else ([], t_a, 0.0)
-    return _summary(first + rest, [t_a] + [t_b] * len(rest), dt_a + dt_b)
+        outs, t, dt = _measure(engine, prompts, max_tokens, update)
+    return _summary(outs, [t] * len(outs), dt)
 
 
 def run_multiturn(engine, vocab: int, chats: int, turns: int, user_len: int, max_tokens: int, seed: int = 1,

@@ -136,9 +136,53 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+class _KernelTrials:
+    """fallbacks.try_kernels for one load: run at once, or on a thread of its own while the
+    weights load (CUDA), the reasons recorded until the engine exists to take them."""
+
+    def __init__(self, kv_cfg: ModelConfig, config: EngineConfig, background: bool) -> None:
+        self.reasons: list[str] = []
+        self.failed: frozenset[str] = frozenset()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        args = (kv_cfg, config.torch_dtype, config.kv_torch_dtype, config.page_size, torch.device(config.device))
+        self._thread = threading.Thread(target=self._run, args=args, name="localrun-kernel-trials", daemon=True)
+        if background:
+            self._thread.start()
+        else:
+            self._run(*args)
+
+    def _run(self, *args) -> None:
+        t = time.perf_counter()
+        try:
+            check_kv_dtype(args[2], args[4], True)
+            self.failed = fb.try_kernels(*args, self.reasons.append)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the loading thread
+            self.error = exc
+        self.seconds = time.perf_counter() - t
+
+    def wait(self) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    def result(self, record: Callable[[str], None], timings: dict) -> frozenset[str]:
+        """The kernels that run their torch reference; each reason `record`ed."""
+        t = time.perf_counter()
+        self.wait()
+        if self._thread.ident is not None:
+            timings["kernels_wait_s"] = time.perf_counter() - t
+        timings["kernels_s"] = self.seconds
+        if self.error is not None:
+            raise self.error
+        for reason in self.reasons:
+            record(reason)
+        return self.failed
+
+
 class LLMEngine:
     def __init__(self, model: LlamaModel, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | None, timings: dict | None = None) -> None:
+                 tokenizer: Tokenizer | None, timings: dict | None = None,
+                 kernel_trials: "_KernelTrials | None" = None) -> None:
         self.model, self.model_config, self.config, self.tokenizer = model, model_config, config, tokenizer
         self.device = torch.device(config.device)
         self.timings = dict(timings or {})  # load phases, seconds
@@ -150,8 +194,9 @@ class LLMEngine:
         dtype, kv_dtype = config.torch_dtype, config.kv_torch_dtype
         triton = use_triton(config.device, config.use_triton)
         check_kv_dtype(kv_dtype, self.device, triton)
-        refs = fb.try_kernels(kv_cfg, dtype, kv_dtype, config.page_size, self.device, self._fallback) if triton \
-            else frozenset()
+        if kernel_trials is None and triton:
+            kernel_trials = _KernelTrials(kv_cfg, config, background=False)
+        refs = kernel_trials.result(self._fallback, self.timings) if triton else frozenset()
         if model.ops.reference == triton or refs:
             model.ops = Ops(reference=not triton, refs=refs)
         t = time.perf_counter()
@@ -265,7 +310,7 @@ class LLMEngine:
             return None
         host = HostKVPool(self.pool, pages)
         log.info("prefix cache host tier: %d pages (%.1f MiB, %s)", pages, host.nbytes / 2**20,
-                 "pinned" if host.cuda else "host RAM")
+                 "host RAM, staged through pinned buffers" if host.cuda else "host RAM")
         return host
 
     def _kv_budget(self, model: LlamaModel, per_page: int, activations: int) -> int:
@@ -303,13 +348,26 @@ class LLMEngine:
                                      "from_gguf, from_safetensors or from_random")
                 tp = launch.start(config.tensor_parallel, config.device, recipe, config, cls.from_recipe)
         try:
+            timings = {}
+            trials = None
+            if config.is_cuda and tp.world == 1 and use_triton(config.device, config.use_triton):
+                t = time.perf_counter()
+                torch.zeros(1, device=config.device)  # the CUDA context, before a second thread uses it
+                timings["cuda_init_s"] = time.perf_counter() - t
+                # the kernels' first compile (seconds with an empty Triton cache) runs beside the weights' load
+                trials = _KernelTrials(tp.local_config(mcfg), config, background=True)
             t = time.perf_counter()
-            model = build_model(mcfg, config, tp)
-            fill(model)
-            if config.is_cuda:
-                torch.cuda.synchronize()
-            timings = {"weights_s": time.perf_counter() - t}
-            return cls(model, mcfg, config, tokenizer() if tp.rank == 0 else None, timings)
+            try:
+                model = build_model(mcfg, config, tp)
+                fill(model)
+                if config.is_cuda:
+                    torch.cuda.synchronize()
+            except BaseException:
+                if trials is not None:
+                    trials.wait()  # not one kernel compiling behind the error
+                raise
+            timings["weights_s"] = time.perf_counter() - t
+            return cls(model, mcfg, config, tokenizer() if tp.rank == 0 else None, timings, trials)
         except BaseException:
             if tp.rank == 0:
                 tp.close()

@@ -1,7 +1,7 @@
 """HostKVPool: the prefix cache's host-memory tier and the copies between it and the device.
 
 As SGLang's HiCache: a bounded pool of KV pages
-in host RAM, pinned when the device is CUDA, and the batched copies between it and the
+in host RAM (pageable; the copies stage through pinned buffers on CUDA), and the batched copies between it and the
 device pool.
 
 The radix cache decides what moves (this module only moves bytes): `store` queues a copy
@@ -72,9 +72,11 @@ class HostKVPool:
         dev = device_pool.page_tensors()
         self.device = dev[0].device
         self.cuda = self.device.type == "cuda"
-        # one buffer, carved into a tensor per device page tensor. torch.empty: the OS commits host
-        # pages only as they are written (pinned memory is committed at once)
-        buf = torch.empty(_buffer_bytes(dev, num_pages), dtype=torch.uint8, pin_memory=self.cuda)
+        # one buffer, carved into a tensor per device page tensor. Pageable, not pinned: only the
+        # staging buffers of the copies (below) cross the bus, and this one is read and written by
+        # host copies alone. So the OS commits its pages as they are first written, and a load
+        # does not wait for the whole budget to be pinned
+        buf = torch.empty(_buffer_bytes(dev, num_pages), dtype=torch.uint8)
         self.tensors, offset = [], 0
         for t in dev:
             n = num_pages * _page_bytes(t)
@@ -95,14 +97,10 @@ class HostKVPool:
 
     @staticmethod
     def pages_for_budget(device_pool: KVPool, budget_bytes: int) -> int:
-        """Host pages that fit in budget_bytes. On CUDA the buffer is pinned, and PyTorch's pinned
-        allocator rounds a request up to a power of two: the buffer is sized to the largest power
-        of two within the budget, so what is committed stays within it."""
+        """Host pages that fit in budget_bytes."""
         dev = device_pool.page_tensors()
         if budget_bytes <= 0:
             return 0
-        if dev[0].is_cuda:
-            budget_bytes = 1 << (int(budget_bytes).bit_length() - 1)
         pages = int(budget_bytes // sum(_page_bytes(t) for t in dev))
         while pages > 0 and _buffer_bytes(dev, pages) > budget_bytes:
             pages -= 1
