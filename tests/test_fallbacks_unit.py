@@ -49,6 +49,63 @@ def test_kernel_trial_keeps_good_kernels_and_drops_failing_or_wrong_ones(monkeyp
                        "PTX compile failed: sm_120 not supported)")
 
 
+def test_kernel_trials_on_threads_retry_a_failure_alone_before_it_counts(monkeypatch):
+    """threads > 1: the trials after the first run on a pool; one that fails only beside others
+    (as a compile racing another could) passes when tried again alone and keeps its kernel; one
+    that fails alone too falls back, recorded once."""
+    import threading
+    import time
+
+    names = fb.ATTENTION_KERNELS + ("fused_add_rmsnorm", "apply_rope", "silu_and_mul")
+    inside, seen, calls = [0], [], {"apply_rope": 0}
+    lock = threading.Lock()
+    rope = kernels.apply_rope
+
+    def crowded_rope(*a, **k):  # raises while another trial runs at the same time
+        with lock:
+            inside[0] += 1
+            calls["apply_rope"] += 1
+        try:
+            time.sleep(0.05)
+            with lock:
+                others = inside[0] > 1 or busy[0] > 0
+            if others:
+                raise RuntimeError("a concurrent compile clobbered this one")
+            return rope(*a, **k)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    busy = [0]
+    silu = kernels.silu_and_mul
+
+    def slow_silu(x):  # keeps another trial busy while apply_rope's runs
+        with lock:
+            busy[0] += 1
+        try:
+            time.sleep(0.2)
+            return silu(x)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX compile failed")
+
+    monkeypatch.setattr(kernels, "apply_rope", crowded_rope)
+    monkeypatch.setattr(kernels, "silu_and_mul", slow_silu)
+    monkeypatch.setattr(kernels, "fused_add_rmsnorm", broken)
+    refs = fb.try_kernels(CFG, torch.float32, torch.float32, 16, torch.device("cpu"), seen.append, names=names,
+                          threads=4)
+    assert refs == {"fused_add_rmsnorm"}
+    assert calls["apply_rope"] == 2  # failed beside silu_and_mul, then passed alone
+    assert seen == ["kernel fused_add_rmsnorm: torch reference (Triton compile/launch failed at warm-up: "
+                    "RuntimeError: PTX compile failed)"]
+    seen.clear()  # a kernel outside `names` is not tried at all
+    assert fb.try_kernels(CFG, torch.float32, torch.float32, 16, torch.device("cpu"), seen.append,
+                          names=("store_kv",), threads=4) == frozenset() and seen == []
+
+
 def test_kernel_trial_of_a_quantized_cache_compares_dequantized_pages():
     seen: list[str] = []
     assert fb.try_kernels(CFG, torch.float32, torch.int8, 16, torch.device("cpu"), seen.append) == frozenset()

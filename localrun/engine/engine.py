@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from localrun.engine.layers.attention import check_kv_dtype, use_triton
 from localrun.engine.layers.ops import Ops
 from localrun.engine.layers.quant import weight_bytes
 from localrun.engine.models import build_model
+from localrun.engine.models.registry import model_class
 from localrun.engine.models.llama import LlamaModel
 from localrun.engine.models.loader import recipe_source
 from localrun.engine.parallel import launch
@@ -136,16 +138,24 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+def _kernel_names(cls: type, mcfg: ModelConfig) -> tuple[str, ...]:
+    """The Triton kernels a model of `cls` launches (the attention kernels and its pointwise ones)."""
+    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg))
+
+
 class _KernelTrials:
     """fallbacks.try_kernels for one load: run at once, or on a thread of its own while the
     weights load (CUDA), the reasons recorded until the engine exists to take them."""
 
-    def __init__(self, kv_cfg: ModelConfig, config: EngineConfig, background: bool) -> None:
+    def __init__(self, kv_cfg: ModelConfig, config: EngineConfig, names: tuple[str, ...], background: bool) -> None:
         self.reasons: list[str] = []
         self.failed: frozenset[str] = frozenset()
         self.error: BaseException | None = None
         self.seconds = 0.0
-        args = (kv_cfg, config.torch_dtype, config.kv_torch_dtype, config.page_size, torch.device(config.device))
+        device = torch.device(config.device)
+        self.names = names
+        self.threads = min(len(names), os.cpu_count() or 1) if device.type == "cuda" else 1
+        args = (kv_cfg, config.torch_dtype, config.kv_torch_dtype, config.page_size, device)
         self._thread = threading.Thread(target=self._run, args=args, name="localrun-kernel-trials", daemon=True)
         if background:
             self._thread.start()
@@ -156,7 +166,7 @@ class _KernelTrials:
         t = time.perf_counter()
         try:
             check_kv_dtype(args[2], args[4], True)
-            self.failed = fb.try_kernels(*args, self.reasons.append)
+            self.failed = fb.try_kernels(*args, self.reasons.append, names=self.names, threads=self.threads)
         except BaseException as exc:  # noqa: BLE001 - raised again in the loading thread
             self.error = exc
         self.seconds = time.perf_counter() - t
@@ -195,7 +205,7 @@ class LLMEngine:
         triton = use_triton(config.device, config.use_triton)
         check_kv_dtype(kv_dtype, self.device, triton)
         if kernel_trials is None and triton:
-            kernel_trials = _KernelTrials(kv_cfg, config, background=False)
+            kernel_trials = _KernelTrials(kv_cfg, config, _kernel_names(type(model), model_config), background=False)
         refs = kernel_trials.result(self._fallback, self.timings) if triton else frozenset()
         if model.ops.reference == triton or refs:
             model.ops = Ops(reference=not triton, refs=refs)
@@ -355,7 +365,8 @@ class LLMEngine:
                 torch.zeros(1, device=config.device)  # the CUDA context, before a second thread uses it
                 timings["cuda_init_s"] = time.perf_counter() - t
                 # the kernels' first compile (seconds with an empty Triton cache) runs beside the weights' load
-                trials = _KernelTrials(tp.local_config(mcfg), config, background=True)
+                trials = _KernelTrials(tp.local_config(mcfg), config, _kernel_names(model_class(mcfg), mcfg),
+                                       background=True)
             t = time.perf_counter()
             try:
                 model = build_model(mcfg, config, tp)

@@ -113,8 +113,9 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         return [_dense(k_cache, ks), _dense(v_cache, vs)]
     k_cache, v_cache, ks, vs = _caches(inp, ref_store)
     lens = torch.tensor(inp["lens"], dtype=torch.int32, device=inp["device"])
-    if name == "paged_decode_attention":
-        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], k_scale=ks, v_scale=vs).float()]
+    if name == "paged_decode_attention":  # split KV (small batches) and one split (the output written at once)
+        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], splits, k_scale=ks,
+                   v_scale=vs).float() for splits in (None, 1)]
     if name == "extend_attention":  # the last 5 tokens of each sequence are new
         cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=inp["device"])
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,
@@ -129,15 +130,21 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
 
 
 def try_kernels(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, device,
-                record: Callable[[str], None]) -> frozenset[str]:
-    """Compile and launch each Triton kernel once on tiny inputs and compare it with its torch
-    reference; return the names of those that raised (or disagree), which then run their
-    reference for this load. Each one is `record`ed with its reason."""
-    failed: set[str] = set()
+                record: Callable[[str], None], names: tuple[str, ...] = KERNELS,
+                threads: int = 1) -> frozenset[str]:
+    """Compile and launch each Triton kernel in `names` once on tiny inputs and compare it with
+    its torch reference; return the names of those that raised (or disagree), which then run
+    their reference for this load. Each one is `record`ed with its reason.
+
+    threads > 1 (CUDA): the trials after the first run on that many threads. With an empty
+    Triton cache each trial is a compile of a second or more, and Triton's compiler and the
+    launcher's C build release the GIL for part of it. A trial that fails there is tried again
+    alone before it counts (a failure of the threads, not of the kernel, must not cost speed)."""
     injected = {a for a in faults.active("kernel") if a}
     inp = _inputs(cfg, dtype, kv_dtype, page_size, device)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for name in KERNELS:
+
+    def trial(name: str) -> str | None:
         try:
             if name in injected:
                 raise faults.InjectedFault(f"injected compile failure of the Triton kernel {name} (LOCALRUN_FAULTS)")
@@ -148,13 +155,31 @@ def try_kernels(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, 
             err = max(float(((a - b).abs().max() / b.abs().max().clamp_min(1e-6))) for a, b in zip(got, want))
             limit = FP8_STORE_TOL if name == "store_kv" and kv_dtype == torch.float8_e4m3fn else tol
             if not err <= limit:  # NaN too
-                reason = f"its output differs from the torch reference (relative error {err:.3g} > {limit:g})"
-            else:
-                continue
+                return f"its output differs from the torch reference (relative error {err:.3g} > {limit:g})"
+            return None
         except Exception as exc:  # noqa: BLE001 - any failure of this kernel: use its reference
-            reason = f"Triton compile/launch failed at warm-up: {short(exc)}"
-        failed.add(name)
-        record(f"kernel {name}: torch reference ({reason})")
+            return f"Triton compile/launch failed at warm-up: {short(exc)}"
+
+    names = tuple(names)
+    reasons: dict[str, str | None] = {}
+    if names:  # the first alone: it sets up Triton's driver (its launcher utilities), shared by all
+        reasons[names[0]] = trial(names[0])
+    rest = names[1:]
+    if threads > 1 and len(rest) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(rest)), thread_name_prefix="localrun-kernel-trial") as pool:
+            reasons.update(zip(rest, pool.map(trial, rest)))
+        for name in rest:
+            if reasons[name] is not None and name not in injected:
+                reasons[name] = trial(name)
+    else:
+        reasons.update((name, trial(name)) for name in rest)
+    failed = set()
+    for name in names:
+        if reasons[name] is not None:
+            failed.add(name)
+            record(f"kernel {name}: torch reference ({reasons[name]})")
     return frozenset(failed)
 
 

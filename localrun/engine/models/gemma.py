@@ -71,6 +71,10 @@ class GemmaDecoderLayer(DecoderLayer):
 class GemmaModel(LlamaModel):
     layer_cls = GemmaDecoderLayer
 
+    @staticmethod
+    def pointwise_kernels(cfg: ModelConfig) -> tuple[str, ...]:
+        return ("fused_add_rmsnorm", "apply_rope", "gelu_tanh_and_mul")  # its q/k norms are fused_add_rmsnorm too
+
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__(cfg, max_pos, dtype, device, ops, weight_dtype, tp)

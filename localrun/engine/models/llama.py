@@ -76,6 +76,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     layer_cls = DecoderLayer  # a subclass's own decoder layer (models/gemma.py)
 
+    @staticmethod
+    def pointwise_kernels(cfg: ModelConfig) -> tuple[str, ...]:
+        """The pointwise kernels (layers/ops.Ops) this family's forward calls: tried at load."""
+        return ("fused_add_rmsnorm", "apply_rope", "silu_and_mul") + (("rms_norm",) if cfg.qk_norm else ())
+
     def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, device, ops: Ops,
                  weight_dtype: str = "auto", tp: TPGroup | None = None):
         super().__init__()
