@@ -6,8 +6,6 @@ of the sequence's KV positions through the page table with an online softmax, an
 partial output plus its log-sum-exp. Stage 2: grid (batch, q_head) merges the splits,
 weighting each by exp(lse_split - lse_max). Splitting the KV range keeps every SM busy at
 small batch sizes, where one program per (sequence, head) would leave most of the GPU idle.
-When the batch alone fills the GPU (one split), stage 1 writes the output and stage 2 is skipped
-(at batch 256 of the 8B shape the merge was ~6% of a decode step's kernel time on an H200).
 
 Same math as reference.paged_decode_attention_ref; logits are handled in base 2 (exp2).
 The split count is a runtime value (not a compile-time constant), so one compiled kernel
@@ -39,9 +37,8 @@ def _decode_split_kernel(
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    # DIRECT (one split): MidO is the output [B, Hq, D] itself, written in its dtype; no lse, no merge
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -79,13 +76,9 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0  # False for an empty split (short sequence, many splits)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    if DIRECT:
-        tl.store(MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + offs_d[None, :],
-                 out.to(MidO.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-    else:
-        tl.store(MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
-                 out, mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+    tl.store(MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+             out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -153,12 +146,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q)
     if not 1 <= splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
-    direct = splits == 1  # (the batch alone fills the GPU): the split kernel writes the output, no merge pass
-    if direct:
-        mid_o, mid_lse = out.view(batch, num_q_heads, 1, head_dim), out.new_empty((1, 1), dtype=torch.float32)
-    else:
-        mid_o = torch.empty((batch, num_q_heads, MAX_KV_SPLITS, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_q_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
+    mid_o = torch.empty((batch, num_q_heads, MAX_KV_SPLITS, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_q_heads, MAX_KV_SPLITS), dtype=torch.float32, device=q.device)
     block_d = max(16, next_pow2(head_dim))
     block_n = 16 if interpreting() else 32  # SGLang's grouped decode tile
 
@@ -175,11 +164,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=max(16, next_pow2(group)),
         BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype), QUANT=quant,
-        SLIDING=window > 0, SOFTCAP=softcap > 0, DIRECT=direct,
+        SLIDING=window > 0, SOFTCAP=softcap > 0,
         num_warps=4, num_stages=2,
     )
-    if direct:
-        return out
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),

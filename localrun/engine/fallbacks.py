@@ -113,9 +113,8 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         return [_dense(k_cache, ks), _dense(v_cache, vs)]
     k_cache, v_cache, ks, vs = _caches(inp, ref_store)
     lens = torch.tensor(inp["lens"], dtype=torch.int32, device=inp["device"])
-    if name == "paged_decode_attention":  # split KV (small batches) and one split (the output written at once)
-        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], splits, k_scale=ks,
-                   v_scale=vs).float() for splits in (None, 1)]
+    if name == "paged_decode_attention":
+        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], k_scale=ks, v_scale=vs).float()]
     if name == "extend_attention":  # the last 5 tokens of each sequence are new
         cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=inp["device"])
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,

@@ -75,7 +75,8 @@ class HostKVPool:
         # one buffer, carved into a tensor per device page tensor. Pageable, not pinned: only the
         # staging buffers of the copies (below) cross the bus, and this one is read and written by
         # host copies alone. So the OS commits its pages as they are first written, and a load
-        # does not wait for the whole budget to be pinned
+        # does not wait for the whole budget to be pinned (on an H200 box with 125 GiB of RAM, a 12.5 GiB
+        # tier: the load's kv_alloc_s went from 3.2-4.4 s pinned to 0.03 s)
         buf = torch.empty(_buffer_bytes(dev, num_pages), dtype=torch.uint8)
         self.tensors, offset = [], 0
         for t in dev:

@@ -1,0 +1,25 @@
+#!/bin/bash
+# device run 2: gpu-check (full) with the fixes, then the throughput diagnosis
+set -u
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+[ -e localrun/kernels ] || ln -s ../kernels localrun/kernels
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+timeout -s TERM 420 python3 -m localrun.bench gpu-check --out $OUT --logs $OUT/logs > $OUT/gpu-check.log 2>&1
+echo "gpu-check rc=$? after $(( $(date +%s) - T0 )) s"
+(cd $OUT && tar czf child-logs.tgz logs && rm -rf logs)
+python3 - <<'PY'
+import json,os
+r=json.load(open(os.environ["OUT"]+"/gpu-check-nvidia-h200.json"))
+for k,v in r["items"].items():
+    print(k, v.get("status"), v.get("value"), (v.get("error") or v.get("reason") or "")[:200])
+c=r["items"].get("coldstart",{})
+for run in c.get("runs",[]): print(" cold", {k:(round(x,2) if isinstance(x,float) else x) for k,x in run.items()})
+p=r["items"].get("prefix",{})
+for k in ("cache_on","cache_off"):
+    if k in p: print(" prefix",k,{x:round(p[k][x],3) for x in ("elapsed_s","total_tok_s","ttft_ms_p50","hit_rate")})
+PY
+left=$(( ${BUDGET:-570} - ($(date +%s) - T0) ))
+echo "left for diag: $left s"
+[ $left -gt 60 ] && timeout $((left - 5)) python3 .dev/diag.py > $OUT/diag.log 2>&1; echo "diag rc=$? after $(( $(date +%s) - T0 )) s"
+grep -v "^ERROR" $OUT/diag.log | tail -45
