@@ -355,17 +355,13 @@ def itl(engine, sizes: Sizes) -> dict[str, Any]:
 
 # -- 5. prefix ---------------------------------------------------------------------------------
 def prefix(model, mcfg, device: str, sizes: Sizes, fraction: float) -> dict[str, Any]:
-    import random
-
-    from localrun.bench.prefix import _ids, _measure, build_shared, run_shared
+    from localrun.bench.prefix import build_shared, run_shared, warm_up
     from localrun.engine import LLMEngine
 
     runs = {}
     for on in (True, False):
         engine = LLMEngine(model, mcfg, _engine_config(device, sizes, fraction, enable_prefix_cache=on), None)
-        # unrelated prompts first (as `bench prefix`): the first steps' one-time costs count in neither run
-        _measure(engine, [_ids(random.Random(99 + i), 64, mcfg.vocab_size) for i in range(2)], 4)
-        engine.clear_prefix_cache()
+        warm_up(engine, mcfg.vocab_size)  # (as `bench prefix`): the first steps' one-time costs count in neither run
         prompts = build_shared(mcfg.vocab_size, sizes.system_len, sizes.questions, sizes.question_len)
         runs["cache_on" if on else "cache_off"] = run_shared(engine, prompts, sizes.prefix_output)
         engine.shutdown()

@@ -73,6 +73,14 @@ def _summary(outs: list, submit_times: list[float], elapsed: float) -> dict[str,
     }
 
 
+def warm_up(engine, vocab: int, prompts: int = 2) -> None:
+    """Unrelated prompts, then the prefix cache cleared: the first steps' one-time costs (kernels,
+    allocator) count in no measured run, and nothing they cached is left for it."""
+    _measure(engine, [_ids(random.Random(99 + i), 64, vocab) for i in range(prompts)], 4)
+    if callable(getattr(engine, "clear_prefix_cache", None)):
+        engine.clear_prefix_cache()
+
+
 def run_shared(engine, prompts: list[list[int]], max_tokens: int, console=None) -> dict[str, Any]:
     """Every question at once, as a load generator sends them (SGLang's bench_serving): with the
     cache on, the engine computes the system prompt once (the scheduler admits one of the
@@ -127,10 +135,8 @@ def run_prefix(
         engine = load_engine(src, config)
         try:
             vocab = engine.model_config.vocab_size
-            if warmup:  # unrelated prompts: warm kernels/allocator, not the cache
-                _measure(engine, [_ids(random.Random(99 + i), 64, vocab) for i in range(warmup)], 4)
-                if callable(getattr(engine, "clear_prefix_cache", None)):
-                    engine.clear_prefix_cache()
+            if warmup:
+                warm_up(engine, vocab, warmup)
             shared = build_shared(vocab, system_len, num_questions, question_len)
             with PeakMemory() as mem:
                 runs[label] = {
