@@ -242,6 +242,52 @@ def test_a_stream_moves_next_to_the_others_when_one_between_them_ends(backend, s
     assert ta == alone[qa] and tc == alone[qc]
 
 
+def test_a_waiting_request_fills_the_gap_and_the_prefix_there_moves_instead(backend, smollm2_gguf):
+    """Four streams run in slots 0-3 and a fifth request waits. The streams in slots 1 and 3 end in one
+    step, and the waiting request shares the start of slot 1's prompt. It runs in slot 1, between the
+    streams still running, and slot 1's cached prefix goes to slot 3 (one copy): not the request into
+    slot 3 and then slot 2's stream moved next to slot 0 (a second copy). Slot 1's prompt, asked again,
+    still comes from the cache, and the answers equal the answers given alone."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    qa, qc = chatml(QUESTIONS[0]), chatml(QUESTIONS[2])
+    qb, qd = chatml("Explain how a bridge carries weight, step by step, for a child of six."), chatml(QUESTIONS[3])
+    qr = chatml("Explain how a bridge carries weight in one short sentence.")
+    alone = {q: run(collect(backend, q, max_tokens=40, ignore_eos=True))[0] for q in (qa, qr)}
+    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
+                                 extra={"n_threads": 2}))
+    engine = b.engine
+    try:
+        async def main():
+            o = SamplingOptions(temperature=0.0, max_tokens=40, ignore_eos=True)
+            gens = [b.generate(GenerationRequest(prompt=q, options=o)) for q in (qa, qb, qc, qd)]
+            firsts = [await g.__anext__() for g in gens]  # one after another: slots 0, 1, 2, 3
+            assert sorted(r.sid for r in engine._running) == [0, 1, 2, 3]
+            waiting = asyncio.create_task(collect(b, qr, max_tokens=40, ignore_eos=True))
+            while engine.stats()["waiting"] < 1:
+                await asyncio.sleep(0.005)
+            ended = [r for r in engine._running if r.sid in (1, 3)]
+            with engine._cv:  # both in one step (the loop reads the flags at its next step boundary)
+                for r in ended:
+                    r.cancelled = True
+            for g in (gens[1], gens[3]):
+                await g.aclose()
+            texts = []
+            for first, g in ((firsts[0], gens[0]), (firsts[2], gens[2])):
+                texts.append(first.text + "".join([ch.text async for ch in g]))
+            tr, _, _ = await waiting
+            return texts[0], tr
+
+        ta, tr = run(main())
+        st = run(b.stats())
+        _, last, _ = run(collect(b, qb, max_tokens=1))
+    finally:
+        run(b.close())
+    assert st["handed_over_prefixes"] == 1 and st["moved_sequences"] == 0, st
+    assert last.usage.cached_tokens >= last.usage.prompt_tokens - 2  # (MIN_RECOMPUTE)
+    assert ta == alone[qa] and tr == alone[qr]
+
+
 def test_a_prompt_chunk_is_not_cut_by_the_streams_decoding_beside_it(backend):
     """A long prompt arriving while a stream decodes is prefilled in chunks of step_tokens beside
     that stream's token (not step_tokens less the decode tokens: a chunk cut by them left llama.cpp

@@ -223,7 +223,8 @@ class BatchedLlama:
         self.fatal: str | None = None
         self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
                              copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
-                             spec_steps=0, image_tokens=0, moved_sequences=0)
+                             spec_steps=0, image_tokens=0, moved_sequences=0,
+                             handed_over_prefixes=0)
         self._pieces: dict[int, bytes] = {}
         self._outbox: list[tuple[Request, Any]] = []
         self._alloc_batch(self.step_tokens)
@@ -369,6 +370,22 @@ class BatchedLlama:
         r.sid = dst.id
         self.counters["moved_sequences"] += 1
 
+    def _runs_with(self, sid: int) -> int:
+        """Runs of consecutive slots (forward passes a step) if a sequence in `sid` joined the running ones."""
+        ids = sorted({r.sid for r in self._running} | {sid})
+        return 1 + sum(b - a > 1 for a, b in zip(ids, ids[1:]))
+
+    def _hand_over(self, src: Slot, dst: Slot) -> None:
+        """dst (just given a copy of src's stream) becomes the idle cached prefix src was: its prompt
+        length, age and prompt_cache_key move with it."""
+        dst.prompt_len, dst.last_used = src.prompt_len, src.last_used
+        for key, sid in list(self._keyed.items()):
+            if sid == dst.id:
+                del self._keyed[key]
+            elif sid == src.id:
+                self._keyed[key] = dst.id
+        self.counters["handed_over_prefixes"] += 1
+
     def _wait_for_shared_prefill(self, r: Request) -> bool:
         """True when a running prefill will soon hold more of r's prompt than the cache does now:
         r waits for it and shares it, instead of computing the same tokens alongside."""
@@ -427,6 +444,12 @@ class BatchedLlama:
                 self.lib.llama_memory_seq_cp(self.mem, src.id, dst.id, -1, -1)  # the whole stream (llama.cpp
                 dst.tokens = list(src.tokens)  # copies streams whole), cut back below
                 self.counters["copied_prefixes"] += 1
+                if src.request is None and self._runs_with(src.id) < self._runs_with(dst.id):
+                    # r in src (idle) leaves fewer runs of running slots than r in dst (src fills a gap):
+                    # src's prefix lives on in dst and r runs in src. The same one copy, and no gap left
+                    # for _compact to close with a second one
+                    self._hand_over(src, dst)
+                    dst = src
         self._truncate(dst, n)
         if self._keyed or r.cache_key:  # the slot's cells are r's now: its key's, no other's
             for key in [key for key, sid in self._keyed.items() if sid == dst.id]:
