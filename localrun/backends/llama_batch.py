@@ -362,11 +362,7 @@ class BatchedLlama:
         dst.tokens, dst.prompt_len = list(src.tokens), src.prompt_len
         dst.request, dst.last_used = r, src.last_used
         src.request, src.last_used = None, time.monotonic()
-        for key, sid in list(self._keyed.items()):  # dst's cells are r's now: r's key follows, dst's old key goes
-            if sid == dst.id:
-                del self._keyed[key]
-            elif sid == src.id:
-                self._keyed[key] = dst.id
+        self._keys_follow(src, dst)  # dst's cells are r's now
         r.sid = dst.id
         self.counters["moved_sequences"] += 1
 
@@ -379,12 +375,17 @@ class BatchedLlama:
         """dst (just given a copy of src's stream) becomes the idle cached prefix src was: its prompt
         length, age and prompt_cache_key move with it."""
         dst.prompt_len, dst.last_used = src.prompt_len, src.last_used
+        self._keys_follow(src, dst)
+        self.counters["handed_over_prefixes"] += 1
+
+    def _keys_follow(self, src: Slot, dst: Slot) -> None:
+        """src's cells were copied to dst: the prompt_cache_key that last used src now names dst, and
+        dst's old key goes (its cells are overwritten)."""
         for key, sid in list(self._keyed.items()):
             if sid == dst.id:
                 del self._keyed[key]
             elif sid == src.id:
                 self._keyed[key] = dst.id
-        self.counters["handed_over_prefixes"] += 1
 
     def _wait_for_shared_prefill(self, r: Request) -> bool:
         """True when a running prefill will soon hold more of r's prompt than the cache does now:

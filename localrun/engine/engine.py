@@ -165,7 +165,6 @@ class _KernelTrials:
     def _run(self, *args) -> None:
         t = time.perf_counter()
         try:
-            check_kv_dtype(args[2], args[4], True)
             self.failed = fb.try_kernels(*args, self.reasons.append, names=self.names, threads=self.threads)
         except BaseException as exc:  # noqa: BLE001 - raised again in the loading thread
             self.error = exc
@@ -364,6 +363,7 @@ class LLMEngine:
                 t = time.perf_counter()
                 torch.zeros(1, device=config.device)  # the CUDA context, before a second thread uses it
                 timings["cuda_init_s"] = time.perf_counter() - t
+                check_kv_dtype(config.kv_torch_dtype, config.device, True)  # (before a kernel compiles for it)
                 # the kernels' first compile (seconds with an empty Triton cache) runs beside the weights' load
                 trials = _KernelTrials(tp.local_config(mcfg), config, _kernel_names(model_class(mcfg), mcfg),
                                        background=True)
