@@ -1,4 +1,4 @@
-"""localrun.kernels: the native engine's attention, KV-write, norm, RoPE and activation ops.
+"""localrun.kernels: the native engine's attention, KV-write, norm, RoPE, activation and sampling ops.
 
 Each op exists twice: a pure-torch reference (`*_ref`, in reference.py: the CPU path and the
 test oracle) and a Triton kernel (one module per op). The names exported here pick the
@@ -37,6 +37,7 @@ from .reference import (
     rms_norm_ref,
     rope_cos_sin_cache,
     rope_inv_freq,
+    sample_temperature_ref,
     silu_and_mul_ref,
     store_kv_ref,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "store_kv_ref", "paged_decode_attention_ref", "extend_attention_ref", "fused_add_rmsnorm_ref",
     "apply_rope_ref", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
     "rope_cos_sin_cache", "rope_inv_freq", "longrope_inv_freq", "rms_norm", "rms_norm_ref",
+    "sample_temperature", "sample_temperature_ref",
     "triton_available", "uses_triton", "KV_QMAX", "KV_SCALE_DTYPE", "quantize_kv_ref", "dequantize_kv_ref",
 ]
 
@@ -98,3 +100,4 @@ rms_norm = _dispatch("head_rmsnorm", rms_norm_ref)
 apply_rope = _dispatch("rope", apply_rope_ref)
 silu_and_mul = _dispatch("activation", silu_and_mul_ref)
 gelu_tanh_and_mul = _dispatch("activation", gelu_tanh_and_mul_ref)
+sample_temperature = _dispatch("sampling", sample_temperature_ref)

@@ -361,3 +361,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] ([T, I]), computed in fp32."""
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def sample_temperature_ref(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """logits [n, V], temperature [n] (0: greedy row) -> token ids int64 [n], drawn from
+    softmax(logits / T) by the exponential race (argmax p_i / E_i, E_i ~ Exp(1)) with a torch
+    generator seeded by `seed`. The same distribution as the Triton kernel (sampling.py), not the
+    same draws: its random stream is Philox's."""
+    x = logits.float()
+    g = torch.Generator(device=x.device).manual_seed(int(seed))
+    noise = torch.empty_like(x).exponential_(generator=g)
+    t = temperature.float()[:, None]
+    drawn = (x / torch.where(t > 0, t, 1.0) - noise.log()).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, x.argmax(dim=-1))

@@ -107,6 +107,36 @@ def test_greedy_rows_take_the_argmax_in_any_batch():
     assert [t for i, t in enumerate(toks) if i % 2 == 0] != logits.argmax(-1)[0::2].tolist()  # those sampled
 
 
+def test_plain_temperature_batches_take_the_one_pass_draw(monkeypatch):
+    """fused (the runner sets it when the Triton kernels are on): a batch of plain temperature
+    rows, greedy rows among them, is one kernels.sample_temperature call (on CPU its torch
+    reference; the kernel itself is tests/test_kernels.py's), drawing from softmax(x / T); a batch
+    with a filter or a seed keeps the torch path, so a seeded row's token does not change."""
+    from localrun import kernels
+
+    calls = []
+    real = kernels.sample_temperature
+    monkeypatch.setattr(kernels, "sample_temperature", lambda *a: calls.append(a) or real(*a))
+    logits = [2.0, 1.5, 1.0, 0.3, -0.5, -1.0]
+    n = 6000
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0.7) if i % 5 else SamplingParams(temperature=0) for i in range(n)]
+    b = _batch(params, len(logits))
+    b.fused = True
+    tokens = np.asarray(sample(torch.tensor([logits] * n), b).to_host(b)[0])
+    assert len(calls) == 1 and torch.equal(calls[0][1], torch.tensor([0.0 if i % 5 == 0 else 0.7 for i in range(n)]))
+    assert (tokens[::5] == 0).all()  # greedy rows: the argmax
+    drawn = np.delete(tokens, np.s_[::5])
+    counts = np.bincount(drawn, minlength=len(logits))
+    want = _expected(logits, params[1]) * len(drawn)
+    assert float(((counts - want) ** 2 / want).sum()) < CHI2_CRIT[5], (counts, want)
+    for other in (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.7, seed=5)):
+        b = _batch([other, SamplingParams(temperature=0.7)], len(logits))
+        b.fused = True
+        sample(torch.tensor([logits] * 2), b)
+    assert len(calls) == 1
+
+
 def _penalised_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """The per-row penalties as the engine applied them before batching."""
     row = row.clone()

@@ -293,7 +293,7 @@ def _compile_for_gpu(kernel, capability: tuple[int, int], types: dict, consts: d
 def test_triton_kernels_compile_for_h100_and_rtx40():
     """The GPU compiler (not the interpreter) accepts every kernel at Llama-3.1-8B shapes in bf16,
     and the extend tiles chosen for each GPU fit its shared memory."""
-    from localrun.kernels import activation, decode_attention, extend_attn, kv_store, rmsnorm, rope
+    from localrun.kernels import activation, decode_attention, extend_attn, kv_store, rmsnorm, rope, sampling
 
     bf = "*bf16"
     h100 = (9, 0)
@@ -340,6 +340,9 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                      dict(INTER=14336, BLOCK=1024, GELU=False), num_warps=4)
     _compile_for_gpu(activation._act_and_mul_kernel, h100, {"X": bf, "Out": bf},
                      dict(INTER=9216, BLOCK=1024, GELU=True), num_warps=4)
+    _compile_for_gpu(sampling._gumbel_argmax_kernel, h100,
+                     {"Logits": "*fp32", "Temp": "*fp32", "OutVal": "*fp32", "OutIdx": "*i32"},
+                     dict(CHUNK=8192, BLOCK=1024), num_warps=4)
 
 
 def _jit_params(kernel):
@@ -495,6 +498,56 @@ class TestTriton:
         x = torch.randn(5, 2 * 100).to(dtype=dtype, device=DEVICE) * 6  # far into both tails of tanh
         assert_close(K.gelu_tanh_and_mul(x), K.gelu_tanh_and_mul_ref(x.float()), dtype)
 
+
+    def test_sample_temperature_draws_from_softmax_over_t(self):
+        """The one-pass Gumbel-max draw: 256 rows of the same 5 logits at T=0.5 against softmax(x/T)
+        (chi-square, 4 degrees of freedom, below its 1e-4 quantile; T ignored, or the noise off, is
+        far above it); the same seed gives the same tokens, another seed others."""
+        x = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]], device=DEVICE).expand(256, 5).contiguous()
+        t = torch.full((256,), 0.5, device=DEVICE)
+        tokens = K.sample_temperature(x, t, 7)
+        assert tokens.dtype == torch.int64 and tokens.shape == (256,)
+        counts = torch.bincount(tokens.cpu(), minlength=5).double()
+        want = torch.softmax(x[0].double().cpu() / 0.5, -1) * 256
+        chi2 = float(((counts - want) ** 2 / want).sum())
+        assert chi2 < 23.5, (counts.tolist(), want.tolist())
+        assert torch.equal(K.sample_temperature(x[:32], t[:32], 7), tokens[:32])
+        assert not torch.equal(K.sample_temperature(x[:32], t[:32], 8), tokens[:32])
+
+    def test_sample_temperature_greedy_rows_masks_and_chunks(self):
+        """Temperature 0 is the argmax; -inf tokens are never drawn; a vocabulary of several chunks
+        (the winner in the last, partial one); bf16 logits."""
+        vocab = 2500  # 3 chunks under the interpreter, one on a GPU
+        x = torch.randn(4, vocab, device=DEVICE)
+        x[0, 2400] = 30.0  # greedy row: the argmax sits in the last chunk
+        x[1] = float("-inf")
+        x[1, [3, 2499]] = 0.0  # only these two can be drawn
+        x[2, 1234] = 200.0  # a sure winner at T=1
+        t = torch.tensor([0.0, 1.0, 1.0, 0.0], device=DEVICE)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = K.sample_temperature(x.to(dtype), t, 3).tolist()
+            assert got[0] == 2400 and got[1] in (3, 2499) and got[2] == 1234
+            assert got[3] == int(x[3].to(dtype).float().argmax())
+        draws = {K.sample_temperature(x[1:2], t[1:2], s).item() for s in range(12)}
+        assert draws == {3, 2499}
+
+    @pytest.mark.parametrize("fault", ["", "kernel:sample_temperature"])
+    def test_engine_fused_sampling_and_its_trial(self, monkeypatch, fault):
+        """EngineConfig(fused_sampling=True): the sampler kernel is tried at load and the runner
+        draws plain temperature rows with it; when its trial fails (LOCALRUN_FAULTS) the load records
+        the fallback and the torch sampler draws. Either way every request gets its tokens."""
+        from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+        from localrun.engine.config import ModelConfig
+
+        monkeypatch.setenv("LOCALRUN_FAULTS", fault)
+        cfg = ModelConfig(64, 2, 4, 2, 128, 300, rope_theta=10000.0)
+        eng = LLMEngine.from_random(cfg, EngineConfig(device=DEVICE, max_model_len=64, max_num_seqs=4,
+                                                      use_triton=True, fused_sampling=True, cuda_graphs=False),
+                                    seed=3)
+        assert eng.runner.fused_sampling == (not fault)
+        assert any("sample_temperature" in f for f in eng.fallbacks) == bool(fault)
+        outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))
+        assert [len(o.token_ids) for o in outs] == [3, 3] and all(0 <= t < 300 for o in outs for t in o.token_ids)
 
     @pytest.mark.skipif(not INTERPRETED, reason="on a GPU, run the benchmark itself (it takes minutes)")
     def test_bench_kernels_smoke(self, capsys):

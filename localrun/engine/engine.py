@@ -138,9 +138,10 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-def _kernel_names(cls: type, mcfg: ModelConfig) -> tuple[str, ...]:
-    """The Triton kernels a model of `cls` launches (the attention kernels and its pointwise ones)."""
-    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg))
+def _kernel_names(cls: type, mcfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
+    """The Triton kernels a model of `cls` launches (the attention kernels, its pointwise ones, the sampler's)."""
+    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + (fb.SAMPLER_KERNELS if config.fused_sampling
+                                                                       else ())
 
 
 class _KernelTrials:
@@ -204,7 +205,8 @@ class LLMEngine:
         triton = use_triton(config.device, config.use_triton)
         check_kv_dtype(kv_dtype, self.device, triton)
         if kernel_trials is None and triton:
-            kernel_trials = _KernelTrials(kv_cfg, config, _kernel_names(type(model), model_config), background=False)
+            kernel_trials = _KernelTrials(kv_cfg, config, _kernel_names(type(model), model_config, config),
+                                          background=False)
         refs = kernel_trials.result(self._fallback, self.timings) if triton else frozenset()
         if model.ops.reference == triton or refs:
             model.ops = Ops(reference=not triton, refs=refs)
@@ -365,7 +367,7 @@ class LLMEngine:
                 timings["cuda_init_s"] = time.perf_counter() - t
                 check_kv_dtype(config.kv_torch_dtype, config.device, True)  # (before a kernel compiles for it)
                 # the kernels' first compile (seconds with an empty Triton cache) runs beside the weights' load
-                trials = _KernelTrials(tp.local_config(mcfg), config, _kernel_names(model_class(mcfg), mcfg),
+                trials = _KernelTrials(tp.local_config(mcfg), config, _kernel_names(model_class(mcfg), mcfg, config),
                                        background=True)
             t = time.perf_counter()
             try:

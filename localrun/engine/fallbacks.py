@@ -30,7 +30,8 @@ log = logging.getLogger("localrun.engine")
 
 ATTENTION_KERNELS = ("store_kv", "paged_decode_attention", "extend_attention")
 POINTWISE_KERNELS = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
-KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS
+SAMPLER_KERNELS = ("sample_temperature",)  # every model's sampler
+KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS
 REASON_CHARS = 240  # a fallback's reason is cut to this many characters
 FP8_STORE_TOL = 0.13  # e4m3 keeps 3 mantissa bits: two roundings of one value may differ by a step (1/8)
 
@@ -86,6 +87,9 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
         "x": x, "res": rnd(T, cfg.hidden_size), "w": 1 + rnd(cfg.hidden_size) / 4, "hw": 1 + rnd(d) / 4,
         "gate_up": rnd(T, 2 * cfg.intermediate_size), "pos": torch.arange(T, dtype=torch.int64, device=device) % 64,
         "cos_sin": kernels.rope_cos_sin_cache(d, 64, 10000.0).to(device), "scale": d ** -0.5,
+        # the sampler's logits: the model's vocabulary on a GPU (the kernel variant its steps launch),
+        # narrow under the interpreter (it runs a program at a time)
+        "logits": rnd(4, cfg.vocab_size if torch.device(device).type == "cuda" else 64, dt=torch.float32),
     }
 
 
@@ -119,6 +123,12 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=inp["device"])
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,
                    v_scale=vs).float()]
+    if name == "sample_temperature":  # each row has a winner no draw can miss; even rows greedy
+        x = inp["logits"].clone()
+        rows = torch.arange(x.shape[0], device=x.device)
+        x[rows, (rows * 7) % x.shape[1]] += 100.0
+        temp = (rows % 2).to(torch.float32)
+        return [fn(x, temp, 1234).float()]
     if name == "fused_add_rmsnorm":
         return [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
     if name == "rms_norm":

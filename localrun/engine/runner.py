@@ -124,6 +124,8 @@ class ModelRunner:
         self.attn = make_backend(triton, pool, self.table, self.buffers, model.ops.refs)
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
+        # plain temperature draws in one kernel (its warm-up trial passed: engine/fallbacks.py)
+        self.fused_sampling = triton and config.fused_sampling and "sample_temperature" not in model.ops.refs
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
         self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)
@@ -276,8 +278,10 @@ class ModelRunner:
         prev, idx = step.prev_idx, step.sample_idx
         # rows past the step's own (group followers) sample after a prefill: nothing pending
         pending = [pen and j < len(idx) and bool(prev[int(idx[j])] >= 0) for j in range(len(seqs))]
-        return SamplingBatch.build(params, hist, [s.prompt_len for s in seqs], [s.num_output for s in seqs],
-                                   pending, self.model.cfg.vocab_size, self.device)
+        sb = SamplingBatch.build(params, hist, [s.prompt_len for s in seqs], [s.num_output for s in seqs],
+                                 pending, self.model.cfg.vocab_size, self.device)
+        sb.fused = self.fused_sampling
+        return sb
 
     # -- no KV cache (embeddings) ------------------------------------------------------------
     @torch.inference_mode()

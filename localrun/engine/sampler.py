@@ -10,6 +10,9 @@ with probability p_i / sum(p) (no normalisation, no cumulative sums). E comes fr
 device's generator, except for seeded requests: their E is a counter-based hash of (seed,
 output position, token id), so a seeded request draws the same tokens whatever it is
 batched with, preempted or not. Greedy rows (temperature 0 or top_k 1) take the argmax.
+With the Triton kernels and EngineConfig.fused_sampling on, a batch of plain temperature draws (no top-k / top-p / min-p, no
+seed) is one kernel: a Gumbel-max draw in one pass over the logits (kernels/sampling.py), the
+same distribution; its seed comes from torch's (CPU) generator.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as
 vLLM reports them. Rows with a grammar first get -inf on the tokens their bitmask disallows.
 """
@@ -149,6 +152,12 @@ class SamplingBatch:
     top_n: list[int]  # per logprob row: alternatives wanted
     mask_rows: torch.Tensor | None = None  # int64 [g]: rows constrained by a grammar (set after build)
     token_mask: torch.Tensor | None = None  # int32 [g, ceil(V/32)]: their allowed-token bitmasks
+    fused: bool = False  # the runner sets it: plain temperature draws may use the one-pass kernel
+
+    @property
+    def plain_temperature(self) -> bool:
+        """No row filters (top-k / top-p / min-p) or seeds: a draw from softmax(x / T) alone."""
+        return self.top_k is None and self.top_p is None and self.min_p is None and self.seeded_rows is None
 
     @classmethod
     def build(cls, params: list[SamplingParams], histories: list[list[int]], prompt_lens: list[int],
@@ -309,6 +318,11 @@ def sample(logits: torch.Tensor, b: SamplingBatch, last_tokens: torch.Tensor | N
     x = logits if b.penalties is None else _apply_penalties(logits, b.penalties, last_tokens)
     if b.all_greedy:
         tokens = x.argmax(dim=-1)
+    elif b.fused and b.plain_temperature:  # one pass over the logits (kernels/sampling.py)
+        from localrun import kernels
+
+        temp = b.temperature if b.greedy is None else b.temperature.masked_fill(b.greedy, 0.0)
+        tokens = kernels.sample_temperature(x, temp, int(torch.randint(0, 0x7FFFFFFF, (1,))))
     else:
         probs = filtered_probs(x, b)
         noise = torch.empty_like(probs).exponential_()

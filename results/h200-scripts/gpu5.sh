@@ -1,0 +1,10 @@
+#!/bin/bash
+# session 35 device run 2: the one-pass sampler (micro-bench, throughput on/off), decode split sweep
+set -u
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 PYTHONPATH=$PWD
+[ -e localrun/kernels ] || ln -s ../kernels localrun/kernels
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
+lscpu | grep -E "Model name"
+timeout 380 python3 .dev/ab5.py 2>&1 | grep -v "Warn\|warn(" | tail -40
+echo "done after $(( $(date +%s) - T0 )) s"
