@@ -53,7 +53,8 @@ def test_throughput_with_transformers_baseline(smollm2_gguf, sharegpt_file, tmp_
     out_file = tmp_path / "bench.jsonl"
     res = run_json(["throughput", "--model", str(smollm2_gguf), "--dataset", str(sharegpt_file),
                     "--num-prompts", "4", "--warmup", "1", "--baseline", "transformers",
-                    "--hf-max-batch-size", "2", "--out", str(out_file), "--threads", "1"], capsys)
+                    "--hf-max-batch-size", "2", "--out", str(out_file), "--threads", "1", "--fused-sampling"], capsys)
+    assert res["engine_config"]["fused_sampling"] is True  # (inert on CPU: it needs the Triton kernels)
 
     # The expected workload, independently: vLLM's sampling with the HF tokenizer of the same GGUF.
     tok = ds.load_hf_tokenizer(smollm2_gguf)

@@ -88,6 +88,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (torch.set_num_threads; default: torch's choice)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
     g.add_argument("--no-overlap", action="store_true", help="serial steps (default on CUDA: overlap scheduling)")
+    g.add_argument("--fused-sampling", action="store_true",
+                   help="plain temperature draws in one Triton kernel (EngineConfig.fused_sampling; default off)")
 
 
 def _host_cache_bytes(text: str | None) -> int | None:
@@ -114,6 +116,7 @@ def _engine_args(a: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": a.max_model_len, "page_size": a.page_size, "kv_cache_tokens": a.kv_cache_tokens,
         "host_cache_bytes": _host_cache_bytes(a.host_cache),
         "cuda_graphs": False if a.no_cuda_graphs else None, "overlap": False if a.no_overlap else None,
+        "fused_sampling": a.fused_sampling,
     }
 
 
