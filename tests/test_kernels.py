@@ -549,6 +549,65 @@ class TestTriton:
         outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))
         assert [len(o.token_ids) for o in outs] == [3, 3] and all(0 <= t < 300 for o in outs for t in o.token_ids)
 
+    @pytest.mark.skipif(not INTERPRETED, reason="records launches through the interpreter (on a GPU: gpu-check's "
+                                                "coldstart item times the compiles)")
+    @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma", "phi"])
+    def test_kernel_trials_compile_every_variant_the_steps_launch(self, monkeypatch, kind):
+        """Cold start: Triton compiles a kernel once per variant (constexprs, argument dtypes, integers
+        that are 1 or a multiple of 16, pointer alignment). Every launch of a load's profiling step and
+        of its prefill and decode steps (graph path on, bf16) must be a variant the kernel trials
+        (engine/fallbacks.py) launched already, by the CUDA backend's own specialisation rules, or
+        it compiles in the profiling step after the trials (on the 8B shape that was ~1.1 s of the
+        cold start: the page table's row stride, int32 positions and slots, the first layer's norm)."""
+        runtime_jit = pytest.importorskip("triton.runtime.jit")
+        nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.interpreter import InterpretedFunction
+
+        from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+        from localrun.engine.config import ModelConfig
+        from localrun.engine.runner import profile_and_warm
+
+        base = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=300)
+        cfg, kv = {
+            "llama": (ModelConfig(**base), "int8"),
+            "qwen3": (ModelConfig(**base, head_dim=32, qk_norm=True), "auto"),
+            "gemma": (ModelConfig(**{**base, "num_kv_heads": 1}, head_dim=32, arch="gemma3", sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"], attn_logit_softcap=50.0,
+                                  query_pre_attn_scalar=32, rope_local_theta=10000.0, qk_norm=True), "auto"),
+            "phi": (ModelConfig(**base, rotary_dim=12, sliding_window=8), "auto"),  # partial rotary
+        }[kind]
+        launches, phase = [], ["trial"]
+        run = InterpretedFunction.run
+
+        def recording_run(fn, *args, grid, warmup, **kw):
+            launches.append((phase[0], fn, args, kw))
+            return run(fn, *args, grid=grid, warmup=warmup, **kw)
+
+        monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+        eng = LLMEngine.from_random(cfg, EngineConfig(device=DEVICE, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                                                      max_num_batched_tokens=48, use_triton=True, cuda_graphs=True,
+                                                      kv_cache_dtype=kv), seed=3)
+        assert eng.fallbacks == []
+        phase[0] = "step"
+        profile_and_warm(eng.model, eng.config, True)
+        eng.generate([[1, 2, 3] * 7, [4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+
+        backend = nvidia.CUDABackend(GPUTarget("cuda", 90, 32))
+        binders, seen = {}, {"trial": set(), "step": set()}
+        for ph, fn, args, kw in launches:
+            if fn.fn not in binders:
+                jit = runtime_jit.JITFunction(fn.fn, **{k: v for k, v in fn.kwargs.items()
+                                                        if k in ("do_not_specialize", "do_not_specialize_on_alignment")})
+                binders[fn.fn] = runtime_jit.create_function_from_signature(jit.signature, jit.params, backend)
+            _, spec, options = binders[fn.fn](*args, **kw)
+            seen[ph].add((fn.fn.__name__, str(spec), str(sorted(options.items()))))
+        kernels_run = {k[0] for k in seen["step"]}
+        assert {"_extend_kernel", "_decode_split_kernel", "_rope_kernel", "_store_kv_kernel"} <= kernels_run
+        missing = sorted(seen["step"] - seen["trial"])
+        assert not missing, "variants first compiled after the trials:\n" + "\n".join(
+            f"{name}: {spec} {opts}" for name, spec, opts in missing)
+
     @pytest.mark.skipif(not INTERPRETED, reason="on a GPU, run the benchmark itself (it takes minutes)")
     def test_bench_kernels_smoke(self, capsys):
         from localrun.kernels import bench_kernels

@@ -25,6 +25,7 @@ import torch
 
 from localrun import kernels
 from localrun.engine import faults
+from localrun.engine.kv.pool import TABLE_ALIGN
 
 log = logging.getLogger("localrun.engine")
 
@@ -61,7 +62,14 @@ def release_memory(device: torch.device) -> None:
 # -- kernels ---------------------------------------------------------------------------------
 def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, device) -> dict:
     """Tiny inputs in the model's shapes (heads, head_dim) and dtypes: two sequences over a few
-    pages, one decode token each, a chunk of 5 new tokens each."""
+    pages, one decode token each, a chunk of 5 new tokens each.
+
+    Triton compiles a kernel once per variant: per constexpr, per argument dtype, and per integer
+    argument that is 1, a multiple of 16, or neither. The inputs take the steps' dtypes and kinds of
+    integers (the page table's row width: kv.pool.PageTable rounds it to TABLE_ALIGN), and every
+    variant the model launches (q- and k-shaped head norms, each kind of attention layer), so the
+    trials compile what the steps launch and the profiling step compiles nothing
+    (tests/test_kernels.py checks it with the CUDA backend's own rules)."""
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, dt=dtype):
@@ -71,7 +79,7 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
     lens = [page_size + 3, 7]
     pages = [-(-n // page_size) for n in lens]
     num_pages = sum(pages) + 1
-    table = torch.zeros((2, max(pages)), dtype=torch.int32)
+    table = torch.zeros((2, -(-max(pages) // TABLE_ALIGN) * TABLE_ALIGN), dtype=torch.int32)
     order, slots = list(range(num_pages - 1, 0, -1)), []
     for b, n in enumerate(lens):
         table[b, :pages[b]] = torch.tensor([order.pop() for _ in range(pages[b])], dtype=torch.int32)
@@ -80,13 +88,18 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
     shape = (num_pages, page_size, hkv, d)
     T = sum(lens)
     x = rnd(T, cfg.hidden_size)
+    norm_dt = torch.float32 if cfg.is_gemma else dtype  # Gemma keeps its norms' (1 + weight) in float32
     return {
-        "lens": lens, "table": table.to(device), "slots": torch.tensor(slots, dtype=torch.int64, device=device),
-        "k": rnd(T, hkv, d), "v": rnd(T, hkv, d), "q_dec": rnd(2, hq, d), "q_ext": rnd(10, hq, d),
+        "lens": lens, "table": table.to(device), "slots": torch.tensor(slots, dtype=torch.int32, device=device),
+        "k": rnd(T, hkv, d), "v": rnd(T, hkv, d), "q": rnd(T, hq, d), "q_dec": rnd(2, hq, d), "q_ext": rnd(10, hq, d),
         "cache_shape": shape, "kv_dtype": kv_dtype, "quant": quant, "device": device,
-        "x": x, "res": rnd(T, cfg.hidden_size), "w": 1 + rnd(cfg.hidden_size) / 4, "hw": 1 + rnd(d) / 4,
-        "gate_up": rnd(T, 2 * cfg.intermediate_size), "pos": torch.arange(T, dtype=torch.int64, device=device) % 64,
-        "cos_sin": kernels.rope_cos_sin_cache(d, 64, 10000.0).to(device), "scale": d ** -0.5,
+        "x": x, "res": rnd(T, cfg.hidden_size), "w": 1 + rnd(cfg.hidden_size, dt=norm_dt) / 4, "hw": 1 + rnd(d, dt=norm_dt) / 4,
+        "gate_up": rnd(T, 2 * cfg.intermediate_size), "pos": torch.arange(T, dtype=torch.int32, device=device) % 64,
+        "cos_sin": kernels.rope_cos_sin_cache(d, 64, 10000.0, device=device, dtype=dtype, rotary_dim=cfg.rotary_dim),
+        "scale": d ** -0.5,
+        # (window, softcap) of each kind of attention layer the model has (SLIDING / SOFTCAP are constexprs)
+        "attn": sorted({(cfg.layer_window(i), float(cfg.attn_logit_softcap or 0.0)) for i in range(cfg.num_layers)}),
+        "head_norm_by_add_rmsnorm": bool(cfg.is_gemma and cfg.qk_norm),  # Gemma 3's q/k norms (models/gemma.py)
         # the sampler's logits: the model's vocabulary on a GPU (the kernel variant its steps launch),
         # narrow under the interpreter (it runs a program at a time)
         "logits": rnd(4, cfg.vocab_size if torch.device(device).type == "cuda" else 64, dt=torch.float32),
@@ -118,23 +131,28 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
     k_cache, v_cache, ks, vs = _caches(inp, ref_store)
     lens = torch.tensor(inp["lens"], dtype=torch.int32, device=inp["device"])
     if name == "paged_decode_attention":
-        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], k_scale=ks, v_scale=vs).float()]
+        return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], k_scale=ks, v_scale=vs,
+                   window=w, softcap=c).float() for w, c in inp["attn"]]
     if name == "extend_attention":  # the last 5 tokens of each sequence are new
         cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=inp["device"])
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,
-                   v_scale=vs).float()]
+                   v_scale=vs, window=w, softcap=c).float() for w, c in inp["attn"]]
     if name == "sample_temperature":  # each row has a winner no draw can miss; even rows greedy
         x = inp["logits"].clone()
         rows = torch.arange(x.shape[0], device=x.device)
         x[rows, (rows * 7) % x.shape[1]] += 100.0
         temp = (rows % 2).to(torch.float32)
         return [fn(x, temp, 1234).float()]
-    if name == "fused_add_rmsnorm":
-        return [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
-    if name == "rms_norm":
-        return [fn(inp["k"].clone(), inp["hw"], 1e-6).float()]
+    if name == "fused_add_rmsnorm":  # with a residual, and without (the first layer's)
+        out = [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
+        out.append(fn(inp["x"].clone(), None, inp["w"], 1e-6)[0].float())
+        if inp["head_norm_by_add_rmsnorm"]:  # per head: [T * heads, head_dim]
+            out.append(fn(inp["q"].reshape(-1, inp["q"].shape[-1]), None, inp["hw"], 1e-6)[0].float())
+        return out
+    if name == "rms_norm":  # q's heads and k's
+        return [fn(inp["q"].clone(), inp["hw"], 1e-6).float(), fn(inp["k"].clone(), inp["hw"], 1e-6).float()]
     if name == "apply_rope":
-        return [t.float() for t in fn(inp["k"].repeat(1, 2, 1), inp["v"].clone(), inp["pos"], inp["cos_sin"])]
+        return [t.float() for t in fn(inp["q"].clone(), inp["k"].clone(), inp["pos"], inp["cos_sin"])]
     return [fn(inp["gate_up"].clone()).float()]  # silu_and_mul, gelu_tanh_and_mul
 
 

@@ -120,6 +120,9 @@ class KVPool:
                 self._free.append(p)
 
 
+TABLE_ALIGN = 16  # page-table row width multiple
+
+
 class PageTable:
     """Page ids of every running sequence, one row per sequence, kept where attention reads them.
 
@@ -130,7 +133,10 @@ class PageTable:
     """
 
     def __init__(self, max_rows: int, max_pages: int, device, separate: bool | None = None) -> None:
-        max_pages = -(-max_pages // 8) * 8  # 32-byte rows: a slice from any row stays aligned for Triton
+        # rows of a multiple of 16 entries: a slice from any row stays aligned for Triton, and the row
+        # stride, an argument of the attention kernels, is the same kind of integer (a multiple of 16) at
+        # every context length, so the kernel trials compile the variant the steps launch (fallbacks.py)
+        max_pages = -(-max_pages // TABLE_ALIGN) * TABLE_ALIGN
         self.max_rows, self.max_pages = max_rows, max_pages
         self.device = torch.device(device)
         self.host = np.zeros((max_rows + 1, max_pages), dtype=np.int32)
