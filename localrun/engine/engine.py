@@ -140,8 +140,8 @@ class RequestStream:
 
 def _kernel_names(cls: type, mcfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
     """The Triton kernels a model of `cls` launches (the attention kernels, its pointwise ones, the sampler's)."""
-    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + (fb.SAMPLER_KERNELS if config.fused_sampling
-                                                                       else ())
+    sampler = fb.SAMPLER_KERNELS if config.fused_sampling else ()
+    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + sampler
 
 
 class _KernelTrials:
