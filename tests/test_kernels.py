@@ -577,19 +577,28 @@ class TestTriton:
                                   query_pre_attn_scalar=32, rope_local_theta=10000.0, qk_norm=True), "auto"),
             "phi": (ModelConfig(**base, rotary_dim=12, sliding_window=8), "auto"),  # partial rotary
         }[kind]
-        launches, phase = [], ["trial"]
-        run = InterpretedFunction.run
+        from localrun.engine import fallbacks
+
+        launches, phase = [], ["step"]  # "trial" only inside try_kernels: graph warm-ups count as steps
+        run, try_kernels = InterpretedFunction.run, fallbacks.try_kernels
 
         def recording_run(fn, *args, grid, warmup, **kw):
             launches.append((phase[0], fn, args, kw))
             return run(fn, *args, grid=grid, warmup=warmup, **kw)
 
+        def trials(*args, **kw):
+            phase[0] = "trial"
+            try:
+                return try_kernels(*args, **kw)
+            finally:
+                phase[0] = "step"
+
         monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+        monkeypatch.setattr(fallbacks, "try_kernels", trials)
         eng = LLMEngine.from_random(cfg, EngineConfig(device=DEVICE, dtype="bfloat16", max_model_len=256, max_num_seqs=4,
                                                       max_num_batched_tokens=48, use_triton=True, cuda_graphs=True,
                                                       kv_cache_dtype=kv), seed=3)
-        assert eng.fallbacks == []
-        phase[0] = "step"
+        assert eng.fallbacks == [] and any(ph == "trial" for ph, *_ in launches)
         profile_and_warm(eng.model, eng.config, True)
         eng.generate([[1, 2, 3] * 7, [4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 
