@@ -108,7 +108,7 @@ class Sizes:
     total_budget: float  # seconds for the whole run
 
 
-# Measured on one H200 (full, 2026-11-26; results/gpu-check-nvidia-h200.txt): the run 115-151 s; kernel parity
+# Measured on one H200 (full, 2026-11-26; results/gpu-check-nvidia-h200.txt): the run 104-151 s; kernel parity
 # 19 s, greedy parity 23 s, graph capture 13 s (with the engine build), throughput 28 s, prefix 18 s, cold start
 # 46 s. The budgets below were estimated before that, for an H100: a child's imports take ~3-6 s, an
 # 8B engine build (random weights on the GPU, profile, KV pool, decode graph capture) ~15-30 s with a

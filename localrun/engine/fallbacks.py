@@ -25,7 +25,7 @@ import torch
 
 from localrun import kernels
 from localrun.engine import faults
-from localrun.engine.kv.pool import TABLE_ALIGN
+from localrun.engine.kv.pool import table_width
 
 log = logging.getLogger("localrun.engine")
 
@@ -66,7 +66,7 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
 
     Triton compiles a kernel once per variant: per constexpr, per argument dtype, and per integer
     argument that is 1, a multiple of 16, or neither. The inputs take the steps' dtypes and kinds of
-    integers (the page table's row width: kv.pool.PageTable rounds it to TABLE_ALIGN), and every
+    integers (the page table's row width: kv.pool.table_width, as PageTable's), and every
     variant the model launches (q- and k-shaped head norms, each kind of attention layer), so the
     trials compile what the steps launch and the profiling step compiles nothing
     (tests/test_kernels.py checks it with the CUDA backend's own rules)."""
@@ -79,7 +79,7 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
     lens = [page_size + 3, 7]
     pages = [-(-n // page_size) for n in lens]
     num_pages = sum(pages) + 1
-    table = torch.zeros((2, -(-max(pages) // TABLE_ALIGN) * TABLE_ALIGN), dtype=torch.int32)
+    table = torch.zeros((2, table_width(max(pages))), dtype=torch.int32)
     order, slots = list(range(num_pages - 1, 0, -1)), []
     for b, n in enumerate(lens):
         table[b, :pages[b]] = torch.tensor([order.pop() for _ in range(pages[b])], dtype=torch.int32)
@@ -91,18 +91,20 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
     norm_dt = torch.float32 if cfg.is_gemma else dtype  # Gemma keeps its norms' (1 + weight) in float32
     return {
         "lens": lens, "table": table.to(device), "slots": torch.tensor(slots, dtype=torch.int32, device=device),
-        "k": rnd(T, hkv, d), "v": rnd(T, hkv, d), "q": rnd(T, hq, d), "q_dec": rnd(2, hq, d), "q_ext": rnd(10, hq, d),
+        "k": rnd(T, hkv, d), "v": rnd(T, hkv, d), "q": rnd(T, hq, d),
+        "q_dec": rnd(2, hq, d), "q_ext": rnd(10, hq, d),
         "cache_shape": shape, "kv_dtype": kv_dtype, "quant": quant, "device": device,
-        "x": x, "res": rnd(T, cfg.hidden_size), "w": 1 + rnd(cfg.hidden_size, dt=norm_dt) / 4, "hw": 1 + rnd(d, dt=norm_dt) / 4,
+        "x": x, "res": rnd(T, cfg.hidden_size),
+        "w": 1 + rnd(cfg.hidden_size, dt=norm_dt) / 4, "hw": 1 + rnd(d, dt=norm_dt) / 4,
         "gate_up": rnd(T, 2 * cfg.intermediate_size), "pos": torch.arange(T, dtype=torch.int32, device=device) % 64,
         "cos_sin": kernels.rope_cos_sin_cache(d, 64, 10000.0, device=device, dtype=dtype, rotary_dim=cfg.rotary_dim),
         "scale": d ** -0.5,
         # (window, softcap) of each kind of attention layer the model has (SLIDING / SOFTCAP are constexprs)
         "attn": sorted({(cfg.layer_window(i), float(cfg.attn_logit_softcap or 0.0)) for i in range(cfg.num_layers)}),
         "head_norm_by_add_rmsnorm": bool(cfg.is_gemma and cfg.qk_norm),  # Gemma 3's q/k norms (models/gemma.py)
-        # the sampler's logits: the model's vocabulary on a GPU (the kernel variant its steps launch),
-        # narrow under the interpreter (it runs a program at a time)
-        "logits": rnd(4, cfg.vocab_size if torch.device(device).type == "cuda" else 64, dt=torch.float32),
+        # the sampler's logits (made in _run, only when it is tried): the model's vocabulary on a GPU (the
+        # kernel variant its steps launch), narrow under the interpreter (it runs a program at a time)
+        "vocab": cfg.vocab_size if torch.device(device).type == "cuda" else 64,
     }
 
 
@@ -138,7 +140,7 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,
                    v_scale=vs, window=w, softcap=c).float() for w, c in inp["attn"]]
     if name == "sample_temperature":  # each row has a winner no draw can miss; even rows greedy
-        x = inp["logits"].clone()
+        x = torch.randn(4, inp["vocab"], generator=torch.Generator().manual_seed(1)).to(inp["device"])
         rows = torch.arange(x.shape[0], device=x.device)
         x[rows, (rows * 7) % x.shape[1]] += 100.0
         temp = (rows % 2).to(torch.float32)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localrun import kernels
+
 
 @dataclass
 class SamplingParams:
@@ -319,8 +321,6 @@ def sample(logits: torch.Tensor, b: SamplingBatch, last_tokens: torch.Tensor | N
     if b.all_greedy:
         tokens = x.argmax(dim=-1)
     elif b.fused and b.plain_temperature:  # one pass over the logits (kernels/sampling.py)
-        from localrun import kernels
-
         temp = b.temperature if b.greedy is None else b.temperature.masked_fill(b.greedy, 0.0)
         tokens = kernels.sample_temperature(x, temp, int(torch.randint(0, 0x7FFFFFFF, (1,))))
     else:

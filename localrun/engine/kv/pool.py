@@ -123,6 +123,14 @@ class KVPool:
 TABLE_ALIGN = 16  # page-table row width multiple
 
 
+def table_width(max_pages: int) -> int:
+    """A page table's row width for sequences of up to max_pages pages: a multiple of TABLE_ALIGN, so a
+    slice from any row stays aligned for Triton, and the row stride, an argument of the attention
+    kernels, is the same kind of integer (a multiple of 16) at every context length: the kernel trials
+    (engine/fallbacks.py) compile the variant the steps launch."""
+    return -(-max_pages // TABLE_ALIGN) * TABLE_ALIGN
+
+
 class PageTable:
     """Page ids of every running sequence, one row per sequence, kept where attention reads them.
 
@@ -133,10 +141,7 @@ class PageTable:
     """
 
     def __init__(self, max_rows: int, max_pages: int, device, separate: bool | None = None) -> None:
-        # rows of a multiple of 16 entries: a slice from any row stays aligned for Triton, and the row
-        # stride, an argument of the attention kernels, is the same kind of integer (a multiple of 16) at
-        # every context length, so the kernel trials compile the variant the steps launch (fallbacks.py)
-        max_pages = -(-max_pages // TABLE_ALIGN) * TABLE_ALIGN
+        max_pages = table_width(max_pages)
         self.max_rows, self.max_pages = max_rows, max_pages
         self.device = torch.device(device)
         self.host = np.zeros((max_rows + 1, max_pages), dtype=np.int32)
