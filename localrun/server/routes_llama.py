@@ -25,7 +25,6 @@ from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
 
-START_POLL_S = 0.05  # how often a streamed request's start looks for its client gone (stale completions)
 MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
 
 
@@ -200,7 +199,7 @@ async def infill(request: Request):
 
         return await until_disconnected(request, run())
 
-    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
+    gen = await until_disconnected(request, st.generation.start(job))
 
     def data(obj: dict) -> bytes:
         return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

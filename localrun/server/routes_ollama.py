@@ -21,7 +21,6 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.images import from_base64, take_images
-from localrun.server.routes_llama import START_POLL_S
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
@@ -337,7 +336,7 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
         return await until_disconnected(request, run())
 
     # a client that leaves while the prompt is prefilled (an IDE's stale completion) stops the work
-    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
+    gen = await until_disconnected(request, st.generation.start(job))
 
     async def produce() -> AsyncIterator[bytes]:
         async for ev in gen.events():

@@ -17,7 +17,6 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.images import take_images
 from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
-from localrun.server.routes_llama import START_POLL_S
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
@@ -228,7 +227,7 @@ async def chat_completions(request: Request):
                             "logprobs": _chat_logprobs(ch.logprobs) if opts.logprobs else None})
         return _body("chat.completion", cid, created, gen, choices)
 
-    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)
+    gen = await until_disconnected(request, st.generation.start(job))
     opened: set[int] = set()
 
     def render(ev, chunk):
@@ -295,7 +294,7 @@ async def completions(request: Request):
                     "logprobs": _completion_logprobs(ch.logprobs) if opts.logprobs else None} for ch in results]
         return _body("text_completion", cid, created, gen, choices)
 
-    gen = await until_disconnected(request, st.generation.start(job), START_POLL_S)  # stale IDE completions
+    gen = await until_disconnected(request, st.generation.start(job))  # stale IDE completions
     echoed: set[int] = set()
 
     def render(ev, chunk):
