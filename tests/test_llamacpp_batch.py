@@ -322,6 +322,22 @@ def test_logit_bias_bans_a_token(backend):
     assert ids2[0] != banned and banned not in ids2
 
 
+def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(backend):
+    """A greedy request with nothing else to apply picks its token by an argmax over the logits row;
+    the same request through llama.cpp's sampler chain (a zero logit bias keeps it there, changing
+    no logit) gets the same tokens."""
+    from localrun.backends.llama_batch import plain_greedy
+
+    assert plain_greedy(SamplingOptions(temperature=0.0))
+    for other in ({"temperature": 0.7}, {"logit_bias": {5: 0.0}}, {"repeat_penalty": 1.1}, {"presence_penalty": 0.5},
+                  {"frequency_penalty": 0.5}, {"json_mode": True}, {"json_schema": {"type": "object"}}):
+        assert not plain_greedy(SamplingOptions(**{"temperature": 0.0, **other})), other
+    prompt = chatml("Write one sentence about the sea.")
+    text, last, ids = run(collect(backend, prompt, max_tokens=32))
+    text2, last2, ids2 = run(collect(backend, prompt, max_tokens=32, logit_bias={ids[0]: 0.0}))
+    assert len(ids) >= 8 and ids2 == ids and text2 == text
+
+
 def test_grammar_speculative_and_plain_rows_share_steps(smollm2_gguf):
     """A JSON-schema row, a prompt-lookup speculative row and plain rows in the same steps: the
     JSON is valid, the speculative answer equals the plain one, drafts were accepted."""

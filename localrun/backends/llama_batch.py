@@ -15,8 +15,9 @@ One :class:`BatchedLlama` owns a model's single ``llama_context``: ``parallel`` 
    slot order, as llama.cpp computes one forward pass per run of consecutive sequence ids;
 3. calls ``llama_decode`` once (the GIL is released: the daemon's pipe keeps moving meanwhile);
 4. samples each sequence that has an output row with its own sampler chain (logit bias,
-   penalties, grammar, top-k/p, min-p, temperature, its own seeded RNG), handles stop tokens, stop
-   strings and limits, and hands each request its chunk.
+   penalties, grammar, top-k/p, min-p, temperature, its own seeded RNG; plain greedy is an argmax
+   over the logits row), handles stop tokens, stop strings and limits, and hands each request its
+   chunk.
 
 A finished or cancelled request's slot keeps its tokens: a later prompt that starts with them
 reuses them (a chat's next turn, an agent's system prompt and tools, an editor's next keystroke).
@@ -91,6 +92,15 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
         add(lib.llama_sampler_init_temp(o.temperature))
         add(lib.llama_sampler_init_dist(o.seed if o.seed is not None else random.getrandbits(31)))
     return chain
+
+
+def plain_greedy(o: SamplingOptions) -> bool:
+    """Whether a request's sampler chain picks the largest raw logit and nothing else: greedy, no
+    logit bias, neutral penalties, no grammar. Such a request takes an argmax over its logits row
+    instead (11 us against 76 us for the chain's pass over the 49k-token vocabulary on SmolLM2,
+    0.5 ms of a 52 ms step at 8 streams on 2 cores); both pick the first largest logit."""
+    return (o.temperature <= 0 and not o.logit_bias and o.repeat_penalty == 1.0 and o.presence_penalty == 0
+            and o.frequency_penalty == 0 and o.json_schema is None and not o.json_mode)
 
 
 def lookup_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -185,6 +195,7 @@ class Request:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.stops = StopScanner(o.stop)
         self.stop_ids = set(o.stop_token_ids)
+        self.argmax = plain_greedy(o)
         room = self.window - len(self.prompt)
         self.limit = room if o.max_tokens is None else min(room, o.max_tokens)
 
@@ -627,7 +638,10 @@ class BatchedLlama:
                     continue
             sampled: list[tuple[int, TokenLogprob | None]] = []
             for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
-                tok = lib.llama_sampler_sample(r.sampler, ctx, row)
+                if r.argmax:
+                    tok = int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,)).argmax())
+                else:
+                    tok = lib.llama_sampler_sample(r.sampler, ctx, row)
                 sampled.append((tok, self._logprob(row, tok, r.options.top_logprobs) if r.options.logprobs else None))
                 j = len(sampled) - 1  # the draft token this one is checked against
                 if not (decoding and j < len(r.draft) and tok == r.draft[j]):
