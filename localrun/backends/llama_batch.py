@@ -236,7 +236,10 @@ class BatchedLlama:
                              copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                              spec_steps=0, image_tokens=0, moved_sequences=0,
                              handed_over_prefixes=0)
+        # per-token facts asked of llama.cpp once: every ctypes call lets go of the GIL, and the
+        # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self._outbox: list[tuple[Request, Any]] = []
         self._alloc_batch(self.step_tokens)
         self._thread = threading.Thread(target=self._run, name=f"llama-batch-{name}", daemon=True)
@@ -624,6 +627,10 @@ class BatchedLlama:
     def _after(self, rows) -> None:
         lib, ctx = self.lib, self.ctx
         firsts: list[Request] = []
+        logits = out_row = None
+        if any(r.argmax for r, _, _ in rows):  # the step's output rows, in batch order (one ctypes call)
+            out_row = np.cumsum(self._out[:self._batch.n_tokens], dtype=np.int64) - 1  # batch row -> output row
+            logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(int(out_row[-1]) + 1, self.n_vocab))
         i = 0
         for r, toks, decoding in rows:
             k = len(toks)
@@ -639,7 +646,7 @@ class BatchedLlama:
             sampled: list[tuple[int, TokenLogprob | None]] = []
             for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
                 if r.argmax:
-                    tok = int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,)).argmax())
+                    tok = int(logits[out_row[row]].argmax())
                 else:
                     tok = lib.llama_sampler_sample(r.sampler, ctx, row)
                 sampled.append((tok, self._logprob(row, tok, r.options.top_logprobs) if r.options.logprobs else None))
@@ -682,7 +689,7 @@ class BatchedLlama:
         lps: list[TokenLogprob] = []
         finish = None
         for tok, lp in sampled:
-            if not o.ignore_eos and (lib.llama_vocab_is_eog(self.vocab, tok) or tok in r.stop_ids):
+            if not o.ignore_eos and (self._is_eog(tok) or tok in r.stop_ids):
                 finish = "stop"
                 text_parts.append(r.decoder.decode(b"", final=True) + r.stops.flush())
                 break
@@ -691,7 +698,7 @@ class BatchedLlama:
             ids.append(tok)
             if lp is not None:
                 lps.append(lp)
-            text, hit = r.stops.feed(r.decoder.decode(self._piece(tok, tok in r.preserved)))
+            text, hit = r.stops.feed(r.decoder.decode(self.piece(tok, tok in r.preserved)))
             text_parts.append(text)
             if hit:
                 finish = "stop"
@@ -749,7 +756,14 @@ class BatchedLlama:
             on_end, r.on_end = r.on_end, None
             on_end()
 
-    def _piece(self, tok: int, special: bool = False) -> bytes:
+    def _is_eog(self, tok: int) -> bool:
+        e = self._eog.get(tok)
+        if e is None:
+            e = self._eog[tok] = bool(self.lib.llama_vocab_is_eog(self.vocab, tok))
+        return e
+
+    def piece(self, tok: int, special: bool = False) -> bytes:
+        """A token's bytes (any thread: the cache is a dict, filled once per token)."""
         if special:  # a preserved special token: its text, not the empty piece
             return token_piece(self.lib, self.vocab, tok, special=True)
         p = self._pieces.get(tok)
@@ -767,8 +781,8 @@ class BatchedLlama:
         if top_n > 0:
             idx = np.argpartition(-logits, top_n)[:top_n]
             idx = idx[np.argsort(-logits[idx])]
-            top = [(self._piece(int(t)).decode("utf-8", "replace"), float(logits[t] - lse)) for t in idx]
-        return TokenLogprob(token=self._piece(token).decode("utf-8", "replace"), logprob=float(logits[token] - lse),
+            top = [(self.piece(int(t)).decode("utf-8", "replace"), float(logits[t] - lse)) for t in idx]
+        return TokenLogprob(token=self.piece(token).decode("utf-8", "replace"), logprob=float(logits[token] - lse),
                             top=top)
 
 

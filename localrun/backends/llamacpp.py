@@ -442,7 +442,7 @@ class LlamaCppBackend:
                         item.prompt_token_ids = list(tokens)
                 # as llama-server streams: no text while the output's bytes end inside a character
                 for t in item.token_ids:
-                    piece = token_piece(self._lib, self._vocab, t)
+                    piece = self.engine.piece(t)
                     tail, loose = (tail + piece)[-4:], loose + piece
                     if not cut_inside_char(tail):
                         loose = b""
