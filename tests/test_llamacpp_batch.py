@@ -336,6 +336,14 @@ def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(bac
     text, last, ids = run(collect(backend, prompt, max_tokens=32))
     text2, last2, ids2 = run(collect(backend, prompt, max_tokens=32, logit_bias={ids[0]: 0.0}))
     assert len(ids) >= 8 and ids2 == ids and text2 == text
+    # a prompt longer than a step's chunk: its first step has no output row at all
+    long = chatml("Sort these: " + " ".join(f"item{i}" for i in range(260)))
+    engine = backend.engine
+    steps = engine.counters["steps"]
+    text, last, ids = run(collect(backend, long, max_tokens=8))
+    assert last.usage.prompt_tokens > engine.step_tokens and engine.counters["steps"] - steps >= 2 + 7
+    _, _, ids2 = run(collect(backend, long, max_tokens=8, logit_bias={ids[0]: 0.0}))
+    assert len(ids) == 8 and ids2 == ids
 
 
 def test_grammar_speculative_and_plain_rows_share_steps(smollm2_gguf):

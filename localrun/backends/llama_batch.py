@@ -630,7 +630,8 @@ class BatchedLlama:
         logits = out_row = None
         if any(r.argmax for r, _, _ in rows):  # the step's output rows, in batch order (one ctypes call)
             out_row = np.cumsum(self._out[:self._batch.n_tokens], dtype=np.int64) - 1  # batch row -> output row
-            logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(int(out_row[-1]) + 1, self.n_vocab))
+            if out_row[-1] >= 0:  # (a step of prompt chunks only has none)
+                logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(int(out_row[-1]) + 1, self.n_vocab))
         i = 0
         for r, toks, decoding in rows:
             k = len(toks)
