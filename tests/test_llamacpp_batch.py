@@ -330,8 +330,10 @@ def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(bac
 
     assert plain_greedy(SamplingOptions(temperature=0.0))
     for other in ({"temperature": 0.7}, {"logit_bias": {5: 0.0}}, {"repeat_penalty": 1.1}, {"presence_penalty": 0.5},
-                  {"frequency_penalty": 0.5}, {"json_mode": True}, {"json_schema": {"type": "object"}}):
+                  {"frequency_penalty": 0.5}):
         assert not plain_greedy(SamplingOptions(**{"temperature": 0.0, **other})), other
+    assert not plain_greedy(SamplingOptions(temperature=0.0), grammar='root ::= "{}"')
+    # (a JSON schema or JSON mode gets a grammar: test_grammar_speculative_and_plain_rows_share_steps)
     prompt = chatml("Write one sentence about the sea.")
     text, last, ids = run(collect(backend, prompt, max_tokens=32))
     text2, last2, ids2 = run(collect(backend, prompt, max_tokens=32, logit_bias={ids[0]: 0.0}))

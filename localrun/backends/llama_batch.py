@@ -94,13 +94,14 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
     return chain
 
 
-def plain_greedy(o: SamplingOptions) -> bool:
-    """Whether a request's sampler chain picks the largest raw logit and nothing else: greedy, no
-    logit bias, neutral penalties, no grammar. Such a request takes an argmax over its logits row
-    instead (11 us against 76 us for the chain's pass over the 49k-token vocabulary on SmolLM2,
-    0.5 ms of a 52 ms step at 8 streams on 2 cores); both pick the first largest logit."""
+def plain_greedy(o: SamplingOptions, grammar: str | None = None) -> bool:
+    """Whether the sampler chain make_sampler builds from the same arguments picks the largest raw
+    logit and nothing else: greedy, no logit bias, neutral penalties, no grammar. Such a request
+    takes an argmax over its logits row instead (11 us against 76 us for the chain's pass over the
+    49k-token vocabulary on SmolLM2, 0.5 ms of a 52 ms step at 8 streams on 2 cores); both pick the
+    first largest logit."""
     return (o.temperature <= 0 and not o.logit_bias and o.repeat_penalty == 1.0 and o.presence_penalty == 0
-            and o.frequency_penalty == 0 and o.json_schema is None and not o.json_mode)
+            and o.frequency_penalty == 0 and grammar is None)
 
 
 def lookup_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -189,13 +190,13 @@ class Request:
     on_end: Any = None  # called once on the loop's thread when the request leaves it (frees its image chunks)
     preserved: frozenset = frozenset()  # special tokens whose text this request's output keeps
     cache_key: str | None = None  # the client's prompt_cache_key (see _start)
+    argmax: bool = False  # plain greedy (plain_greedy): an argmax over its logits row, not the chain
 
     def __post_init__(self) -> None:
         o = self.options
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.stops = StopScanner(o.stop)
         self.stop_ids = set(o.stop_token_ids)
-        self.argmax = plain_greedy(o)
         room = self.window - len(self.prompt)
         self.limit = room if o.max_tokens is None else min(room, o.max_tokens)
 

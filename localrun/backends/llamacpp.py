@@ -375,7 +375,7 @@ class LlamaCppBackend:
 
     # -- generation ----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        from localrun.backends.llama_batch import Request, make_sampler
+        from localrun.backends.llama_batch import Request, make_sampler, plain_greedy
 
         o = request.options
         window = min(request.window or self.spec.num_ctx, self.spec.num_ctx)
@@ -411,7 +411,8 @@ class LlamaCppBackend:
             out: asyncio.Queue = asyncio.Queue()
             req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
                           speculative=self.speculative, rid=request.request_id, images=spans,
-                          preserved=self._preserved(request.preserve), cache_key=request.cache_key)
+                          preserved=self._preserved(request.preserve), cache_key=request.cache_key,
+                          argmax=plain_greedy(o, grammar))
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)
