@@ -5,7 +5,9 @@ test oracle) and a Triton kernel (one module per op). The names exported here pi
 Triton kernel when Triton is installed and the first tensor argument is on a CUDA device
 (or TRITON_INTERPRET=1, Triton's CPU interpreter, is set), and the reference otherwise.
 Triton is imported lazily, on the first call that needs it, so this package imports
-without Triton. Matmuls are not here: they stay on cuBLAS through torch.
+without Triton. Matmuls stay on cuBLAS through torch, but for one: `gemv`, a linear layer over
+one row of activations (a decode step of one sequence), which streams the weight faster than
+cuBLAS's kernels for that shape (kernels/matvec.py).
 
 KV cache layout: per layer K and V of shape [num_pages, page_size, num_kv_heads, head_dim];
 slot = page_id * page_size + offset; page_table int32 [B, max_pages]; seq_lens int32 [B].
@@ -31,6 +33,7 @@ from .reference import (
     extend_attention_ref,
     fused_add_rmsnorm_ref,
     gelu_tanh_and_mul_ref,
+    gemv_ref,
     longrope_inv_freq,
     paged_decode_attention_ref,
     quantize_kv_ref,
@@ -47,7 +50,7 @@ __all__ = [
     "store_kv_ref", "paged_decode_attention_ref", "extend_attention_ref", "fused_add_rmsnorm_ref",
     "apply_rope_ref", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
     "rope_cos_sin_cache", "rope_inv_freq", "longrope_inv_freq", "rms_norm", "rms_norm_ref",
-    "sample_temperature", "sample_temperature_ref",
+    "sample_temperature", "sample_temperature_ref", "gemv", "gemv_ref",
     "triton_available", "uses_triton", "KV_QMAX", "KV_SCALE_DTYPE", "quantize_kv_ref", "dequantize_kv_ref",
 ]
 
@@ -101,3 +104,4 @@ apply_rope = _dispatch("rope", apply_rope_ref)
 silu_and_mul = _dispatch("activation", silu_and_mul_ref)
 gelu_tanh_and_mul = _dispatch("activation", gelu_tanh_and_mul_ref)
 sample_temperature = _dispatch("sampling", sample_temperature_ref)
+gemv = _dispatch("matvec", gemv_ref)

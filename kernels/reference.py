@@ -357,6 +357,11 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
 
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T (+ bias [N]) -> [M, N]: the linear layer, as torch (cuBLAS on a GPU) does it."""
+    return torch.nn.functional.linear(x, w, bias)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] ([T, I]), computed in fp32."""
     gate, up = x.float().chunk(2, dim=-1)

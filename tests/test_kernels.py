@@ -293,7 +293,7 @@ def _compile_for_gpu(kernel, capability: tuple[int, int], types: dict, consts: d
 def test_triton_kernels_compile_for_h100_and_rtx40():
     """The GPU compiler (not the interpreter) accepts every kernel at Llama-3.1-8B shapes in bf16,
     and the extend tiles chosen for each GPU fit its shared memory."""
-    from localrun.kernels import activation, decode_attention, extend_attn, kv_store, rmsnorm, rope, sampling
+    from localrun.kernels import activation, decode_attention, extend_attn, kv_store, matvec, rmsnorm, rope, sampling
 
     bf = "*bf16"
     h100 = (9, 0)
@@ -343,6 +343,10 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
     _compile_for_gpu(sampling._gumbel_argmax_kernel, h100,
                      {"Logits": "*fp32", "Temp": "*fp32", "OutVal": "*fp32", "OutIdx": "*i32"},
                      dict(CHUNK=8192, BLOCK=1024), num_warps=4)
+    for k, bias in ((4096, False), (14336, False), (3584, True)):  # Llama-3.1-8B's widths; Qwen2's biased qkv
+        bn, bk, warps = matvec.config(k)
+        _compile_for_gpu(matvec._gemv_kernel, h100, {"X": bf, "W": bf, "Bias": bf, "Y": bf},
+                         dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), num_warps=warps)
 
 
 def _jit_params(kernel):
@@ -499,6 +503,21 @@ class TestTriton:
         assert_close(K.gelu_tanh_and_mul(x), K.gelu_tanh_and_mul_ref(x.float()), dtype)
 
 
+    @pytest.mark.parametrize("dtype", DTYPES)
+    def test_gemv(self, dtype):
+        """One row (the engine's use), a few rows, a bias, widths that are and are not multiples of the
+        block, and a weight that is a column slice of a wider one (row stride > K)."""
+        for m, n, k, bias in ((1, 37, 70, False), (1, 64, 96, True), (3, 40, 128, True), (8, 9, 33, False)):
+            x = torch.randn(m, k).to(dtype=dtype, device=DEVICE)
+            w = (torch.randn(n, k) / k ** 0.5).to(dtype=dtype, device=DEVICE)
+            b = torch.randn(n).to(dtype=dtype, device=DEVICE) if bias else None
+            assert_close(K.gemv(x, w, b), K.gemv_ref(x.float(), w.float(), None if b is None else b.float()), dtype)
+        wide = torch.randn(16, 200).to(dtype=dtype, device=DEVICE)
+        x = torch.randn(1, 120).to(dtype=dtype, device=DEVICE)
+        assert_close(K.gemv(x, wide[:, :120]), K.gemv_ref(x.float(), wide[:, :120].float()), dtype)
+        with pytest.raises(ValueError, match="at most"):
+            K.gemv(torch.randn(9, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))
+
     def test_sample_temperature_draws_from_softmax_over_t(self):
         """The one-pass Gumbel-max draw: 256 rows of the same 5 logits at T=0.5 against softmax(x/T)
         (chi-square, 4 degrees of freedom, below its 1e-4 quantile; T ignored, or the noise off, is
@@ -531,23 +550,58 @@ class TestTriton:
         draws = {K.sample_temperature(x[1:2], t[1:2], s).item() for s in range(12)}
         assert draws == {3, 2499}
 
-    @pytest.mark.parametrize("fault", ["", "kernel:sample_temperature"])
-    def test_engine_fused_sampling_and_its_trial(self, monkeypatch, fault):
-        """EngineConfig(fused_sampling=True): the sampler kernel is tried at load and the runner
-        draws plain temperature rows with it; when its trial fails (LOCALRUN_FAULTS) the load records
-        the fallback and the torch sampler draws. Either way every request gets its tokens."""
-        from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+    @pytest.mark.parametrize("fault, every_batch", [("", False), ("", True), ("kernel:sample_temperature", False)])
+    def test_engine_fused_sampling_and_its_trial(self, monkeypatch, fault, every_batch):
+        """The sampler kernel is tried at load; the runner draws plain temperature rows with it in batches
+        of up to runner.FUSED_SAMPLING_ROWS rows, or in every batch with EngineConfig(fused_sampling=True).
+        When its trial fails (LOCALRUN_FAULTS) the load records the fallback and the torch sampler draws.
+        Either way every request gets its tokens."""
+        from localrun.engine import EngineConfig, LLMEngine, SamplingParams, runner
         from localrun.engine.config import ModelConfig
 
         monkeypatch.setenv("LOCALRUN_FAULTS", fault)
         cfg = ModelConfig(64, 2, 4, 2, 128, 300, rope_theta=10000.0)
-        eng = LLMEngine.from_random(cfg, EngineConfig(device=DEVICE, max_model_len=64, max_num_seqs=4,
-                                                      use_triton=True, fused_sampling=True, cuda_graphs=False),
+        eng = LLMEngine.from_random(cfg, EngineConfig(device=DEVICE, max_model_len=64, max_num_seqs=12,
+                                                      use_triton=True, fused_sampling=every_batch, cuda_graphs=False),
                                     seed=3)
-        assert eng.runner.fused_sampling == (not fault)
+        assert eng.runner.fused_rows == (0 if fault else 12 if every_batch else runner.FUSED_SAMPLING_ROWS)
         assert any("sample_temperature" in f for f in eng.fallbacks) == bool(fault)
-        outs = eng.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))
-        assert [len(o.token_ids) for o in outs] == [3, 3] and all(0 <= t < 300 for o in outs for t in o.token_ids)
+        calls = []
+        kernel = K.sample_temperature
+        monkeypatch.setattr(K, "sample_temperature", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+        for n in (2, 10):  # a small batch, and one above FUSED_SAMPLING_ROWS
+            calls.clear()
+            outs = eng.generate([[1, 2, 3 + i] for i in range(n)],
+                                SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))
+            assert [len(o.token_ids) for o in outs] == [3] * n and all(0 <= t < 300 for o in outs for t in o.token_ids)
+            assert bool(calls) == (not fault and (n <= runner.FUSED_SAMPLING_ROWS or every_batch)), (n, calls)
+
+    @pytest.mark.parametrize("fault", ["", "kernel:gemv"])
+    def test_engine_one_row_linears_and_their_trial(self, monkeypatch, fault):
+        """A step of one sequence runs its linear layers (and the logits) through the gemv kernel, tried
+        at load; when the trial fails (LOCALRUN_FAULTS) the load records the fallback and cuBLAS (F.linear)
+        runs them. Greedy tokens equal the torch-reference engine's either way (fp32)."""
+        from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+        from localrun.engine.config import ModelConfig
+        from localrun.engine.layers import quant
+
+        monkeypatch.setenv("LOCALRUN_FAULTS", fault)
+        calls = []
+        kernel = K.gemv  # the op Ops.linear calls (it runs the kernel: INTERPRETED or CUDA)
+        monkeypatch.setattr(K, "gemv", lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
+        cfg = ModelConfig(64, 2, 4, 2, 128, 300, rope_theta=10000.0, attention_bias=True)
+        common = dict(device=DEVICE, max_model_len=64, max_num_seqs=4, cuda_graphs=False)
+        eng = LLMEngine.from_random(cfg, EngineConfig(use_triton=True, **common), seed=3)
+        assert any("gemv" in f for f in eng.fallbacks) == bool(fault)
+        assert (eng.model.ops.linear is quant.linear) == bool(fault)
+        calls.clear()
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        got = eng.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+        # 5 decode steps x (2 layers x 4 linears + the logits) and the prompt's logits row; the prompt's
+        # linears (5 rows) are cuBLAS's
+        assert len(calls) == (0 if fault else 5 * 9 + 1) and all(s[0] == 1 for s in calls)
+        ref = LLMEngine.from_random(cfg, EngineConfig(use_triton=False, **common), seed=3)
+        assert got == ref.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
 
     @pytest.mark.skipif(not INTERPRETED, reason="records launches through the interpreter (on a GPU: gpu-check's "
                                                 "coldstart item times the compiles)")
@@ -612,7 +666,7 @@ class TestTriton:
             _, spec, options = binders[fn.fn](*args, **kw)
             seen[ph].add((fn.fn.__name__, str(spec), str(sorted(options.items()))))
         kernels_run = {k[0] for k in seen["step"]}
-        assert {"_extend_kernel", "_decode_split_kernel", "_rope_kernel", "_store_kv_kernel"} <= kernels_run
+        assert {"_extend_kernel", "_decode_split_kernel", "_rope_kernel", "_store_kv_kernel", "_gemv_kernel"} <= kernels_run
         missing = sorted(seen["step"] - seen["trial"])
         assert not missing, "variants first compiled after the trials:\n" + "\n".join(
             f"{name}: {spec} {opts}" for name, spec, opts in missing)
@@ -671,6 +725,15 @@ def test_gpu_extend_llama8b_shape():
     oracle = K.extend_attention_ref(*upcast(q, batch.k_cache, batch.v_cache), batch.page_table, cu,
                                     batch.seq_lens, HD ** -0.5)
     assert_close(out, oracle, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON, reason="needs a CUDA GPU and triton")
+def test_gpu_gemv_llama8b_shapes():
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        x = torch.randn(1, k, dtype=BF16, device="cuda")
+        w = torch.randn(n, k, dtype=BF16, device="cuda") / k ** 0.5
+        assert_close(K.gemv(x, w), K.gemv_ref(x.float(), w.float()), BF16)
 
 
 @pytest.mark.gpu

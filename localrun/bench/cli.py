@@ -89,7 +89,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly (default on CUDA: CUDA graphs)")
     g.add_argument("--no-overlap", action="store_true", help="serial steps (default on CUDA: overlap scheduling)")
     g.add_argument("--fused-sampling", action="store_true",
-                   help="plain temperature draws in one Triton kernel (EngineConfig.fused_sampling; default off)")
+                   help="plain temperature draws in one Triton kernel at every batch size (EngineConfig.fused_sampling; "
+                        "default: batches of up to 8 rows)")
 
 
 def _host_cache_bytes(text: str | None) -> int | None:

@@ -310,7 +310,8 @@ class EngineConfig:
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
-    fused_sampling: bool = False  # with the Triton kernels: plain temperature draws in one kernel
+    fused_sampling: bool = False  # with the Triton kernels: plain temperature draws in one kernel at every batch
+    # size (off: at batches of up to runner.FUSED_SAMPLING_ROWS rows only)
     #                               (kernels/sampling.py). Off: its same-process A/Bs on an H200 disagreed
     #                               (results/gpu-check-nvidia-h200.txt, session 35)
     kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8

@@ -32,7 +32,8 @@ log = logging.getLogger("localrun.engine")
 ATTENTION_KERNELS = ("store_kv", "paged_decode_attention", "extend_attention")
 POINTWISE_KERNELS = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 SAMPLER_KERNELS = ("sample_temperature",)  # every model's sampler
-KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS
+MATMUL_KERNELS = ("gemv",)  # every model's linear layers at one row (layers/ops.Ops.linear)
+KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS + MATMUL_KERNELS
 REASON_CHARS = 240  # a fallback's reason is cut to this many characters
 FP8_STORE_TOL = 0.13  # e4m3 keeps 3 mantissa bits: two roundings of one value may differ by a step (1/8)
 
@@ -105,6 +106,9 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
         # the sampler's logits (made in _run, only when it is tried): the model's vocabulary on a GPU (the
         # kernel variant its steps launch), narrow under the interpreter (it runs a program at a time)
         "vocab": cfg.vocab_size if torch.device(device).type == "cuda" else 64,
+        # the linear layers' input widths (the kernel's variant depends on K alone) and whether qkv has a bias
+        "gemv_k": sorted({cfg.hidden_size, cfg.num_heads * d, cfg.intermediate_size}), "qkv_bias": bool(cfg.attention_bias),
+        "dtype": dtype,
     }
 
 
@@ -145,6 +149,15 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         x[rows, (rows * 7) % x.shape[1]] += 100.0
         temp = (rows % 2).to(torch.float32)
         return [fn(x, temp, 1234).float()]
+    if name == "gemv":  # one row times 16 rows of weights, at each input width the model has
+        g, dev, dt = torch.Generator().manual_seed(2), inp["device"], inp["dtype"]
+        out = []
+        for k in inp["gemv_k"]:
+            x, w = torch.randn(1, k, generator=g), torch.randn(16, k, generator=g) / k ** 0.5
+            out.append(fn(x.to(dev, dt), w.to(dev, dt)).float())
+            if inp["qkv_bias"] and k == inp["x"].shape[1]:  # qkv's bias (Qwen2)
+                out.append(fn(x.to(dev, dt), w.to(dev, dt), torch.randn(16, generator=g).to(dev, dt)).float())
+        return out
     if name == "fused_add_rmsnorm":  # with a residual, and without (the first layer's)
         out = [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
         out.append(fn(inp["x"].clone(), None, inp["w"], 1e-6)[0].float())

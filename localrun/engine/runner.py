@@ -26,6 +26,13 @@ from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
 
 log = logging.getLogger("localrun.engine")
 
+# Batches of up to this many sampling rows draw plain temperature rows with the one-pass kernel
+# (kernels/sampling.py) by default. At one row the torch path's softmax and argmax are one thread
+# block each over the vocabulary (~30 us each on an H100 at 128k tokens); with the kernel the ITL
+# of the 8B shape fell 0.9-1.1% (results/gpu-check-nvidia-h100.txt). At full batches its A/Bs
+# disagreed (-10% to +1%), so larger batches keep the torch path unless EngineConfig.fused_sampling.
+FUSED_SAMPLING_ROWS = 8
+
 
 @dataclass
 class StepHandle:
@@ -124,8 +131,10 @@ class ModelRunner:
         self.attn = make_backend(triton, pool, self.table, self.buffers, model.ops.refs)
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
-        # plain temperature draws in one kernel (its warm-up trial passed: engine/fallbacks.py)
-        self.fused_sampling = triton and config.fused_sampling and "sample_temperature" not in model.ops.refs
+        # plain temperature draws in one kernel (its warm-up trial passed: engine/fallbacks.py), for batches of
+        # up to this many sampling rows (all of them with EngineConfig.fused_sampling)
+        fused = triton and "sample_temperature" not in model.ops.refs
+        self.fused_rows = (max(config.max_num_seqs, FUSED_SAMPLING_ROWS) if config.fused_sampling else FUSED_SAMPLING_ROWS) if fused else 0
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
         self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)
@@ -280,7 +289,7 @@ class ModelRunner:
         pending = [pen and j < len(idx) and bool(prev[int(idx[j])] >= 0) for j in range(len(seqs))]
         sb = SamplingBatch.build(params, hist, [s.prompt_len for s in seqs], [s.num_output for s in seqs],
                                  pending, self.model.cfg.vocab_size, self.device)
-        sb.fused = self.fused_sampling
+        sb.fused = sb.n <= self.fused_rows
         return sb
 
     # -- no KV cache (embeddings) ------------------------------------------------------------

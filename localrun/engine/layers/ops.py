@@ -1,8 +1,11 @@
-"""The model's pointwise ops (RMSNorm, RoPE, SiLU / GELU-tanh gates): Triton kernels or torch references."""
+"""The model's pointwise ops (RMSNorm, RoPE, SiLU / GELU-tanh gates) and its linear layers: Triton kernels or torch references."""
 
 from __future__ import annotations
 
+import torch
+
 from localrun import kernels
+from localrun.engine.layers import quant
 
 _POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 
@@ -11,9 +14,20 @@ class Ops:
     """The model's pointwise ops: localrun.kernels' Triton kernels on CUDA tensors (reference=False)
     or their torch references. `refs`: the kernels (pointwise or attention) that run their torch
     reference although the Triton kernels are on (their warm-up trial failed: engine/fallbacks.py);
-    the attention backend reads it too."""
+    the attention backend reads it too.
+
+    `linear(x, w, bias)` is quant.linear (cuBLAS, or the quantized weights' own path), except for
+    one row of activations times a float weight with the Triton kernels on: kernels.gemv, which
+    streams the weight faster than cuBLAS does at one row (a decode step of one sequence)."""
 
     def __init__(self, reference: bool = False, refs: frozenset[str] = frozenset()) -> None:
         self.reference, self.refs = reference, frozenset(refs)
         for name in _POINTWISE:
             setattr(self, name, getattr(kernels, f"{name}_ref" if reference or name in self.refs else name))
+        self.linear = quant.linear if reference or "gemv" in self.refs else _linear
+
+
+def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.shape[0] == 1 and isinstance(w, torch.Tensor) and x.dim() == 2:
+        return kernels.gemv(x, w, bias)  # the reference (F.linear) where Triton does not run
+    return quant.linear(x, w, bias)

@@ -52,7 +52,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
-        qkv = quant.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         if self.q_norm is not None:  # per-head RMSNorm of q and k (Gemma 3), before RoPE
@@ -61,10 +61,10 @@ class GemmaDecoderLayer(DecoderLayer):
         q, k = ops.apply_rope(q.reshape(T, self.nq, self.d), k.reshape(T, self.nkv, self.d), positions, cos_sin)
         o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale,
                          window=self.window, softcap=self.softcap)
-        x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
+        x = self.tp.all_reduce(ops.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         x = ops.fused_add_rmsnorm(x, None, self.post_attention_layernorm, self.eps)[0]
         h, residual = ops.fused_add_rmsnorm(x, residual, self.pre_feedforward_layernorm, self.eps)
-        x = self.tp.all_reduce(quant.linear(ops.gelu_tanh_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
+        x = self.tp.all_reduce(ops.linear(ops.gelu_tanh_and_mul(ops.linear(h, self.gate_up_proj)), self.down_proj))
         return ops.fused_add_rmsnorm(x, None, self.post_feedforward_layernorm, self.eps)[0], residual
 
 

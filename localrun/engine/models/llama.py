@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
-        qkv = quant.linear(h, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(h, self.qkv_proj, self.qkv_bias)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q, k = q.view(T, self.nq, self.d), k.view(T, self.nkv, self.d)
@@ -67,9 +67,9 @@ class DecoderLayer(nn.Module):
         q, k = ops.apply_rope(q, k, positions, cos_sin)
         o = attn.forward(q, k, v.view(T, self.nkv, self.d), self.layer_id, meta, self.scale,
                          **({"window": self.window} if self.window else {}))
-        x = self.tp.all_reduce(quant.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
+        x = self.tp.all_reduce(ops.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
-        x = self.tp.all_reduce(quant.linear(ops.silu_and_mul(quant.linear(h, self.gate_up_proj)), self.down_proj))
+        x = self.tp.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up_proj)), self.down_proj))
         return x, residual
 
 
@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[T, vocab] float32 logits (with tensor parallelism: on rank 0; None on the others)."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = self.tp.gather_logits(quant.linear(hidden, w), self.cfg.vocab_size)
+        logits = self.tp.gather_logits(self.ops.linear(hidden, w), self.cfg.vocab_size)
         return None if logits is None else logits.float()
 
     # -- weights -----------------------------------------------------------------------------
