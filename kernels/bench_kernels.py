@@ -213,6 +213,15 @@ def run(bench: Bench) -> None:
     bench.record("store_kv", f"T={t}", "GB/s", 4 * t * hkv * d * elt,
                  lambda: K.store_kv(kr, kr, kc, vc, slots), lambda: K.store_kv_ref(kr, kr, kc, vc, slots))
 
+    # One row through a linear layer (a decode step of one sequence): the weight's bytes. The MLP's two
+    # matrices, both larger than an H100's or H200's L2 (the replays would read a smaller one from L2);
+    # the reference is torch's F.linear (cuBLAS).
+    for n, k in ((2 * inter, h), (h, inter)):
+        wm, xv = torch.randn(n, k, dtype=dt, device=dev) / k ** 0.5, torch.randn(1, k, dtype=dt, device=dev)
+        bench.record("gemv", f"1x{k} @ {n}x{k}", "GB/s", n * k * elt,
+                     lambda: K.gemv(xv, wm), lambda: K.gemv_ref(xv, wm), lambda: _rel_err(K.gemv(xv, wm), K.gemv_ref(xv, wm)))
+        del wm
+
 
 def _window(bench: Bench, s: dict, dt, elt: int) -> None:
     """Sliding-window decode and extend (with a soft-cap) vs the same kernel attending globally.

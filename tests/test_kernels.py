@@ -677,7 +677,8 @@ class TestTriton:
 
         assert bench_kernels.main(["--tiny"]) == 0
         out = capsys.readouterr().out
-        for group in ("ceiling", "decode", "extend", "window", "rmsnorm", "silu_mul", "gelu_mul", "rope", "store_kv"):
+        for group in ("ceiling", "decode", "extend", "window", "rmsnorm", "silu_mul", "gelu_mul", "rope", "store_kv",
+                      "gemv"):
             assert f"{group} " in out, out
 
 
