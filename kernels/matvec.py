@@ -55,7 +55,7 @@ def _gemv_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
 def config(k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for rows of K weights. Swept on an H100 over BLOCK_N 1-16,
     BLOCK_K 256-2048 and 2-8 warps for each of Llama-3.1-8B's matrices at one row: (4, 2048, 4)
-    was within 2% of the best configuration for every matrix. Triton's CPU interpreter runs one
+    was within 2.1% of the best configuration for every matrix. Triton's CPU interpreter runs one
     program at a time (each in numpy), so there the blocks are wide: few programs."""
     if interpreting():
         return 1024, min(2048, max(16, next_pow2(k))), 1
