@@ -310,10 +310,10 @@ class EngineConfig:
     #                                  CPU runs the same padded static-buffer decode eagerly (a test of that path)
     cuda_graph_max_bs: int | None = None  # largest captured decode batch (default: max_num_seqs)
     overlap: bool | None = None  # prepare step N+1 while step N runs (None: on CUDA)
-    fused_sampling: bool = False  # with the Triton kernels: plain temperature draws in one kernel at every batch
-    # size (off: at batches of up to runner.FUSED_SAMPLING_ROWS rows only)
-    #                               (kernels/sampling.py). Off: its same-process A/Bs on an H200 disagreed
-    #                               (results/gpu-check-nvidia-h200.txt, session 35)
+    fused_sampling: bool = False  # with the Triton kernels: plain temperature draws in one kernel (kernels/
+    #                               sampling.py) at every batch size. Off: at batches of up to
+    #                               runner.FUSED_SAMPLING_ROWS rows only (at full batches it lost 4-10% of
+    #                               throughput: results/gpu-check-nvidia-h100.txt, -h200.txt)
     kv_cache_dtype: str = "auto"  # KV pages: auto (the model's dtype), bf16 / fp16 / fp32, or fp8 / int8
     #                               (quantized with per-token-per-head scales: about half of bf16's bytes)
     weight_dtype: str = "auto"  # auto: weights in `dtype`; int8 | fp8: weight-only quantized matrices (layers/quant.py)

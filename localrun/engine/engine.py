@@ -141,9 +141,8 @@ class RequestStream:
 def _kernel_names(cls: type, mcfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
     """The Triton kernels a model of `cls` launches (the attention kernels, its pointwise ones, the
     sampler's, and the one-row linear layer of float weights)."""
-    sampler = fb.SAMPLER_KERNELS  # the one-pass sampler draws small batches (runner.FUSED_SAMPLING_ROWS)
     matmul = fb.MATMUL_KERNELS if config.weight_dtype == "auto" else ()
-    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + sampler + matmul
+    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + fb.SAMPLER_KERNELS + matmul
 
 
 class _KernelTrials:

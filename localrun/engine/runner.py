@@ -9,6 +9,7 @@ tokens still on the device; `StepHandle.result()` is the step's one host sync.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -131,10 +132,13 @@ class ModelRunner:
         self.attn = make_backend(triton, pool, self.table, self.buffers, model.ops.refs)
         model.attn = self.attn
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)
-        # plain temperature draws in one kernel (its warm-up trial passed: engine/fallbacks.py), for batches of
-        # up to this many sampling rows (all of them with EngineConfig.fused_sampling)
-        fused = triton and "sample_temperature" not in model.ops.refs
-        self.fused_rows = (max(config.max_num_seqs, FUSED_SAMPLING_ROWS) if config.fused_sampling else FUSED_SAMPLING_ROWS) if fused else 0
+        # plain temperature draws in one kernel (its warm-up trial passed: engine/fallbacks.py) in batches of up
+        # to this many sampling rows; every batch with EngineConfig.fused_sampling (a speculative step samples
+        # every drafted position: more rows than sequences)
+        if not triton or "sample_temperature" in model.ops.refs:
+            self.fused_rows: float = 0
+        else:
+            self.fused_rows = math.inf if config.fused_sampling else FUSED_SAMPLING_ROWS
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
         self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)

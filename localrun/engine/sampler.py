@@ -10,9 +10,10 @@ with probability p_i / sum(p) (no normalisation, no cumulative sums). E comes fr
 device's generator, except for seeded requests: their E is a counter-based hash of (seed,
 output position, token id), so a seeded request draws the same tokens whatever it is
 batched with, preempted or not. Greedy rows (temperature 0 or top_k 1) take the argmax.
-With the Triton kernels, a batch of up to runner.FUSED_SAMPLING_ROWS rows (every batch with
-EngineConfig.fused_sampling) of plain temperature draws (no top-k / top-p / min-p, no seed) is one kernel: a Gumbel-max draw in one pass over the logits
-(kernels/sampling.py), the same distribution; its seed comes from torch's (CPU) generator.
+With the Triton kernels, the plain temperature draws (no top-k / top-p / min-p, no seed) of a
+batch of up to runner.FUSED_SAMPLING_ROWS rows (of every batch with EngineConfig.fused_sampling)
+are one kernel: a Gumbel-max draw in one pass over the logits (kernels/sampling.py), the same
+distribution; its seed comes from torch's (CPU) generator.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as
 vLLM reports them. Rows with a grammar first get -inf on the tokens their bitmask disallows.
 """
