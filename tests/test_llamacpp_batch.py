@@ -314,6 +314,99 @@ def test_a_prompt_chunk_is_not_cut_by_the_streams_decoding_beside_it(backend):
     assert engine.step_tokens + 1 in sizes, sizes
 
 
+class _Pipe:
+    """The runner's channel as the loop's thread sees it: the framed messages of each write."""
+
+    def __init__(self):
+        import threading
+
+        self.writes: list[list[dict]] = []
+        self.threads: set[int] = set()
+        self._threading = threading
+        self.sinks: dict[int, object] = {}  # the daemon's 'delivered' once it has a stream's first chunk
+
+    def write(self, data: bytes) -> None:
+        from localrun.backends import wire
+
+        self.threads.add(self._threading.get_ident())
+        msgs, pos = [], 0
+        while pos < len(data):
+            n = int.from_bytes(data[pos:pos + 4], "little")
+            msgs.append(wire.loads(data[pos + 4:pos + 4 + n]))
+            pos += 4 + n
+        self.writes.append(msgs)
+        for m in msgs:
+            if m["id"] in self.sinks:
+                self.sinks[m["id"]].delivered.set()
+
+
+def test_the_runner_path_writes_each_step_once_from_the_loop_and_answers_the_same(backend):
+    """generate_direct, as a runner process serves a stream: the loop's thread frames every chunk
+    itself and writes a step's chunks for all streams at once (never from the event loop's thread);
+    three concurrent greedy streams get the text they get through generate(); a 'delivered' from
+    the daemon ends the first-token wait; cancelling a stream (the daemon's abort) frees its sequence
+    and nothing more is written for it."""
+    import threading
+
+    from localrun.backends import wire
+    from localrun.backends.worker import _DirectSink, _Outbox
+
+    prompts = [chatml(q) for q in QUESTIONS[:3]]
+    opts = dict(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=5)
+
+    async def alone_tokens(prompt):
+        text, toks = [], []
+        async for ch in backend.generate(GenerationRequest(prompt=prompt, options=SamplingOptions(**opts))):
+            text.append(ch.text)
+            toks += [(lp.token, lp.logprob, lp.top) for lp in ch.logprobs or []]
+        return "".join(text), toks
+
+    alone = [run(alone_tokens(p)) for p in prompts]
+
+    async def main():
+        pipe = _Pipe()
+        outbox = _Outbox(pipe, asyncio.get_running_loop())
+        sinks = [_DirectSink(outbox, i, None, None) for i in range(3)]
+        pipe.sinks = dict(enumerate(sinks))
+        tasks = [asyncio.ensure_future(backend.generate_direct(GenerationRequest(
+            prompt=p, options=SamplingOptions(**opts)), s))
+            for p, s in zip(prompts, sinks)]
+        await asyncio.gather(*tasks)
+        # a long one, aborted after its first chunks
+        sink = _DirectSink(outbox, 9, None, None)
+        long = asyncio.ensure_future(backend.generate_direct(GenerationRequest(
+            prompt=chatml("Tell me a long story."), options=SamplingOptions(temperature=0.0, max_tokens=400,
+                                                                            ignore_eos=True)), sink))
+        while sum(m["id"] == 9 for w in pipe.writes for m in w) < 3:
+            await asyncio.sleep(0.005)
+        sink.delivered.set()
+        long.cancel()
+        t0 = time.monotonic()
+        while (await backend.stats())["running"]:
+            await asyncio.sleep(0.005)
+        freed = time.monotonic() - t0
+        n9 = sum(m["id"] == 9 for w in pipe.writes for m in w)
+        await asyncio.sleep(0.3)
+        return pipe, threading.get_ident(), freed, n9
+
+    pipe, loop_thread, freed, n9 = run(main())
+    assert loop_thread not in pipe.threads
+    for i, (want, want_tokens) in enumerate(alone):
+        msgs = [m for w in pipe.writes for m in w if m["id"] == i]
+        chunks = [wire.chunk_from_wire(m) for m in msgs]
+        assert all(m["t"] == "chunk" for m in msgs) and chunks[-1].finish_reason == "length"
+        assert chunks[-1].usage.completion_tokens == 16
+        # the same answer as alone, up to a near tie that batched arithmetic may flip (bench.greedy)
+        cmp = compare(want_tokens, [(lp.token, lp.logprob, lp.top) for c in chunks for lp in c.logprobs or []])
+        assert cmp.acceptable, (want, cmp)
+        if cmp.verdict == "same":
+            assert "".join(c.text for c in chunks) == want
+    # one write a step: no write holds two chunks of one stream
+    assert all(len({m["id"] for m in w}) == len(w) for w in pipe.writes)
+    assert max(len(w) for w in pipe.writes) == 3  # the three streams' steps went out together
+    assert freed < 2.0 and sum(m["id"] == 9 for w in pipe.writes for m in w) == n9
+
+
 def test_logit_bias_bans_a_token(backend):
     text, last, ids = run(collect(backend, chatml("What is the capital of France?"), max_tokens=8))
     banned = ids[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+import time
 
 import pytest
 
@@ -234,6 +235,59 @@ def test_a_channel_to_a_dead_peer_drops_messages(loop):
         chan.close()
 
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_direct_channel_takes_whole_messages_from_a_thread_and_the_loop(loop):
+    """The runner's end is direct: the llama.cpp loop's thread writes a step's chunks itself while
+    the event loop sends its own messages (here large ones, as an embeddings result is, which the
+    kernel takes in pieces). The other end (another process in life, a thread here) reads every
+    message whole, each writer's in order (a write that cut into another's would garble the length
+    prefixes); the socket buffer filling up (the reader starts late) is waited out; after close() a
+    thread's write is dropped, and the reader sees the end."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+    import threading
+
+    n_small, n_big = 2000, 30
+    a, b = socket.socketpair()
+    got: dict[int, list[int]] = {1: [], 2: []}
+
+    def read_all():
+        time.sleep(0.3)  # late: both writers meet a full buffer first
+        data = b"".join(iter(lambda: b.recv(1 << 20), b""))  # everything, until the runner's end closes
+        pos = 0
+        while pos < len(data):
+            n = int.from_bytes(data[pos:pos + 4], "little")
+            msg = wire.loads(data[pos + 4:pos + 4 + n])
+            got[msg["id"]].append(msg["i"][0] if msg["id"] == 1 else msg["result"])
+            pos += 4 + n
+
+    async def main():
+        runner = await wire.Channel.connect(a, direct=True)
+
+        def thread_writes():
+            for i in range(0, n_small, 10):  # a step's chunks, framed and written together
+                runner.write(b"".join(wire.frame({"t": "chunk", "id": 1, "i": [j], "x": "tok"})
+                                      for j in range(i, i + 10)))
+                time.sleep(0.0005)
+
+        writer = threading.Thread(target=thread_writes)
+        writer.start()
+        for i in range(n_big):
+            runner.send({"t": "result", "id": 2, "result": i, "x": "v" * 400_000})
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(writer.join)
+        runner.close()
+        runner.write(wire.frame({"t": "chunk", "id": 1, "i": [n_small]}))  # dropped: closed
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    reader.join(30)
+    assert not reader.is_alive()
+    assert got[1] == list(range(n_small)) and got[2] == list(range(n_big))
+    b.close()
 
 
 def test_start_runner_reports_a_runner_killed_before_its_load_order(monkeypatch):

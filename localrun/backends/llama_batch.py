@@ -159,7 +159,9 @@ class Slot:
 @dataclass(eq=False)
 class Request:
     """One generation inside the loop. Its chunks (and an exception, last, if it fails) go to
-    ``queue`` (an asyncio.Queue) on ``loop``; ``delivered`` is set once the consumer took the first."""
+    ``queue`` (an asyncio.Queue) on ``loop``, or, with a ``sink``, to ``sink.put`` on the loop's own
+    thread (then ``sink.outbox.flush()`` once a step: a runner process writes them to its pipe
+    without waking its event loop per token); ``delivered`` is set once the consumer took the first."""
 
     prompt: list[int]
     options: SamplingOptions
@@ -191,6 +193,7 @@ class Request:
     preserved: frozenset = frozenset()  # special tokens whose text this request's output keeps
     cache_key: str | None = None  # the client's prompt_cache_key (see _start)
     argmax: bool = False  # plain greedy (plain_greedy): an argmax over its logits row, not the chain
+    sink: Any = None  # instead of loop/queue: put(item) and outbox.flush() on the loop's thread
 
     def __post_init__(self) -> None:
         o = self.options
@@ -736,13 +739,21 @@ class BatchedLlama:
             self._outbox.append((r, exc))
 
     def _flush(self) -> None:
-        """Hand this step's chunks to their consumers: one wake-up per event loop, not per chunk."""
+        """Hand this step's chunks to their consumers: one wake-up per event loop, not per chunk
+        (a sink's: one write per outbox)."""
         if not self._outbox:
             return
         by_loop: dict[Any, list[tuple[Request, Any]]] = {}
+        outboxes: dict[int, Any] = {}
         for r, item in self._outbox:
-            by_loop.setdefault(r.loop, []).append((r, item))
+            if r.sink is not None:
+                r.sink.put(item)
+                outboxes[id(r.sink.outbox)] = r.sink.outbox
+            else:
+                by_loop.setdefault(r.loop, []).append((r, item))
         self._outbox = []
+        for outbox in outboxes.values():
+            outbox.flush()
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)

@@ -222,6 +222,25 @@ def cut_inside_char(tail: bytes) -> bool:
     return False
 
 
+class _ShapedSink:
+    """A direct stream's sink as the loop sees it: raw chunks go through the stream's ``shape``
+    (the held partial characters) on their way to the runner's sink. The loop's thread only."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.outbox = sink, sink.outbox
+        self.shape: Any = None  # set by _submit before the request reaches the loop
+
+    def put(self, item: Any) -> None:
+        if isinstance(item, BaseException):
+            self.sink.put(item)
+            return
+        chunk = self.shape(item)
+        if chunk is not None:
+            self.sink.put(chunk)
+        else:  # held (it ends inside a character): nothing for the consumer to take yet
+            self.sink.delivered.set()
+
+
 class LlamaCppBackend:
     """A GGUF model in one batched llama.cpp context (:class:`~localrun.backends.llama_batch.BatchedLlama`):
     up to ``spec.num_parallel`` sequences decode together, and a prompt starts from the longest
@@ -375,6 +394,51 @@ class LlamaCppBackend:
 
     # -- generation ----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        out: asyncio.Queue = asyncio.Queue()
+        req, shape = await self._submit(request, loop=asyncio.get_running_loop(), queue=out)
+        try:
+            while True:
+                item = await out.get()
+                # a slow consumer gets what piled up as one chunk (fewer events, same tokens)
+                while not out.empty() and not isinstance(item, BaseException) and item.finish_reason is None:
+                    nxt = out.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        item = nxt
+                        break
+                    item = merge_chunks(item, nxt)
+                if isinstance(item, BaseException):
+                    raise item
+                chunk = shape(item)
+                if chunk is not None:
+                    yield chunk
+                req.delivered.set()
+                if item.finish_reason is not None:
+                    return
+        finally:
+            log.debug("generate %s closed by its consumer", request.request_id)
+            if not req.finished:
+                self.engine.cancel(req)
+            req.delivered.set()
+
+    async def generate_direct(self, request: GenerationRequest, sink: Any) -> None:
+        """:meth:`generate` for a runner process: the loop's thread hands each chunk to
+        ``sink.put(chunk)`` itself (then an exception, if the request fails), and ``sink.outbox.flush()``
+        once a step, without waking the event loop for every token; ``sink.delivered`` (a
+        threading.Event, set by whoever hands the first chunk on) ends the loop's first-token wait.
+        Returns when the request has ended (``sink.done``, a future the outbox resolves); cancelled, it
+        ends the request in the loop."""
+        req, _ = await self._submit(request, sink=_ShapedSink(sink), delivered=sink.delivered)
+        try:
+            await sink.done
+        finally:
+            sink.closed = True
+            if not req.finished:
+                self.engine.cancel(req)
+
+    async def _submit(self, request: GenerationRequest, *, loop: Any = None, queue: Any = None, sink: Any = None,
+                      delivered: threading.Event | None = None):
+        """Tokenize, check, make the sampler chain, and hand `request` to the loop: (the loop's
+        Request, the function that turns its raw chunks into this stream's)."""
         from localrun.backends.llama_batch import Request, make_sampler, plain_greedy
 
         o = request.options
@@ -382,6 +446,35 @@ class LlamaCppBackend:
         spans: list = []
         chunks = None  # the images' llama.cpp chunks: ours until the loop takes the request
         sampler = None
+        # the prompt's length (image tokens, the infill layout) goes on the first chunk
+        first = bool(request.images) or request.infill is not None
+        tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
+        piece = self.engine.piece
+
+        def shape(item: Chunk) -> Chunk | None:
+            """As llama-server streams: no text while the output's bytes end inside a character
+            (None: held, it goes out with the next chunk)."""
+            nonlocal first, tail, loose, held
+            if first:
+                item.prompt_tokens, first = len(tokens), False
+                if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)
+                    item.prompt_token_ids = list(tokens)
+            for t in item.token_ids:
+                p = piece(t)
+                tail, loose = (tail + p)[-4:], loose + p
+                if not cut_inside_char(tail):
+                    loose = b""
+            if held is not None:
+                item = merge_chunks(held, item)
+                held = None
+            if loose:
+                if item.finish_reason is None:
+                    held = item
+                    return None
+                cut = loose.decode("utf-8", "replace")
+                item.cut_chars = len(cut) if item.text.endswith(cut) else 0  # (not when a stop string cut it)
+            return item
+
         try:
             if request.images:  # llama.cpp's multimodal library tokenizes text and images together
                 tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
@@ -407,12 +500,14 @@ class LlamaCppBackend:
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
             sampler = make_sampler(*args) if len(grammar or "") < 4096 else await asyncio.to_thread(make_sampler, *args)
-            loop = asyncio.get_running_loop()
-            out: asyncio.Queue = asyncio.Queue()
-            req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=out, window=window,
+            req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=queue, window=window,
                           speculative=self.speculative, rid=request.request_id, images=spans,
                           preserved=self._preserved(request.preserve), cache_key=request.cache_key,
-                          argmax=plain_greedy(o, grammar))
+                          argmax=plain_greedy(o, grammar), sink=sink)
+            if delivered is not None:
+                req.delivered = delivered
+            if sink is not None:
+                sink.shape = shape  # before the loop can emit anything
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)
@@ -422,50 +517,7 @@ class LlamaCppBackend:
                 self._lib.llama_sampler_free(sampler)
             if chunks is not None:
                 self._mtmd_lib().mtmd_input_chunks_free(chunks)
-        # the prompt's length (image tokens, the infill layout) goes on the first chunk
-        first = bool(request.images) or request.infill is not None
-        tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
-        try:
-            while True:
-                item = await out.get()
-                # a slow consumer gets what piled up as one chunk (fewer events, same tokens)
-                while not out.empty() and not isinstance(item, BaseException) and item.finish_reason is None:
-                    nxt = out.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        item = nxt
-                        break
-                    item = merge_chunks(item, nxt)
-                if isinstance(item, BaseException):
-                    raise item
-                if first:
-                    item.prompt_tokens, first = len(tokens), False
-                    if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)
-                        item.prompt_token_ids = list(tokens)
-                # as llama-server streams: no text while the output's bytes end inside a character
-                for t in item.token_ids:
-                    piece = self.engine.piece(t)
-                    tail, loose = (tail + piece)[-4:], loose + piece
-                    if not cut_inside_char(tail):
-                        loose = b""
-                if held is not None:
-                    item = merge_chunks(held, item)
-                    held = None
-                if loose:
-                    if item.finish_reason is None:
-                        held = item
-                        req.delivered.set()
-                        continue
-                    cut = loose.decode("utf-8", "replace")
-                    item.cut_chars = len(cut) if item.text.endswith(cut) else 0  # (not when a stop string cut it)
-                yield item
-                req.delivered.set()
-                if item.finish_reason is not None:
-                    return
-        finally:
-            log.debug("generate %s closed by its consumer", request.request_id)
-            if not req.finished:
-                self.engine.cancel(req)
-            req.delivered.set()
+        return req, shape
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -14,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import select
 import socket
+import threading
 from typing import Any
 
 from localrun import errors
@@ -33,41 +36,75 @@ def loads(data: bytes) -> dict:
     return json.loads(data)
 
 
+def frame(obj: dict) -> bytes:
+    """One message as it goes on the pipe: its length, then its JSON."""
+    data = dumps(obj)
+    return len(data).to_bytes(4, "little") + data
+
+
 class Channel:
     """Length-prefixed JSON messages over a connected stream socket, on the running loop.
 
     ``send`` never blocks (asyncio's transport buffers); both ends read all the time, so the
-    buffer stays small. ``recv`` raises EOFError when the peer is gone."""
+    buffer stays small. ``recv`` raises EOFError when the peer is gone. A direct channel (the
+    runner's end) writes to the socket itself instead, so another thread can :meth:`write` too."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fd: int | None = None) -> None:
         self.reader, self.writer = reader, writer
         self._loop = asyncio.get_running_loop()
         self._out: list[bytes] = []  # messages sent in this turn of the loop: written together
-
+        # direct (a runner's end): every write goes straight to the socket under this lock, from the
+        # event loop or from another thread (the llama.cpp loop's, between two steps), never through
+        # asyncio's transport, whose buffer a write from outside its loop could overtake
+        self._fd, self._direct = fd, fd is not None
+        self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
-    async def connect(cls, sock: socket.socket) -> "Channel":
+    async def connect(cls, sock: socket.socket, *, direct: bool = False) -> "Channel":
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        return cls(reader, writer)
+        # a number of our own for the socket: it stays valid (no other file can take it) until close()
+        fd = os.dup(writer.get_extra_info("socket").fileno()) if direct else None
+        return cls(reader, writer, fd)
 
     def send(self, obj: dict) -> None:
         """Queue one message. The messages sent in one turn of the event loop go out in one write
         (a step of the batched llama.cpp loop yields a chunk for every running request: one system
         call, not one each). Dropped when the peer is gone (its EOF, or the process watcher, reports
         that)."""
-        data = dumps(obj)
         if not self._out:
             self._loop.call_soon(self._flush)
-        self._out.append(len(data).to_bytes(4, "little") + data)
+        self._out.append(frame(obj))
 
     def _flush(self) -> None:
         data, self._out = b"".join(self._out), []
-        if not data or self.writer.transport.is_closing():
+        if not data:
+            return
+        if self._direct:
+            self.write(data)
+            return
+        if self.writer.transport.is_closing():
             return
         try:  # asyncio drops writes to a closed transport itself; uvloop raises RuntimeError
             self.writer.write(data)
         except (RuntimeError, ConnectionError):
             pass
+
+    def write(self, data: bytes) -> None:
+        """Framed messages (:func:`frame`) to a direct channel's socket now, whole, from any thread.
+        A full socket buffer (a daemon that is slow to read) is waited out; a peer that is gone
+        drops the rest (its EOF, or the process watcher, reports that)."""
+        with self._lock:
+            view = memoryview(data)
+            while view and not self._closed:  # (closed: _fd is None)
+                try:
+                    view = view[os.write(self._fd, view):]
+                except BlockingIOError:
+                    poll = select.poll()
+                    poll.register(self._fd, select.POLLOUT)
+                    poll.poll(1000)
+                except OSError:
+                    self._closed = True
 
     async def recv(self) -> dict:
         try:
@@ -84,6 +121,11 @@ class Channel:
 
     def close(self) -> None:
         self._flush()
+        with self._lock:  # no thread writes once it is closed
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
         self.writer.close()
 
 

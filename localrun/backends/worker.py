@@ -70,11 +70,83 @@ def _watch_stdin() -> None:
     os._exit(0)
 
 
+class _Outbox:
+    """What the llama.cpp loop's thread sends itself (:meth:`LlamaCppBackend.generate_direct`): a
+    step's chunks for every stream go out in one write, without waking the event loop; the streams
+    that ended are resolved on the event loop after the write, so nothing for them follows."""
+
+    def __init__(self, chan: wire.Channel, loop: asyncio.AbstractEventLoop) -> None:
+        self.chan, self.loop = chan, loop
+        self.parts: list[bytes] = []
+        self.ended: list[asyncio.Future] = []
+
+    def add(self, data: bytes, end: asyncio.Future | None = None) -> None:
+        """One framed message (wire.frame); `end`: that stream's future, resolved after the write."""
+        self.parts.append(data)
+        if end is not None:
+            self.ended.append(end)
+
+    def flush(self) -> None:
+        if self.parts:
+            data, self.parts = b"".join(self.parts), []
+            self.chan.write(data)
+        if self.ended:
+            ended, self.ended = self.ended, []
+            try:
+                self.loop.call_soon_threadsafe(_resolve, ended)
+            except RuntimeError:  # the runner is shutting down: nobody waits for these
+                pass
+
+
+def _resolve(futures: list[asyncio.Future]) -> None:
+    for f in futures:
+        if not f.done():
+            f.set_result(None)
+
+
+class _DirectSink:
+    """One stream's end of the loop-to-pipe path: its chunks (then its error, if it fails) as wire
+    messages into the outbox. ``put`` runs on the loop's thread; ``closed`` (set when the daemon
+    aborts the stream, or when it ended) drops whatever still comes."""
+
+    def __init__(self, outbox: _Outbox, rid: int, n_prompt: int | None, prompt_ids: list[int] | None) -> None:
+        self.outbox, self.rid = outbox, rid
+        self.n_prompt, self.prompt_ids = n_prompt, prompt_ids
+        self.delivered = threading.Event()  # the daemon has the first chunk (its 'delivered')
+        self.done: asyncio.Future = outbox.loop.create_future()
+        self.closed = False
+
+    def put(self, item: Any) -> None:
+        if self.closed:
+            return
+        if isinstance(item, BaseException):
+            self._error(item)
+            return
+        if self.n_prompt is not None:
+            item.prompt_tokens, self.n_prompt = self.n_prompt, None
+            if self.prompt_ids is not None:
+                item.prompt_token_ids, self.prompt_ids = self.prompt_ids, None
+        end = item.finish_reason is not None
+        try:
+            data = wire.frame({"t": "chunk", "id": self.rid, **wire.chunk_to_wire(item)})
+        except Exception as exc:  # noqa: BLE001 - a chunk that cannot be sent ends its stream, not the loop
+            log.exception("a chunk of request %s could not be sent", self.rid)
+            self._error(exc)
+            return
+        self.closed = end
+        self.outbox.add(data, self.done if end else None)
+
+    def _error(self, exc: BaseException) -> None:
+        self.closed = True
+        self.outbox.add(wire.frame({"t": "error", "id": self.rid, "error": wire.error_to_wire(exc)}), self.done)
+
+
 class Runner:
     def __init__(self, chan: wire.Channel, backend: Any) -> None:
         self.chan, self.backend = chan, backend
         self.tasks: dict[int, asyncio.Task] = {}
-        self.delivered: dict[int, asyncio.Event] = {}
+        self.delivered: dict[int, asyncio.Event | threading.Event] = {}
+        self.outbox = _Outbox(chan, asyncio.get_running_loop())
         # requests the daemon aborted: checked between chunks as well as cancelling the task,
         # since Python 3.11's wait_for swallows a cancel that lands with the event it awaits
         # (the daemon's 'delivered' and 'abort' often arrive in one read)
@@ -130,25 +202,33 @@ class Runner:
                 req.prompt_token_ids = await self.backend.tokenize(req.prompt, req.add_special)
                 req.options.max_tokens = fit_window(len(req.prompt_token_ids), req.window, req.options.max_tokens)
                 n_prompt = len(req.prompt_token_ids)
-            gen = self.backend.generate(req)
-            async for chunk in gen:
-                if rid in self.aborted:
-                    break
-                if n_prompt is not None:
-                    chunk.prompt_tokens, n_prompt = n_prompt, None
-                    if req.return_prompt_ids:
-                        chunk.prompt_token_ids = list(req.prompt_token_ids or [])
-                self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
-                if chunk.finish_reason is not None:
-                    break
-                if first:  # let the daemon hand the first token on before decoding takes the CPU
-                    first = False
-                    try:
-                        await asyncio.wait_for(self.delivered[rid].wait(), FIRST_CHUNK_WAIT)
-                    except asyncio.TimeoutError:
-                        pass
+            direct = getattr(self.backend, "generate_direct", None)
+            if direct is not None:  # the loop's thread writes the chunks to the pipe itself
+                sink = _DirectSink(self.outbox, rid, n_prompt,
+                                   list(req.prompt_token_ids or []) if n_prompt is not None and req.return_prompt_ids
+                                   else None)
+                self.delivered[rid] = sink.delivered
+                await direct(req, sink)
+            else:
+                gen = self.backend.generate(req)
+                async for chunk in gen:
                     if rid in self.aborted:
                         break
+                    if n_prompt is not None:
+                        chunk.prompt_tokens, n_prompt = n_prompt, None
+                        if req.return_prompt_ids:
+                            chunk.prompt_token_ids = list(req.prompt_token_ids or [])
+                    self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
+                    if chunk.finish_reason is not None:
+                        break
+                    if first:  # let the daemon hand the first token on before decoding takes the CPU
+                        first = False
+                        try:
+                            await asyncio.wait_for(self.delivered[rid].wait(), FIRST_CHUNK_WAIT)
+                        except asyncio.TimeoutError:
+                            pass
+                        if rid in self.aborted:
+                            break
         except asyncio.CancelledError:
             pass  # aborted by the daemon: closing the generator below frees the backend's slot
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the daemon, typed
@@ -213,7 +293,7 @@ async def _main(fd: int, order: dict) -> int:
 
     from localrun.backends.select import backend_module
 
-    chan = await wire.Channel.connect(socket.socket(fileno=fd))
+    chan = await wire.Channel.connect(socket.socket(fileno=fd), direct=True)
     spec = wire.spec_from_wire(order["spec"])
     try:
         module = backend_module(order["backend"])

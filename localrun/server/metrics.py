@@ -55,6 +55,7 @@ class Metrics:
                               "the first generated token", ["model"], buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("localrun_inter_token_latency_seconds", "Time between generated tokens", ["model"],
                              buckets=_ITL_BUCKETS, registry=r)
+        self._itl: dict[str, Any] = {}  # model -> its inter-token histogram child
         self._runner_stats: dict[str, dict] = {}
         self.token_totals: dict[str, list[int]] = {}  # model -> [prompt tokens, cached tokens]
         r.register(_Live(self))
@@ -67,7 +68,9 @@ class Metrics:
         self.ttft.labels(gen.model).observe(seconds)
 
     def inter_token(self, gen: Any, seconds: float, count: int) -> None:
-        h = self.itl.labels(gen.model)
+        h = self._itl.get(gen.model)
+        if h is None:  # labels() once a model, not once a token (its lookup takes a lock)
+            h = self._itl[gen.model] = self.itl.labels(gen.model)
         for _ in range(min(count, 64)):  # a coalesced chunk: its tokens share the gap
             h.observe(seconds)
 
