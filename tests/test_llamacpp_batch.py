@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -318,17 +319,14 @@ class _Pipe:
     """The runner's channel as the loop's thread sees it: the framed messages of each write."""
 
     def __init__(self):
-        import threading
-
         self.writes: list[list[dict]] = []
         self.threads: set[int] = set()
-        self._threading = threading
         self.sinks: dict[int, object] = {}  # the daemon's 'delivered' once it has a stream's first chunk
 
     def write(self, data: bytes) -> None:
         from localrun.backends import wire
 
-        self.threads.add(self._threading.get_ident())
+        self.threads.add(threading.get_ident())
         msgs, pos = [], 0
         while pos < len(data):
             n = int.from_bytes(data[pos:pos + 4], "little")
@@ -346,8 +344,6 @@ def test_the_runner_path_writes_each_step_once_from_the_loop_and_answers_the_sam
     three concurrent greedy streams get the text they get through generate(); a 'delivered' from
     the daemon ends the first-token wait; cancelling a stream (the daemon's abort) frees its sequence
     and nothing more is written for it."""
-    import threading
-
     from localrun.backends import wire
     from localrun.backends.worker import _DirectSink, _Outbox
 

@@ -227,7 +227,7 @@ class _ShapedSink:
     (the held partial characters) on their way to the runner's sink. The loop's thread only."""
 
     def __init__(self, sink: Any) -> None:
-        self.sink, self.outbox = sink, sink.outbox
+        self.sink, self.outbox, self.delivered = sink, sink.outbox, sink.delivered
         self.shape: Any = None  # set by _submit before the request reaches the loop
 
     def put(self, item: Any) -> None:
@@ -238,7 +238,7 @@ class _ShapedSink:
         if chunk is not None:
             self.sink.put(chunk)
         else:  # held (it ends inside a character): nothing for the consumer to take yet
-            self.sink.delivered.set()
+            self.delivered.set()
 
 
 class LlamaCppBackend:
@@ -427,7 +427,7 @@ class LlamaCppBackend:
         threading.Event, set by whoever hands the first chunk on) ends the loop's first-token wait.
         Returns when the request has ended (``sink.done``, a future the outbox resolves); cancelled, it
         ends the request in the loop."""
-        req, _ = await self._submit(request, sink=_ShapedSink(sink), delivered=sink.delivered)
+        req, _ = await self._submit(request, sink=_ShapedSink(sink))
         try:
             await sink.done
         finally:
@@ -435,10 +435,11 @@ class LlamaCppBackend:
             if not req.finished:
                 self.engine.cancel(req)
 
-    async def _submit(self, request: GenerationRequest, *, loop: Any = None, queue: Any = None, sink: Any = None,
-                      delivered: threading.Event | None = None):
-        """Tokenize, check, make the sampler chain, and hand `request` to the loop: (the loop's
-        Request, the function that turns its raw chunks into this stream's)."""
+    async def _submit(self, request: GenerationRequest, *, loop: Any = None, queue: Any = None,
+                      sink: _ShapedSink | None = None):
+        """Tokenize, check, make the sampler chain, and hand `request` to the loop, whose chunks go to
+        `queue` on `loop` or to `sink`: (the loop's Request, the function that turns its raw chunks
+        into this stream's)."""
         from localrun.backends.llama_batch import Request, make_sampler, plain_greedy
 
         o = request.options
@@ -504,9 +505,8 @@ class LlamaCppBackend:
                           speculative=self.speculative, rid=request.request_id, images=spans,
                           preserved=self._preserved(request.preserve), cache_key=request.cache_key,
                           argmax=plain_greedy(o, grammar), sink=sink)
-            if delivered is not None:
-                req.delivered = delivered
             if sink is not None:
+                req.delivered = sink.delivered  # the daemon's 'delivered' ends the loop's first-token wait
                 sink.shape = shape  # before the loop can emit anything
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)

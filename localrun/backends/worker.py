@@ -98,6 +98,13 @@ class _Outbox:
                 pass
 
 
+def _first_chunk(chunk: Any, n_prompt: int, prompt_ids: list[int] | None) -> None:
+    """The first chunk of a prompt the runner tokenized carries its length (and, asked for, its ids)."""
+    chunk.prompt_tokens = n_prompt
+    if prompt_ids is not None:
+        chunk.prompt_token_ids = prompt_ids
+
+
 def _resolve(futures: list[asyncio.Future]) -> None:
     for f in futures:
         if not f.done():
@@ -123,9 +130,8 @@ class _DirectSink:
             self._error(item)
             return
         if self.n_prompt is not None:
-            item.prompt_tokens, self.n_prompt = self.n_prompt, None
-            if self.prompt_ids is not None:
-                item.prompt_token_ids, self.prompt_ids = self.prompt_ids, None
+            _first_chunk(item, self.n_prompt, self.prompt_ids)
+            self.n_prompt = self.prompt_ids = None
         end = item.finish_reason is not None
         try:
             data = wire.frame({"t": "chunk", "id": self.rid, **wire.chunk_to_wire(item)})
@@ -202,11 +208,11 @@ class Runner:
                 req.prompt_token_ids = await self.backend.tokenize(req.prompt, req.add_special)
                 req.options.max_tokens = fit_window(len(req.prompt_token_ids), req.window, req.options.max_tokens)
                 n_prompt = len(req.prompt_token_ids)
+            # the prompt's token ids on the first chunk, when we tokenized it and the daemon asked for them
+            prompt_ids = list(req.prompt_token_ids or []) if n_prompt is not None and req.return_prompt_ids else None
             direct = getattr(self.backend, "generate_direct", None)
             if direct is not None:  # the loop's thread writes the chunks to the pipe itself
-                sink = _DirectSink(self.outbox, rid, n_prompt,
-                                   list(req.prompt_token_ids or []) if n_prompt is not None and req.return_prompt_ids
-                                   else None)
+                sink = _DirectSink(self.outbox, rid, n_prompt, prompt_ids)
                 self.delivered[rid] = sink.delivered
                 await direct(req, sink)
             else:
@@ -215,9 +221,8 @@ class Runner:
                     if rid in self.aborted:
                         break
                     if n_prompt is not None:
-                        chunk.prompt_tokens, n_prompt = n_prompt, None
-                        if req.return_prompt_ids:
-                            chunk.prompt_token_ids = list(req.prompt_token_ids or [])
+                        _first_chunk(chunk, n_prompt, prompt_ids)
+                        n_prompt = None
                     self.send({"t": "chunk", "id": rid, **wire.chunk_to_wire(chunk)})
                     if chunk.finish_reason is not None:
                         break
