@@ -368,6 +368,34 @@ def test_tampered_manifest_is_refused(smol_lib):
     assert lib.resolve("smollm2:135m").weights.is_file()
 
 
+def test_resolve_follows_every_change_to_the_library(smol_lib):
+    """resolve keeps its answer per name (a request resolves its model each time) only while the manifest
+    is the one it read: a re-create, a copy over, an rm, or a stored exact name that now wins over the
+    catalog's tag are seen at once, and what a caller changes in an answer does not leak into the next."""
+    lib = smol_lib
+    lib.create("cached", "FROM smollm2:135m\nPARAMETER temperature 0.3\n")
+    first = lib.resolve("cached")
+    assert first.parameters["temperature"] == 0.3
+    first.parameters["temperature"] = 9.9
+    first.details["family"] = "changed"
+    first.messages.append({"role": "user", "content": "leaked"})
+    again = lib.resolve("cached")
+    assert again.parameters["temperature"] == 0.3 and again.details["family"] == "llama" and again.messages == []
+    lib.create("cached", "FROM smollm2:135m\nPARAMETER temperature 0.7\n")
+    assert lib.resolve("cached").parameters["temperature"] == 0.7
+    lib.copy("smollm2:135m", "cached")
+    assert "temperature" not in lib.resolve("cached").parameters
+    lib.remove("cached")
+    with pytest.raises(NotFound):
+        lib.resolve("cached")
+    # "smollm2" (no tag) is the catalog's smollm2:135m until a smollm2:latest is stored
+    assert lib.resolve("smollm2").name == "smollm2:135m"
+    lib.create("smollm2:latest", "FROM smollm2:135m\nSYSTEM mine\n")
+    assert lib.resolve("smollm2").name == "smollm2:latest" and lib.resolve("smollm2").system == "mine"
+    lib.remove("smollm2:latest")
+    assert lib.resolve("smollm2").name == "smollm2:135m"
+
+
 def test_modelfile_load_time_engine_parameters():
     mf = parse_modelfile("FROM x\nPARAMETER kv_cache_type INT8\nPARAMETER weight_dtype int8\nPARAMETER tensor_parallel 3\n")
     assert mf.parameters == {"kv_cache_type": "int8", "weight_dtype": "int8", "tensor_parallel": 3}

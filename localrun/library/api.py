@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -44,6 +45,20 @@ def _gguf_info(path: Path) -> GGUFInfo:
     return hit
 
 
+def _stat_sig(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _copy_resolved(r: ResolvedModel) -> ResolvedModel:
+    """A copy whose containers the caller may change without changing the cached one."""
+    return dataclasses.replace(r, parameters=dict(r.parameters), details=dict(r.details),
+                               messages=[dict(x) if isinstance(x, dict) else x for x in r.messages])
+
+
 def _layer(media_type: str, digest: str, size: int, filename: str | None = None) -> dict:
     d = {"mediaType": media_type, "digest": digest, "size": size}
     if filename:
@@ -59,6 +74,9 @@ class Library:
             root = settings().models_dir
         self.root = Path(root)
         self.store = Store(self.root)
+        # name -> (its manifest's stat and path, the exact name's manifest path when the catalog's tag was taken
+        # instead, the resolved model): every generation request resolves its model (see resolve)
+        self._resolved: dict[str, tuple[tuple, Path, Path | None, ResolvedModel]] = {}
 
     # ------------------------------------------------------------------ pull
     def pull(self, name: str, progress: ProgressFn = None, cancel: threading.Event | None = None) -> ResolvedModel:
@@ -400,7 +418,27 @@ class Library:
         return self.store.manifest_path(self._find(parse_name(name))).is_file()
 
     def resolve(self, name: str) -> ResolvedModel:
-        mn = self._find(parse_name(name))
+        """The stored model `name` names. Every generation request asks, so the answer is kept while
+        nothing it was read from changed: one stat of the manifest (a pull, create, copy or rm replaces
+        or removes it; the layers it lists are content-addressed) instead of about ten small reads."""
+        given = parse_name(name)
+        hit = self._resolved.get(name)
+        if hit is not None:
+            sig, path, exact, r = hit
+            if (_stat_sig(path) == sig and (exact is None or not exact.is_file())
+                    and r.weights.exists() and (r.projector is None or r.projector.is_file())):
+                return _copy_resolved(r)
+        mn = self._find(given)
+        path = self.store.manifest_path(mn)
+        sig = _stat_sig(path)  # before the read: a change after it misses next time
+        r = self._resolve(mn)
+        if sig is not None:
+            if len(self._resolved) >= 256:
+                self._resolved.clear()
+            self._resolved[name] = (sig, path, self.store.manifest_path(given) if mn != given else None, r)
+        return _copy_resolved(r)
+
+    def _resolve(self, mn: ModelName) -> ResolvedModel:
         m, digest, mtime = self.store.read_manifest(mn)
         cfg = self._config(m)
         vals: dict[str, Any] = {"template": None, "system": None, "license": None}
