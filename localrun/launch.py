@@ -9,6 +9,8 @@ so the model they get is ``<model>-agent`` (made here: the same weights, ``PARAM
 set as ``ollama launch`` does: the context the model was trained for as the ceiling, lowered to
 what the free memory holds, by the daemon's own memory plan (``/api/show`` with
 ``fit_context``: the load's estimate and plan, every model unloaded); the choice is printed.
+Agents send tools with every request: `launch` says when they reach the model in the generic JSON
+format (its template renders none), and refuses when they cannot reach it at all (that format off).
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ def run(args, client) -> int:
                               "`localrun pull` one"]) + ")")
         model = base[0]
     info = client.show(model, fit_context=True)
+    tools = info.get("tool_format")
+    if "tool_format" in info and tools is None:  # every agent request carries tools: each would be a 400
+        raise LaunchError(f"{model}'s chat template cannot render tools and the generic tool format is off "
+                          "(LOCALRUN_GENERIC_TOOLS=off), so every request of the agent would be refused: turn "
+                          "the generic format on, or choose a model whose template renders tools")
+    if tools == "generic":
+        print(f"localrun: note: {model}'s chat template renders no tools; they reach it in the generic JSON format "
+              "(`localrun show` says so). A small model may answer with tool calls only, turn after turn: a model "
+              "trained for tool calls (its template renders them) works better with agents.", flush=True)
     fit = info.get("fit_context") if isinstance(info.get("fit_context"), dict) else {}
     ctx = fit.get("num_ctx") or trained_context(info)  # the daemon's memory plan; an older daemon: trained
     name = model

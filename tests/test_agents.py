@@ -311,6 +311,41 @@ def test_launch_without_the_agent_is_a_clear_error(real, tmp_path):
     assert r.returncode == 1 and "codex is not installed" in r.stderr and "npm install" in r.stderr, r
 
 
+def test_launch_says_how_tools_reach_the_model(real, tmp_path):
+    """SmolLM2's template renders no tools: `launch` says that the agent's tools reach it in the generic
+    JSON format, then starts the agent (here a stand-in on PATH that prints its arguments). With that
+    format off, every request of an agent (each carries tools) would be a 400: `launch` refuses before
+    starting it, and says what to do."""
+    import sys
+
+    from daemon import Daemon
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "codex").write_text('#!/bin/sh\necho "agent ran: $*"\n')
+    (stub / "codex").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    env.update(HOME=str(tmp_path), PATH=str(stub) + os.pathsep + os.path.dirname(sys.executable))
+
+    def launch(port: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "localrun", "--host", f"127.0.0.1:{port}", "--no-autostart",
+                               "launch", "codex", "--model", MODEL, "--", "exec", "hi"], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    r = launch(real.port)
+    assert r.returncode == 0, r
+    assert "renders no tools" in r.stdout and "generic JSON format" in r.stdout, r.stdout
+    assert "agent ran: " in r.stdout and r.stdout.rstrip().endswith("exec hi"), r.stdout
+    off = Daemon(tmp_path / "off", LOCALRUN_GENERIC_TOOLS="off", LOCALRUN_CONTEXT_LENGTH=CTX)
+    try:
+        off.pull()
+        r = launch(off.port)
+    finally:
+        off.stop()
+    assert r.returncode == 1 and "cannot render tools" in r.stderr and "LOCALRUN_GENERIC_TOOLS" in r.stderr, r
+    assert "agent ran" not in r.stdout
+
+
 @pytest.mark.slow
 def test_launch_claude_runs_on_the_bundled_model(real, greedy, tmp_path):
     """`localrun launch claude --model smol-greedy (SmolLM2, greedy) -- -p ...`: the agent model is made with the
