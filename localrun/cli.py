@@ -667,8 +667,9 @@ def cmd_ps(args, client: DaemonClient) -> int:
     models = client.ps()
     rows = [[m.get("name") or m.get("model", "?"), short_id(m.get("digest")), human_size(m.get("size")),
              processor(m), m.get("placement") or m.get("device") or "-", backend_name(m),
+             str(m.get("context_length") or "-"), str(m.get("slots") or "-"),
              human_until(m.get("expires_at"))] for m in models]
-    print(table(["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "UNTIL"], rows))
+    print(table(["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "CONTEXT", "PARALLEL", "UNTIL"], rows))
     if args.verbose:
         for m in models:
             runner = m.get("runner") or {}

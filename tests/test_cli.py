@@ -280,9 +280,11 @@ def test_ps_stop_and_keepalive(pulled):
     r = cli(env, "ps")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.strip().splitlines()
-    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "UNTIL"]
+    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "WHERE", "BACKEND", "CONTEXT", "PARALLEL", "UNTIL"]
     row = next(x for x in rows if x.startswith(MODEL))
-    assert "100% CPU" in row and re.search(r"CPU\s+llama\.cpp", row) and "from now" in row
+    assert "100% CPU" in row and re.search(r"CPU\s+llama\.cpp\s+\d+\s+\d+\s", row) and "from now" in row
+    shown = {m["name"]: m for m in httpx.get(pulled["url"] + "/api/ps").json()["models"]}[MODEL]
+    assert re.search(rf"llama\.cpp\s+{shown['context_length']}\s+{shown['slots']}\s", row), (row, shown)
     assert re.search(r"\b(9|10) minutes from now", row), row
     r = cli(env, "ps", "--verbose")
     assert r.returncode == 0 and "context" in r.stdout and "slot" in r.stdout
