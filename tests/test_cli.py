@@ -309,7 +309,8 @@ def test_cp_and_rm(pulled):
     listing = cli(env, "list").stdout
     assert "mycopy" not in listing and MODEL in listing  # the shared blob survives
     r = cli(env, "rm", "mycopy")
-    assert_clean_error(r, code=1)
+    msg = assert_clean_error(r, code=1)
+    assert "'mycopy' not found" in msg and "localrun list" in msg and "pull" not in msg, msg
 
 
 def test_create_resolves_paths_next_to_the_modelfile(pulled, smollm2_gguf, tmp_path):

@@ -17,7 +17,7 @@ from localrun.library.names import parse_name
 
 import localrun
 from localrun.backends.base import MEDIA_MARKER, Infill, SamplingOptions
-from localrun.errors import InvalidRequest, LocalrunError
+from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.images import from_base64, take_images
@@ -104,7 +104,11 @@ async def copy(request: Request):
 async def delete(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
-    resolved = await st.resolve(_name(body))
+    name = _name(body)
+    try:
+        resolved = await st.resolve(name)
+    except NotFound:  # (resolve's message suggests a pull, which is no answer to a delete)
+        raise NotFound(f"model '{name}' not found; `localrun list` shows the models in the library") from None
     await st.manager.unload(resolved.name)
     await asyncio.to_thread(st.library.remove, resolved.name)
     return Response(status_code=200)
