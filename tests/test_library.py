@@ -334,6 +334,20 @@ def test_import_local_gguf_and_safetensors(tmp_path, lib):
     assert g.is_file()  # the user's file is untouched
 
 
+def test_a_model_whose_weights_went_missing_can_still_be_removed(tmp_path, lib):
+    """resolve refuses such a model (nothing could load it); delete names it from its manifest alone
+    (stored_name), so it can still be removed; a name with no manifest is 'not found'."""
+    make_gguf(tmp_path / "tiny.gguf")
+    r = lib.create("tiny", "FROM ./tiny.gguf\n", base_dir=tmp_path)
+    r.weights.unlink()
+    with pytest.raises(NotFound, match="missing"):
+        lib.resolve("tiny")
+    assert lib.stored_name("tiny") == "tiny:latest"
+    lib.remove(lib.stored_name("tiny"))
+    with pytest.raises(NotFound, match="'tiny' not found; `localrun list`"):
+        lib.stored_name("tiny")
+
+
 def test_disk_full(tmp_path, lib):
     mnt = tmp_path / "small"
     mnt.mkdir()

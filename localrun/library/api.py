@@ -417,6 +417,14 @@ class Library:
     def exists(self, name: str) -> bool:
         return self.store.manifest_path(self._find(parse_name(name))).is_file()
 
+    def stored_name(self, name: str) -> str:
+        """The stored model's full name for `name` (what delete unloads and removes): its manifest
+        only, not its layers, so a model whose weights went missing can still be removed."""
+        found = self._find(parse_name(name))
+        if not self.store.manifest_path(found).is_file():
+            raise NotFound(f"model '{name}' not found; `localrun list` shows the models in the library")
+        return found.display
+
     def resolve(self, name: str) -> ResolvedModel:
         """The stored model `name` names. Every generation request asks, so the answer is kept while
         nothing it was read from changed: one stat of the manifest (a pull, create, copy or rm replaces

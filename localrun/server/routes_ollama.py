@@ -17,7 +17,7 @@ from localrun.library.names import parse_name
 
 import localrun
 from localrun.backends.base import MEDIA_MARKER, Infill, SamplingOptions
-from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.images import from_base64, take_images
@@ -104,13 +104,9 @@ async def copy(request: Request):
 async def delete(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
-    name = _name(body)
-    try:
-        resolved = await st.resolve(name)
-    except NotFound:  # (resolve's message suggests a pull, which is no answer to a delete)
-        raise NotFound(f"model '{name}' not found; `localrun list` shows the models in the library") from None
-    await st.manager.unload(resolved.name)
-    await asyncio.to_thread(st.library.remove, resolved.name)
+    name = await asyncio.to_thread(st.library.stored_name, _name(body))
+    await st.manager.unload(name)
+    await asyncio.to_thread(st.library.remove, name)
     return Response(status_code=200)
 
 
