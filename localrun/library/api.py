@@ -429,13 +429,13 @@ class Library:
         """The stored model `name` names. Every generation request asks, so the answer is kept while
         nothing it was read from changed: one stat of the manifest (a pull, create, copy or rm replaces
         or removes it; the layers it lists are content-addressed) instead of about ten small reads."""
-        given = parse_name(name)
-        hit = self._resolved.get(name)
+        hit = self._resolved.get(name)  # (a cached name was parsed, and found valid, when it was cached)
         if hit is not None:
             sig, path, exact, r = hit
             if (_stat_sig(path) == sig and (exact is None or not exact.is_file())
                     and r.weights.exists() and (r.projector is None or r.projector.is_file())):
                 return _copy_resolved(r)
+        given = parse_name(name)
         mn = self._find(given)
         path = self.store.manifest_path(mn)
         sig = _stat_sig(path)  # before the read: a change after it misses next time
