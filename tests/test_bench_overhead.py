@@ -1,6 +1,7 @@
 """`localrun bench overhead`: the daemon vs llama-cpp-python called directly, at smoke length."""
 
 import os
+import re
 
 import pytest
 
@@ -21,3 +22,10 @@ def test_the_overhead_benchmark_runs(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("text same") == 2, r.stdout
     assert "daemon overhead: tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout, r.stdout
+    # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
+    # token on any CPU), and so are the daemon's and the client's
+    m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon (\d+) us = runner (\d+) "
+                  r".* daemon (\d+) \+ HTTP client (\d+)", r.stdout)
+    assert m, r.stdout
+    direct, total, runner, daemon, client = map(int, m.groups())
+    assert direct > 1000 and runner > 1000 and total == pytest.approx(runner + daemon + client, abs=2), r.stdout

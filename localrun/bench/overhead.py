@@ -5,6 +5,8 @@ both sides generate the same tokens. Each prompt is unique from its first token,
 neither side gets a prefix-cache hit the other does not. Prints TTFT and decode tok/s
 medians and the daemon's overhead; exits 1 when the median per-prompt decode tok/s overhead
 exceeds --max-overhead (percent) or the median per-prompt TTFT difference exceeds --max-ttft (ms).
+It also prints the CPU time per generated token on each side (the direct process; the runner, the
+daemon and the HTTP client), which says where the overhead goes.
 
     localrun bench overhead [--prompts 6] [--max-tokens 128] [--settle 0.1]
 """
@@ -12,6 +14,7 @@ exceeds --max-overhead (percent) or the median per-prompt TTFT difference exceed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 TOPICS = ["the history of tea", "how bridges carry weight", "why the sky is blue", "the life of honeybees",
@@ -91,6 +95,66 @@ def run_daemon(http, model: str, prompt: str, max_tokens: int) -> tuple[float, f
     return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
 
 
+class CpuTally:
+    """CPU time per generated token on each side, from the processes' own counters (psutil):
+    the direct side is this process (llama.cpp's threads and llama-cpp-python's Python); the daemon
+    side is the runner process (llama.cpp's threads and the loop's Python), the daemon process,
+    and this process's thread reading the stream (the HTTP client). On a machine whose cores all
+    compute for llama.cpp, every CPU-microsecond the other processes spend per token is taken from
+    the step: this says where the overhead goes."""
+
+    def __init__(self, daemon_pid: int) -> None:
+        import psutil
+
+        self._daemon = psutil.Process(daemon_pid)
+        self.sums = {k: 0.0 for k in ("direct", "runner", "daemon", "client")}
+        self.tokens = {"direct": 0, "daemon": 0}
+
+    @staticmethod
+    def _cpu(p) -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except Exception:  # noqa: BLE001 - gone: counts nothing
+            return 0.0
+
+    def _runners(self) -> list:
+        try:
+            return self._daemon.children(recursive=True)
+        except Exception:  # noqa: BLE001
+            return []
+
+    @contextlib.contextmanager
+    def direct(self):
+        tally = types.SimpleNamespace(tokens=0)
+        t0 = time.process_time()
+        yield tally
+        self.sums["direct"] += time.process_time() - t0
+        self.tokens["direct"] += tally.tokens
+
+    @contextlib.contextmanager
+    def daemon(self):
+        tally = types.SimpleNamespace(tokens=0)
+        runners = self._runners()
+        r0 = {p.pid: self._cpu(p) for p in runners}
+        d0, c0 = self._cpu(self._daemon), time.thread_time()
+        yield tally
+        self.sums["client"] += time.thread_time() - c0
+        self.sums["daemon"] += self._cpu(self._daemon) - d0
+        self.sums["runner"] += sum(self._cpu(p) - r0.get(p.pid, 0.0) for p in runners)
+        self.tokens["daemon"] += tally.tokens
+
+    def report(self) -> str:
+        def us(key: str, side: str) -> float:
+            return 1e6 * self.sums[key] / max(1, self.tokens[side])
+
+        other = us("runner", "daemon") + us("daemon", "daemon") + us("client", "daemon")
+        return (f"CPU per generated token: direct {us('direct', 'direct'):.0f} us (llama.cpp's threads + "
+                f"llama-cpp-python); through the daemon {other:.0f} us = runner {us('runner', 'daemon'):.0f} "
+                f"(llama.cpp's threads + the loop) + daemon {us('daemon', 'daemon'):.0f} + HTTP client "
+                f"{us('client', 'daemon'):.0f} (sums over all prompts, prefill included)")
+
+
 def add_parser(sub) -> None:
     ap = sub.add_parser("overhead", help="the daemon's overhead: SmolLM2 through it vs llama-cpp-python directly",
                         description=__doc__.splitlines()[0])
@@ -158,11 +222,16 @@ def run(args: argparse.Namespace) -> int:
         run_direct(llm, _prompt(999), 8)
         run_daemon(http, model, _prompt(998), 8)
         rows = []
+        cpu = CpuTally(proc.pid)
         for i in range(args.prompts):
             p = _prompt(i)
-            d = run_direct(llm, p, args.max_tokens)
+            with cpu.direct() as tally:
+                d = run_direct(llm, p, args.max_tokens)
+                tally.tokens = d[2]
             time.sleep(args.settle)
-            s = run_daemon(http, model, p, args.max_tokens)
+            with cpu.daemon() as tally:
+                s = run_daemon(http, model, p, args.max_tokens)
+                tally.tokens = s[2]
             time.sleep(args.settle)
             same = "same" if d[3] == s[3] else "differs"
             rows.append((d, s))
@@ -183,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"daemon overhead: tok/s {overhead:+.1f}% of medians, {pair:+.1f}% median of per-prompt pairs "
               f"(limit {args.max_overhead:g}%); TTFT {1000 * (s_ttft - d_ttft):+.1f} ms of medians, "
               f"{ttft_pair:+.1f} ms median of per-prompt pairs (limit {args.max_ttft:g} ms)")
+        print(cpu.report())
         # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
         # neighbour or a slow minute shifts both halves of a pair rather than one side's median
         return 0 if pair <= args.max_overhead and ttft_pair <= args.max_ttft else 1

@@ -249,8 +249,7 @@ class OutputParser:
 
     def _content(self, text: str) -> str:
         """Content that may go out now: all of it, unless it may be (part of) a tool call."""
-        if not self.tool_names or not text:
-            self.content_sent += text
+        if not self.tool_names or not text:  # (content_sent is read only when tools are on)
             return text
         if self.generic:  # one JSON object: an answer streams as its string is written; calls are held
             return self._generic(text)
