@@ -209,8 +209,11 @@ class BatchedLlama:
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
 
     def __init__(self, lib, model, ctx, *, parallel: int, step_tokens: int, share_prefixes: bool = True,
-                 name: str = "", encode=None, decode_image=None) -> None:
+                 name: str = "", encode=None, decode_image=None, governor=None) -> None:
         self.lib, self.model, self.ctx = lib, model, ctx
+        # a ThreadGovernor (localrun.backends.cpu_share): fewer compute threads while other processes
+        # take the CPUs (polled once a step, here on the loop's thread, the one that calls llama_decode)
+        self.governor = governor
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.mem = lib.llama_get_memory(ctx)
@@ -294,6 +297,8 @@ class BatchedLlama:
                 "running": len(self._running), "waiting": len(self._waiting) + len(self._inbox),
                 "idle_sequences": sum(1 for sl in self.slots if sl.request is None and sl.tokens),
                 "parallel": self.parallel,
+                "threads": self.governor.current if self.governor else None,
+                "thread_changes": self.governor.changes if self.governor else 0,
                 # the names the native engine reports the same things under
                 "prefix_query_tokens": c["prompt_tokens"], "prefix_hit_tokens": c["cached_tokens"],
                 "spec_acceptance_rate": c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else 0.0,
@@ -314,6 +319,10 @@ class BatchedLlama:
                 self._admit()
                 self._compact()
                 if self._running:
+                    if self.governor is not None and (n := self.governor.poll()) is not None:
+                        self.lib.llama_set_n_threads(self.ctx, n, n)
+                        log.info("%s: llama.cpp computes with %d of %d threads now (other processes use %.1f "
+                                 "CPUs)", self.name, n, self.governor.n_max, self.governor.others)
                     worked = self._step()
                     for r in [r for r in self._running if r.finished]:  # e.g. an image that failed to encode
                         self._end(r)

@@ -251,6 +251,7 @@ class LlamaCppBackend:
         import llama_cpp.llama_cpp as lib
         from llama_cpp._logger import set_verbose
 
+        from localrun.backends.cpu_share import ThreadGovernor
         from localrun.backends.llama_batch import BatchedLlama
 
         set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
@@ -301,8 +302,11 @@ class LlamaCppBackend:
                 raise
         images = dict(encode=self._encode_image, decode_image=self._decode_image) if self._mtmd else {}
         self._n_batch = int(cparams.n_batch)
+        # a thread count chosen here gives way to other processes' load (cpu_share); one the model's
+        # Modelfile sets (num_thread) is kept as it is
+        governor = None if spec.extra.get("n_threads") else ThreadGovernor(self.n_threads)
         self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, step_tokens=step_tokens, share_prefixes=share,
-                                   name=spec.name, **images)
+                                   name=spec.name, governor=governor, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._n_layer = int(lib.llama_model_n_layer(model))

@@ -1,0 +1,144 @@
+"""How many threads llama.cpp computes with while other processes want the CPUs too.
+
+llama.cpp's CPU threads (OpenMP in the builds pip makes) meet at a barrier after every operation of
+the graph, a few hundred times a token. When another process takes one of their CPUs, the kernel
+preempts one thread for a time slice and every other thread waits for it at the next barrier. With
+every core computing for llama.cpp, any other load then stalls each token for milliseconds, not for
+the share of CPU it takes. Measured on 2 AMD EPYC vCPUs, SmolLM2-135M, one stream:
+
+    idle box:                 2 threads 118-127 tok/s, 1 thread 105-112 tok/s
+    one busy process beside:  2 threads  38 tok/s,     1 thread  85 tok/s
+    two busy processes:       2 threads 0.7 tok/s,     1 thread  44 tok/s
+
+(a user compiling or running a test suite while they chat). :class:`ThreadGovernor` watches how much
+CPU the rest of the machine takes (``/proc/stat`` less this process's own time) and gives llama.cpp
+the cores nobody else is using, all of them again once the others are quiet. It costs one clock read
+a step and one small file read every ``interval`` seconds. It only runs where the thread count was
+chosen automatically: a model whose Modelfile sets ``num_thread`` keeps it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable
+
+# the other processes may take this much CPU (in CPUs, beyond the cores llama.cpp does not use)
+# before a thread is given up: the daemon and its HTTP clients take a few percent while streaming
+SLACK = 0.3
+
+
+def usable_cpus() -> set[int] | None:
+    """The CPUs this process may run on (its affinity: a container's cpuset, taskset); None if unknown."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_ticks(cpus: set[int] | None = None) -> tuple[int, int] | None:
+    """(busy, total) clock ticks since boot of `cpus` (all CPUs when None), from /proc/stat; None where
+    there is none (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        if not line.startswith(b"cpu"):
+            break
+        name, *fields = line.split()
+        if (name == b"cpu") != (cpus is None) or (cpus is not None and int(name[3:]) not in cpus):
+            continue
+        v = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+        total += sum(v)
+        busy += sum(v) - v[3] - v[4]
+    return (busy, total) if total else None
+
+
+def own_seconds() -> float:
+    """CPU seconds this process (every thread) has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+def threads_for(others: float, n_max: int, logical: int) -> int:
+    """Threads for llama.cpp when other processes use `others` CPUs of `logical`: all `n_max` while
+    they fit in the CPUs llama.cpp leaves (hyperthreads beside physical cores) plus SLACK, else one
+    fewer for each CPU they take beyond that, never fewer than one."""
+    over = others - max(0, logical - n_max) - SLACK
+    if over <= 0:
+        return n_max
+    return max(1, n_max - math.ceil(over))
+
+
+class ThreadGovernor:
+    """``poll()`` once a step, on the thread that calls llama_decode: the thread count to set now
+    (llama_set_n_threads) when it should change, else None. Fewer threads as soon as one window
+    shows the others' load; more again only after two windows in a row say so (no flapping on a
+    short burst). A window only counts while steps run: after an idle spell the first poll starts a
+    new one (another program, or another benchmark's server, computing while this model had nothing
+    to do is no reason to give up threads)."""
+
+    def __init__(self, n_max: int, *, logical: int | None = None, interval: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic, sample: Callable[[], tuple[int, int] | None] | None = None,
+                 own: Callable[[], float] = own_seconds, hz: int | None = None) -> None:
+        self.n_max = self.current = max(1, n_max)
+        if sample is None:  # the CPUs we may run on: a cpuset's, not the whole host's
+            cpus = usable_cpus()
+            sample = lambda: busy_ticks(cpus)  # noqa: E731
+            logical = logical or (len(cpus) if cpus else None)
+        self.logical = logical or os.cpu_count() or n_max
+        self.interval, self._clock, self._sample, self._own = interval, clock, sample, own
+        self._hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._next = clock() + interval
+        self._last = sample()
+        self._last_own = own()
+        self._ups = 0
+        self.others = 0.0  # CPUs the other processes used in the last window
+        self.changes = 0
+        self.enabled = self._last is not None
+
+    def poll(self) -> int | None:
+        if not self.enabled:
+            return None
+        now = self._clock()
+        if now < self._next:
+            return None
+        cur, own = self._sample(), self._own()
+        if cur is None:
+            return None
+        (busy0, total0), own0 = self._last, self._last_own
+        stale = now > self._next + self.interval  # no step polled for a while: llama.cpp was idle
+        self._last, self._last_own, self._next = cur, own, now + self.interval
+        if stale:  # whoever used the CPUs while we did not compute says nothing about now
+            return None
+        ticks = cur[1] - total0
+        if ticks <= 0:
+            return None
+        cpus = self.logical
+        # the window's length in CPU-seconds is ticks / hz (all CPUs): the busy share of it, less ours
+        others = max(0.0, (cur[0] - busy0) / self._hz - (own - own0)) * cpus / (ticks / self._hz)
+        self.others = others
+        want = threads_for(others, self.n_max, cpus)
+        if want < self.current:
+            self._ups = 0
+            return self._set(want)
+        if want > self.current:
+            self._ups += 1
+            if self._ups >= 2:
+                self._ups = 0
+                return self._set(want)
+            return None
+        self._ups = 0
+        return None
+
+    def _set(self, n: int) -> int:
+        self.current = n
+        self.changes += 1
+        return n
+
+
+__all__ = ["ThreadGovernor", "threads_for", "busy_ticks", "usable_cpus", "own_seconds", "SLACK"]
