@@ -324,15 +324,25 @@ async def test_stop_mid_reply_with_escape_and_ctrl_c(models, store):
             n_before = len(app.conv.messages)
             # (greedy, SmolLM2 writes all 400 tokens of this essay: ~3 s on a fast CPU. "Count from 1 to 200"
             # stops by itself after 121 tokens, which a CPU left to llama.cpp alone finishes before the key)
-            await type_and_send(pilot, "Write a long essay about the history of tea.")
-            # the first tokens have come (the Markdown stream may show them a little later)
-            await wait_for(pilot, lambda: app.generating and app.reply_chunks > 0, 60, "the first tokens")
+            # sent without waiting on the pilot, and polled with plain sleeps: pilot.press and pilot.pause
+            # wait for the screen to settle, which the stream they start keeps from happening until its end
+            # (measured: 356-371 of the 400 chunks were in before they returned)
+            app.input_box.focus()
+            app.input_box.text = "Write a long essay about the history of tea."
+            sending = asyncio.create_task(pilot.press("enter"))
+            deadline = time.monotonic() + 60
+            while not (app.generating and app.reply_chunks > 0):
+                assert time.monotonic() < deadline, "timed out waiting for the first tokens"
+                await asyncio.sleep(0.01)
+            n_press = app.reply_chunks
             t = time.monotonic()
             await pilot.press(key)
+            await sending
             await wait_for(pilot, lambda: not app.generating, 10, "the stop")
             stop_latency = time.monotonic() - t
             await wait_for(pilot, lambda: app.idle, 60, "the reply to be wrapped up")
             assert stop_latency < 5, stop_latency
+            assert app.reply_chunks < 400, (n_press, app.reply_chunks)  # stopped mid-reply, not at its end
             assert app.status.stats.get("completion") is None  # no final chunk: it really was cut short
             assert app.is_running and app.last_error is None
             assert len(app.conv.messages) == n_before + 2  # partial reply kept
