@@ -1,6 +1,6 @@
 """llama.cpp's thread count under other processes' load (localrun.backends.cpu_share).
 
-The decision, with a fake clock and fake /proc/stat samples (fast); then the real thing: a real
+The decision, with a fake clock and fake CPU times (fast); then the real thing: a real
 daemon streaming SmolLM2 through the real llama.cpp while busy processes take every CPU. Without
 the governor, OpenMP's threads wait at every barrier for the one the kernel preempted, and the
 answer crawls (measured on 2 vCPUs: 1.5 tok/s against ~110 idle; with it 47-83 tok/s)."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from localrun.backends.cpu_share import SLACK, ThreadGovernor, busy_ticks, threads_for, usable_cpus
+from localrun.backends.cpu_share import SLACK, ThreadGovernor, busy_seconds, threads_for, usable_cpus
 
 
 def test_threads_for_gives_way_to_other_processes():
@@ -29,24 +29,24 @@ def test_threads_for_gives_way_to_other_processes():
 
 
 class FakeMachine:
-    """/proc/stat and this process's CPU time, advanced by hand: `cpus` CPUs, `others` of them busy
-    with other processes, `ours` with this one."""
+    """The CPUs' times and this process's CPU time, advanced by hand: `cpus` CPUs, `others` of them
+    busy with other processes, `ours` with this one."""
 
-    def __init__(self, cpus: int, hz: int = 100) -> None:
-        self.cpus, self.hz = cpus, hz
+    def __init__(self, cpus: int) -> None:
+        self.cpus = cpus
         self.t = 0.0
-        self.busy = self.total = 0
+        self.busy = self.total = 0.0
         self.own = 0.0
 
     def run(self, seconds: float, others: float, ours: float) -> None:
         self.t += seconds
-        self.total += round(self.cpus * seconds * self.hz)
-        self.busy += round((others + ours) * seconds * self.hz)
+        self.total += self.cpus * seconds
+        self.busy += (others + ours) * seconds
         self.own += ours * seconds
 
     def governor(self, n_max: int) -> ThreadGovernor:
         return ThreadGovernor(n_max, logical=self.cpus, interval=0.5, clock=lambda: self.t,
-                              sample=lambda: (self.busy, self.total), own=lambda: self.own, hz=self.hz)
+                              sample=lambda: (self.busy, self.total), own=lambda: self.own)
 
 
 def test_the_governor_drops_threads_at_once_and_takes_them_back_after_two_quiet_windows():
@@ -79,7 +79,7 @@ def test_the_governor_drops_threads_at_once_and_takes_them_back_after_two_quiet_
 def test_the_governor_reads_this_machine():
     cpus = usable_cpus()
     assert cpus, "sched_getaffinity gives the CPUs we may run on"
-    sample = busy_ticks(cpus)
+    sample = busy_seconds(cpus)
     assert sample is not None and 0 <= sample[0] <= sample[1]
     g = ThreadGovernor(len(cpus), interval=0.05)
     assert g.enabled and g.logical == len(cpus)

@@ -11,7 +11,7 @@ the share of CPU it takes. Measured on 2 AMD EPYC vCPUs, SmolLM2-135M, one strea
     two busy processes:       2 threads 0.7 tok/s,     1 thread  44 tok/s
 
 (a user compiling or running a test suite while they chat). :class:`ThreadGovernor` watches how much
-CPU the rest of the machine takes (``/proc/stat`` less this process's own time) and gives llama.cpp
+CPU the rest of the machine takes (psutil's per-CPU times less this process's own) and gives llama.cpp
 the cores nobody else is using, all of them again once the others are quiet. It costs one clock read
 a step and one small file read every ``interval`` seconds. It only runs where the thread count was
 chosen automatically: a model whose Modelfile sets ``num_thread`` keeps it.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import Callable
 
@@ -37,24 +38,20 @@ def usable_cpus() -> set[int] | None:
         return None
 
 
-def busy_ticks(cpus: set[int] | None = None) -> tuple[int, int] | None:
-    """(busy, total) clock ticks since boot of `cpus` (all CPUs when None), from /proc/stat; None where
-    there is none (not Linux)."""
-    try:
-        with open("/proc/stat", "rb") as f:
-            lines = f.read().split(b"\n")
-    except OSError:
+def busy_seconds(cpus: set[int] | None = None) -> tuple[float, float] | None:
+    """(busy, total) CPU seconds since boot of `cpus` (all CPUs when None), by psutil; None off Linux
+    (where llama.cpp's threads are not the OpenMP ones this is measured for)."""
+    if not sys.platform.startswith("linux"):
         return None
-    busy = total = 0
-    for line in lines:
-        if not line.startswith(b"cpu"):
-            break
-        name, *fields = line.split()
-        if (name == b"cpu") != (cpus is None) or (cpus is not None and int(name[3:]) not in cpus):
+    import psutil
+
+    busy = total = 0.0
+    for i, t in enumerate(psutil.cpu_times(percpu=True)):
+        if cpus is not None and i not in cpus:
             continue
-        v = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
-        total += sum(v)
-        busy += sum(v) - v[3] - v[4]
+        spent = t.user + t.nice + t.system + t.idle + t.iowait + t.irq + t.softirq + t.steal
+        total += spent
+        busy += spent - t.idle - t.iowait
     return (busy, total) if total else None
 
 
@@ -83,16 +80,16 @@ class ThreadGovernor:
     to do is no reason to give up threads)."""
 
     def __init__(self, n_max: int, *, logical: int | None = None, interval: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, sample: Callable[[], tuple[int, int] | None] | None = None,
-                 own: Callable[[], float] = own_seconds, hz: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sample: Callable[[], tuple[float, float] | None] | None = None,
+                 own: Callable[[], float] = own_seconds) -> None:
         self.n_max = self.current = max(1, n_max)
         if sample is None:  # the CPUs we may run on: a cpuset's, not the whole host's
             cpus = usable_cpus()
-            sample = lambda: busy_ticks(cpus)  # noqa: E731
+            sample = lambda: busy_seconds(cpus)  # noqa: E731
             logical = logical or (len(cpus) if cpus else None)
         self.logical = logical or os.cpu_count() or n_max
         self.interval, self._clock, self._sample, self._own = interval, clock, sample, own
-        self._hz = hz or (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
         self._next = clock() + interval
         self._last = sample()
         self._last_own = own()
@@ -115,14 +112,12 @@ class ThreadGovernor:
         self._last, self._last_own, self._next = cur, own, now + self.interval
         if stale:  # whoever used the CPUs while we did not compute says nothing about now
             return None
-        ticks = cur[1] - total0
-        if ticks <= 0:
+        spent = cur[1] - total0  # CPU-seconds the window had: its wall time times the CPUs
+        if spent <= 0:
             return None
-        cpus = self.logical
-        # the window's length in CPU-seconds is ticks / hz (all CPUs): the busy share of it, less ours
-        others = max(0.0, (cur[0] - busy0) / self._hz - (own - own0)) * cpus / (ticks / self._hz)
-        self.others = others
-        want = threads_for(others, self.n_max, cpus)
+        # the CPUs the others kept busy: the busy CPU-seconds less ours, over the window's wall time
+        self.others = max(0.0, cur[0] - busy0 - (own - own0)) * self.logical / spent
+        want = threads_for(self.others, self.n_max, self.logical)
         if want < self.current:
             self._ups = 0
             return self._set(want)
@@ -141,4 +136,4 @@ class ThreadGovernor:
         return n
 
 
-__all__ = ["ThreadGovernor", "threads_for", "busy_ticks", "usable_cpus", "own_seconds", "SLACK"]
+__all__ = ["ThreadGovernor", "threads_for", "busy_seconds", "usable_cpus", "own_seconds", "SLACK"]
