@@ -14,7 +14,6 @@ daemon and the HTTP client), which says where the overhead goes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 TOPICS = ["the history of tea", "how bridges carry weight", "why the sky is blue", "the life of honeybees",
@@ -124,25 +122,25 @@ class CpuTally:
         except Exception:  # noqa: BLE001
             return []
 
-    @contextlib.contextmanager
-    def direct(self):
-        tally = types.SimpleNamespace(tokens=0)
+    def direct(self, run, *args):
+        """`run(*args)` (run_direct), its CPU time counted on the direct side; returns its result."""
         t0 = time.process_time()
-        yield tally
+        res = run(*args)
         self.sums["direct"] += time.process_time() - t0
-        self.tokens["direct"] += tally.tokens
+        self.tokens["direct"] += res[2]
+        return res
 
-    @contextlib.contextmanager
-    def daemon(self):
-        tally = types.SimpleNamespace(tokens=0)
+    def daemon(self, run, *args):
+        """`run(*args)` (run_daemon), the runner's, the daemon's and this thread's CPU time counted."""
         runners = self._runners()
         r0 = {p.pid: self._cpu(p) for p in runners}
         d0, c0 = self._cpu(self._daemon), time.thread_time()
-        yield tally
+        res = run(*args)
         self.sums["client"] += time.thread_time() - c0
         self.sums["daemon"] += self._cpu(self._daemon) - d0
         self.sums["runner"] += sum(self._cpu(p) - r0.get(p.pid, 0.0) for p in runners)
-        self.tokens["daemon"] += tally.tokens
+        self.tokens["daemon"] += res[2]
+        return res
 
     def report(self) -> str:
         def us(key: str, side: str) -> float:
@@ -225,13 +223,9 @@ def run(args: argparse.Namespace) -> int:
         cpu = CpuTally(proc.pid)
         for i in range(args.prompts):
             p = _prompt(i)
-            with cpu.direct() as tally:
-                d = run_direct(llm, p, args.max_tokens)
-                tally.tokens = d[2]
+            d = cpu.direct(run_direct, llm, p, args.max_tokens)
             time.sleep(args.settle)
-            with cpu.daemon() as tally:
-                s = run_daemon(http, model, p, args.max_tokens)
-                tally.tokens = s[2]
+            s = cpu.daemon(run_daemon, http, model, p, args.max_tokens)
             time.sleep(args.settle)
             same = "same" if d[3] == s[3] else "differs"
             rows.append((d, s))
