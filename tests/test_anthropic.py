@@ -468,7 +468,10 @@ def test_real_stop_sequence(real):
 
 def test_real_forced_tool_call(real):
     d, client = real
-    with client.messages.stream(model="toolsmol", max_tokens=40, tools=[WEATHER],
+    # sampled (Anthropic's default temperature 1): whatever the model picks, the grammar keeps the call
+    # JSON and bounds it (a 20-character city of at most 6 tokens each, \uXXXX, plus ~20 for the rest), so
+    # 200 tokens always finish it: a reply that is not a call is a bug (it found raw newlines in strings)
+    with client.messages.stream(model="toolsmol", max_tokens=200, tools=[WEATHER],
                                 tool_choice={"type": "tool", "name": "get_weather"},
                                 messages=[{"role": "user", "content": "Weather in Paris?"}]) as s:
         msg = s.get_final_message()

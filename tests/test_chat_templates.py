@@ -176,6 +176,12 @@ def test_a_tool_call_each_template_renders_parses_back_into_the_same_call(templa
         else:
             failed.append(f"{name}: {fmt} -> {calls}, streamed {streamed!r}, output {out!r}")
             continue
+        if '"Paris"' in out:  # a model that writes a raw newline inside an argument's string (code does)
+            p = OutputParser(None, {"get_weather"}, tool_format=fmt, tools=TOOLS)
+            p.feed(out.replace('"Paris"', '"Pa\nris"'))
+            calls = p.finish()[2]
+            if [json.loads(c["arguments"]).get("city") for c in calls] != ["Pa\nris"]:
+                failed.append(f"{name}: a raw newline in the city -> {calls}")
         # two calls in one turn (parallel tool calls), where the template writes both
         got = _model_output(template, [CALL, CALL2])
         if got is not None and got[1].count("London") == 1:

@@ -411,6 +411,20 @@ def test_logit_bias_bans_a_token(backend):
     assert ids2[0] != banned and banned not in ids2
 
 
+def test_json_strings_hold_no_raw_control_characters(backend):
+    """JSON forbids a raw newline inside a string, so the grammar must too: with every token that
+    holds a newline pushed up, the answer is still JSON that json.loads reads. (llama-cpp-python's
+    converter allowed them: a sampled model's forced tool call then came back as text.)"""
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 12}}, "required": ["note"]}
+    newline_ids = {t for piece in ("\n", "\n\n", "\t") for t in run(backend.tokenize(piece))}
+    assert newline_ids and all("\n" in run(backend.detokenize([t])) or "\t" in run(backend.detokenize([t]))
+                               for t in newline_ids)
+    text, last, _ = run(collect(backend, chatml("Write a note as JSON."), max_tokens=60, json_schema=schema,
+                                logit_bias={t: 30.0 for t in newline_ids}))
+    assert last.finish_reason == "stop", text
+    assert isinstance(json.loads(text)["note"], str), text
+
+
 def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(backend):
     """A greedy request with nothing else to apply picks its token by an argmax over the logits row;
     the same request through llama.cpp's sampler chain (a zero logit bias keeps it there, changing

@@ -65,6 +65,15 @@ def test_tool_calls_any_split():
                 assert k["name"] == "get_weather" and json.loads(k["arguments"]) == {"city": "Paris"}
 
 
+def test_a_call_with_a_raw_newline_in_a_string_is_still_a_call():
+    """Models write code arguments with raw newlines inside JSON strings (strict JSON forbids them):
+    the call is still read, and its arguments go out as valid JSON."""
+    for text in ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par\nis"}}</tool_call>',
+                 '{"arguments": {"city": "Par\nis"}, "name": "get_weather"}'):
+        _, c, calls, _ = _run(text, [text[:7], text[7:]], None, TOOLS)
+        assert c == "" and json.loads(calls[0]["arguments"]) == {"city": "Par\nis"}, (text, c, calls)
+
+
 def test_content_before_a_call_streams_before_the_end():
     call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     _, _, calls, parts = _run("Checking now. " + call, ["Checking ", "now. ", call[:5], call[5:]], None, TOOLS)

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -197,6 +198,14 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     return _grammar(json.dumps(schema, sort_keys=True, separators=(",", ":")))
 
 
+# llama-cpp-python's converter lets a JSON string hold raw control characters (its `char` is
+# [^"\\]), which JSON forbids: json.loads rejects a newline inside a string, so a sampled model
+# that wrote one broke the output (a forced tool call came back as text). llama.cpp's own
+# converter (common/json-schema-to-grammar.cpp) excludes them; so does this.
+_LOOSE_CHAR = re.compile(r'^char ::= \[\^"\\\\\] ', re.M)
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] '
+
+
 @functools.lru_cache(maxsize=64)
 def _grammar(schema_json: str) -> str:
     from llama_cpp.llama_grammar import json_schema_to_gbnf
@@ -206,6 +215,7 @@ def _grammar(schema_json: str) -> str:
         gbnf = json_schema_to_gbnf(schema_json)
     except Exception as exc:
         raise InvalidRequest(f"invalid JSON schema in response_format: {exc}") from None
+    gbnf = _LOOSE_CHAR.sub(lambda _: _JSON_CHAR, gbnf)
     if len(gbnf) > GRAMMAR_MAX_BYTES:
         raise InvalidRequest(f"the JSON schema's grammar is {len(gbnf)} bytes, over the {GRAMMAR_MAX_BYTES} byte limit; "
                              "simplify the schema")

@@ -70,8 +70,8 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
         candidates = [text.strip()]
     calls = []
     for c in candidates:
-        try:
-            obj = json.loads(c)
+        try:  # strict=False: models write code arguments with raw newlines in the strings; the
+            obj = json.loads(c, strict=False)  # arguments go out re-encoded, as valid JSON
         except ValueError:
             continue
         for o in obj if isinstance(obj, list) else [obj]:

@@ -162,13 +162,13 @@ class ToolFormat:
         if self.kind == "json":
             while i < len(text) and text[i].isspace():
                 i += 1
-            try:
-                args, j = json.JSONDecoder().raw_decode(text, i)
+            try:  # strict=False: a raw newline inside a string (code in an argument) is still read
+                args, j = json.JSONDecoder(strict=False).raw_decode(text, i)
             except ValueError:
                 return None
             if isinstance(args, str):  # arguments written as a JSON string
                 try:
-                    args = json.loads(args)
+                    args = json.loads(args, strict=False)
                 except ValueError:
                     return None
             return (j, args) if isinstance(args, dict) else None
