@@ -160,6 +160,22 @@ def test_keepalive_pings_between_slow_events(home, monkeypatch):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_in_a_call_is_replaced_not_a_failed_response(daemon, fake, stream):
+    """The JSON grammar lets a sampled model write "\\ud800" alone, which UTF-8 cannot encode: the
+    call still arrives, with U+FFFD in its place."""
+    fake.rules = {"Weather": '{"name": "get_weather", "arguments": {"city": "Pa\\ud800ris"}}'}
+    client = _client(daemon)
+    kw = dict(model="toolsmol", max_tokens=200, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
+              messages=[{"role": "user", "content": "Weather in Paris?"}])
+    if stream:
+        with client.messages.stream(**kw) as s:
+            msg = s.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    assert msg.stop_reason == "tool_use" and msg.content[0].input == {"city": "Pa\ufffd\ufffd\ufffdris"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_use_round_trip(daemon, fake, stream):
     client = _client(daemon)
     kw = dict(model="toolsmol", max_tokens=200, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},

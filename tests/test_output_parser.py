@@ -74,6 +74,16 @@ def test_a_call_with_a_raw_newline_in_a_string_is_still_a_call():
         assert c == "" and json.loads(calls[0]["arguments"]) == {"city": "Par\nis"}, (text, c, calls)
 
 
+def test_a_lone_surrogate_escape_in_a_call_becomes_a_replacement_character():
+    """JSON allows "\\ud800" alone and json.loads keeps it, but UTF-8 cannot encode it: the
+    response would fail. Pairs stay the character they make."""
+    for written, want in (('Pa\\ud800ris', "Pa\ufffd\ufffd\ufffdris"), ("\\ud83d\\ude00", "\U0001F600")):
+        text = '{"name": "get_weather", "arguments": {"city": "%s"}}' % written
+        _, _, calls, _ = _run(text, [text], None, TOOLS)
+        assert json.loads(calls[0]["arguments"]) == {"city": want}, calls
+        calls[0]["arguments"].encode("utf-8")
+
+
 def test_content_before_a_call_streams_before_the_end():
     call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     _, _, calls, parts = _run("Checking now. " + call, ["Checking ", "now. ", call[:5], call[5:]], None, TOOLS)

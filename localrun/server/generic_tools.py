@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from localrun.chat_template import template_supports_tools
+from localrun.server.output import call_arguments, utf8_safe
 
 log = logging.getLogger("localrun.server")
 
@@ -174,7 +175,7 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
     if not isinstance(obj, dict):
         return None
     if isinstance(obj.get("response"), str) and "tool_calls" not in obj:
-        return obj["response"], []
+        return utf8_safe(obj["response"]), []
     raw = obj.get("tool_calls")
     if raw is None and isinstance(obj.get("tool_call"), dict):
         raw = [obj["tool_call"]]
@@ -185,7 +186,7 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
         if isinstance(c, dict) and c.get("name") in names:
             args = c.get("parameters", c.get("arguments", {}))
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": c["name"],
-                          "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+                          "arguments": call_arguments(args)})
     return ("", calls) if calls else None
 
 

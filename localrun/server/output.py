@@ -62,6 +62,20 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
+def utf8_safe(text: str) -> str:
+    """`text` with any lone surrogate as U+FFFD. A model may write one as a JSON escape ("\\ud800",
+    which the grammar allows and json.loads keeps); UTF-8 cannot encode it, so the response (or
+    the stream) would fail on it."""
+    if any("\ud800" <= ch <= "\udfff" for ch in text):
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def call_arguments(args: object) -> str:
+    """A call's arguments as the JSON string the APIs send."""
+    return utf8_safe(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
     """(content without the calls, [{"id", "name", "arguments" (a JSON string)}])."""
     candidates = _TOOL_CALL_RE.findall(text)
@@ -78,7 +92,7 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
             if isinstance(o, dict) and o.get("name") in names:
                 args = o.get("arguments", o.get("parameters", {}))
                 calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": o["name"],
-                              "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)})
+                              "arguments": call_arguments(args)})
     if not calls:
         return text, []
     return content, calls
@@ -172,7 +186,7 @@ class HarmonyParser:
                     args = None
                 if isinstance(args, dict):
                     self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
-                                       "arguments": json.dumps(args, ensure_ascii=False)})
+                                       "arguments": call_arguments(args)})
 
     def finish(self) -> tuple[str, str, list[dict]]:
         reasoning, content = "", ""
@@ -356,7 +370,7 @@ class OutputParser:
             left, found = self.tool_format.parse(rest, self.tools)
             if found:
                 calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
-                          "arguments": json.dumps(args, ensure_ascii=False)} for name, args in found]
+                          "arguments": call_arguments(args)} for name, args in found]
                 return reasoning, left.strip(), calls
         content_left, calls = parse_tool_calls(rest, self.tool_names)
         return (reasoning, content_left, calls) if calls else (reasoning, rest, [])
