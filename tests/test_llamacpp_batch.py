@@ -425,6 +425,19 @@ def test_json_strings_hold_no_raw_control_characters(backend):
     assert isinstance(json.loads(text)["note"], str), text
 
 
+def test_enum_values_and_keys_with_quotes_backslashes_and_newlines(backend):
+    """A schema's literals (enum, const, property names) are JSON text in the grammar: their own
+    escapes must survive (llama-cpp-python's converter left the backslash unescaped, so these made
+    the grammar unparseable, a 400, or forced a raw newline into the JSON)."""
+    values = ['say "hi"', "back\\slash", "two\nlines"]
+    for i, key in enumerate(("pick", 'the "pick"')):
+        schema = {"type": "object", "properties": {key: {"enum": values}}, "required": [key]}
+        prompt = chatml(f"Pick one of {values} as JSON.")
+        bias = {} if i == 0 else {t: 20.0 for t in run(backend.tokenize("\\"))}  # lean towards the backslash
+        text, last, _ = run(collect(backend, prompt, max_tokens=40, json_schema=schema, logit_bias=bias))
+        assert last.finish_reason == "stop" and json.loads(text)[key] in values, text
+
+
 def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(backend):
     """A greedy request with nothing else to apply picks its token by an argmax over the logits row;
     the same request through llama.cpp's sampler chain (a zero logit bias keeps it there, changing
