@@ -438,6 +438,21 @@ def test_enum_values_and_keys_with_quotes_backslashes_and_newlines(backend):
         assert last.finish_reason == "stop" and json.loads(text)[key] in values, text
 
 
+def test_integer_bounds_hold_against_the_model(backend):
+    """An integer's minimum / maximum are part of the grammar (llama-cpp-python's converter dropped
+    them): with the digits outside the range pushed up, the answer is still inside it."""
+    cases = [({"minimum": 1, "maximum": 5}, "0789-"), ({"minimum": 15, "maximum": 2307}, "09-"),
+             ({"exclusiveMinimum": -10, "maximum": -3}, "0123456"), ({"minimum": 100}, "-0")]
+    for bounds, pushed in cases:
+        schema = {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}
+        bias = {t: 15.0 for ch in pushed for t in run(backend.tokenize(ch))}
+        text, last, _ = run(collect(backend, chatml("Give me a number as JSON."), max_tokens=40, json_schema=schema,
+                                    logit_bias=bias))
+        n = json.loads(text)["n"]
+        lo = bounds.get("minimum", bounds.get("exclusiveMinimum", -10 ** 20) + 1)
+        assert last.finish_reason == "stop" and isinstance(n, int) and lo <= n <= bounds.get("maximum", 10 ** 20), text
+
+
 def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(backend):
     """A greedy request with nothing else to apply picks its token by an argmax over the logits row;
     the same request through llama.cpp's sampler chain (a zero logit bias keeps it there, changing

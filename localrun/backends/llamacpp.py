@@ -192,31 +192,6 @@ def check_schema_bounds(schema: Any) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
-@functools.lru_cache(maxsize=1)
-def _converter_class():
-    """llama-cpp-python's JSON-schema converter with two fixes that llama.cpp's own converter
-    (common/json-schema-to-grammar.cpp, what llama-server and Ollama use) has and its older copy
-    lacks. Each made valid schemas fail:
-    - a string's `char` is [^"\\]: it let a raw control character into a string, which JSON forbids
-      (json.loads rejects a newline there): a sampled forced tool call came back as text;
-    - a literal (enum, const, a property's name) escapes `"` but not the backslash before it, so
-      json.dumps' own escapes broke the grammar: a value with a quote or a backslash made it
-      unparseable (a 400), and one with a newline forced a raw newline into the JSON."""
-    from llama_cpp import llama_grammar as g
-
-    json_char = g.BuiltinRule(r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])', [])
-    escapes = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
-
-    class Converter(g.SchemaConverter):
-        def _add_primitive(self, name, rule):
-            return super()._add_primitive(name, json_char if name == "char" else rule)
-
-        def _format_literal(self, literal):
-            return '"' + re.sub(r'[\r\n"\\]', lambda m: escapes[m.group(0)], literal) + '"'
-
-    return Converter
-
-
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """llama.cpp grammar text (GBNF) for a JSON schema, built once per schema (cached); InvalidRequest
     when it cannot be built or is over the bounds above."""
@@ -227,8 +202,10 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 def _grammar(schema_json: str) -> str:
     schema = json.loads(schema_json)
     check_schema_bounds(schema)
-    try:  # as llama_grammar.json_schema_to_gbnf does, with the fixed converter
-        converter = _converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    from localrun.backends import gbnf
+
+    try:  # as llama_grammar.json_schema_to_gbnf does, with localrun's fixes (backends/gbnf.py)
+        converter = gbnf.converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         converter.visit(converter.resolve_refs(schema, "stdin"), "")
         gbnf = converter.format_grammar()
     except Exception as exc:
