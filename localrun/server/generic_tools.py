@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from localrun.chat_template import template_supports_tools
-from localrun.server.output import call_arguments, utf8_safe
+from localrun.server.tool_formats import call_arguments, utf8_safe
 
 log = logging.getLogger("localrun.server")
 

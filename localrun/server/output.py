@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from localrun.server.tool_formats import ToolFormat
+from localrun.server.tool_formats import ToolFormat, call_arguments
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN = "<tool_call>"
@@ -60,20 +60,6 @@ def _partial(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-def utf8_safe(text: str) -> str:
-    """`text` with any lone surrogate as U+FFFD. A model may write one as a JSON escape ("\\ud800",
-    which the grammar allows and json.loads keeps); UTF-8 cannot encode it, so the response (or
-    the stream) would fail on it."""
-    if any("\ud800" <= ch <= "\udfff" for ch in text):
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return text
-
-
-def call_arguments(args: object) -> str:
-    """A call's arguments as the JSON string the APIs send."""
-    return utf8_safe(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:

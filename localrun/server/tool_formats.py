@@ -376,4 +376,19 @@ def _with_cont(template: str, fmt: ToolFormat, region: str, after_name: str) -> 
     return ToolFormat(fmt.kind, fmt.opener, fmt.head, fmt.tail, fmt.arg, cont)
 
 
-__all__ = ["ToolFormat", "learn", "PROBE_NAME", "PROBE_ARGS"]
+
+def utf8_safe(text: str) -> str:
+    """`text` with any lone surrogate as U+FFFD. A model may write one as a JSON escape ("\\ud800",
+    which the grammar allows and json.loads keeps); UTF-8 cannot encode it, so the response (or
+    the stream) would fail on it."""
+    if any("\ud800" <= ch <= "\udfff" for ch in text):
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
+def call_arguments(args: object) -> str:
+    """A call's arguments as the JSON string the APIs send."""
+    return utf8_safe(args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+__all__ = ["ToolFormat", "learn", "PROBE_NAME", "PROBE_ARGS", "call_arguments", "utf8_safe"]
