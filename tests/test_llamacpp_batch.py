@@ -438,6 +438,24 @@ def test_enum_values_and_keys_with_quotes_backslashes_and_newlines(backend):
         assert last.finish_reason == "stop" and json.loads(text)[key] in values, text
 
 
+def test_the_grammar_checks_the_chosen_token_and_masks_only_when_it_refuses(backend):
+    """As llama-server samples: the chain picks, the grammar checks that token, and only a refused
+    one costs a pass over the whole vocabulary. Most tokens of a JSON answer are the model's own
+    first choice; the answers stay JSON, greedy and sampled, and a seed still repeats."""
+    schema = {"type": "object", "properties": {"cities": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                          "minItems": 3, "maxItems": 3}}, "required": ["cities"]}
+    prompt = chatml("List three large cities as JSON.")
+    before = run(backend.stats())["grammar_resamples"]
+    text, last, ids = run(collect(backend, prompt, max_tokens=60, json_schema=schema))
+    resampled = run(backend.stats())["grammar_resamples"] - before
+    assert last.finish_reason == "stop" and len(json.loads(text)["cities"]) == 3, text
+    assert 0 < resampled < len(ids) / 2, (resampled, len(ids))
+    sampled = [run(collect(backend, prompt, max_tokens=200, json_schema=schema, temperature=1.0, seed=7))
+               for _ in range(2)]
+    assert sampled[0][0] == sampled[1][0] and sampled[0][1].finish_reason == "stop", sampled
+    assert isinstance(json.loads(sampled[0][0])["cities"], list)
+
+
 def test_integer_bounds_hold_against_the_model(backend):
     """An integer's minimum / maximum are part of the grammar (llama-cpp-python's converter dropped
     them): with the digits outside the range pushed up, the answer is still inside it."""

@@ -454,7 +454,7 @@ class LlamaCppBackend:
         window = min(request.window or self.spec.num_ctx, self.spec.num_ctx)
         spans: list = []
         chunks = None  # the images' llama.cpp chunks: ours until the loop takes the request
-        sampler = None
+        sampler = gsampler = None
         # the prompt's length (image tokens, the infill layout) goes on the first chunk
         first = bool(request.images) or request.infill is not None
         tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
@@ -508,9 +508,10 @@ class LlamaCppBackend:
                 grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
-            sampler = make_sampler(*args) if len(grammar or "") < 4096 else await asyncio.to_thread(make_sampler, *args)
-            req = Request(prompt=tokens, options=o, sampler=sampler, loop=loop, queue=queue, window=window,
-                          speculative=self.speculative, rid=request.request_id, images=spans,
+            sampler, gsampler = (make_sampler(*args) if len(grammar or "") < 4096
+                                 else await asyncio.to_thread(make_sampler, *args))
+            req = Request(prompt=tokens, options=o, sampler=sampler, grammar=gsampler, loop=loop, queue=queue,
+                          window=window, speculative=self.speculative, rid=request.request_id, images=spans,
                           preserved=self._preserved(request.preserve), cache_key=request.cache_key,
                           argmax=plain_greedy(o, grammar), sink=sink)
             if sink is not None:
@@ -519,10 +520,11 @@ class LlamaCppBackend:
             if chunks is not None:
                 req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)
-            sampler = chunks = None  # the loop frees them when the request leaves it
+            sampler = gsampler = chunks = None  # the loop frees them when the request leaves it
         finally:
-            if sampler is not None:
-                self._lib.llama_sampler_free(sampler)
+            for s in (sampler, gsampler):
+                if s is not None:
+                    self._lib.llama_sampler_free(s)
             if chunks is not None:
                 self._mtmd_lib().mtmd_input_chunks_free(chunks)
         return req, shape
