@@ -469,6 +469,15 @@ def test_integer_bounds_hold_against_the_model(backend):
         n = json.loads(text)["n"]
         lo = bounds.get("minimum", bounds.get("exclusiveMinimum", -10 ** 20) + 1)
         assert last.finish_reason == "stop" and isinstance(n, int) and lo <= n <= bounds.get("maximum", 10 ** 20), text
+    # a list of types keeps the other keywords (llama-cpp-python's converter dropped them)
+    schema = {"type": "object", "properties": {"n": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
+                                               "s": {"type": ["string", "null"], "maxLength": 3}}, "required": ["n", "s"]}
+    bias = {t: 15.0 for ch in "0789-abcdefgh" for t in run(backend.tokenize(ch))}
+    text, last, _ = run(collect(backend, chatml("Give me a number and a word as JSON."), max_tokens=60, json_schema=schema,
+                                logit_bias=bias))
+    got = json.loads(text)
+    assert got["n"] is None or 1 <= got["n"] <= 5, text
+    assert got["s"] is None or len(got["s"]) <= 3, text
 
 
 def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(backend):

@@ -8,7 +8,8 @@ older copy in llama-cpp-python does not. Each gap made a valid schema fail:
   json.dumps' own escapes broke the grammar: a value with a quote or a backslash made it
   unparseable (a 400), and one with a newline forced a raw newline into the JSON;
 - an integer's ``minimum`` / ``maximum`` (and the exclusive ones) were ignored: a "rating from
-  1 to 5" could come back as 0 or 17. They are digit ranges now (:func:`integer_range`).
+  1 to 5" could come back as 0 or 17. They are digit ranges now (:func:`integer_range`);
+- a list of types (``["string", "null"]``) dropped the schema's other keywords (its maxLength).
 
 Numbers that are not integers keep any value, as in llama.cpp.
 """
@@ -126,7 +127,12 @@ def converter_class() -> type:
             return '"' + re.sub(r'[\r\n"\\]', lambda m: _ESCAPES[m.group(0)], literal) + '"'
 
         def visit(self, schema, name):
-            if isinstance(schema, dict) and schema.get("type") == "integer" and any(k in schema for k in _BOUNDS) \
+            kind = schema.get("type") if isinstance(schema, dict) else None
+            if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
+                # each type keeps the schema's other keywords ({"type": ["string", "null"], "maxLength": 15})
+                rule_name = name + "-" if name in g.RESERVED_NAMES else name or "root"
+                return self._add_rule(rule_name, self._generate_union_rule(name, [{**schema, "type": t} for t in kind]))
+            if kind == "integer" and any(k in schema for k in _BOUNDS) \
                     and not any(k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
                 lo, hi = _bounds(schema)
                 if lo is not None or hi is not None:
