@@ -247,7 +247,7 @@ class BatchedLlama:
                              spec_steps=0, image_tokens=0, moved_sequences=0,
                              handed_over_prefixes=0, grammar_resamples=0)
         # _sample_constrained's candidate arrays, made on first use
-        self._cur = self._ids = self._cur_p = self._one = self._one_p = None
+        self._cur = self._ids = self._cur_data = self._cur_p = self._one = self._one_p = None
         # per-token facts asked of llama.cpp once: every ctypes call lets go of the GIL, and the
         # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
@@ -808,15 +808,15 @@ class BatchedLlama:
         picks it: the chain picks from the row's logits; the grammar checks that one token; only when
         it refuses does the grammar mask the whole vocabulary (4.5 ms a token on SmolLM2's 49k, a
         step's worth) before the chain picks again. Greedy, this is the argmax of the tokens the
-        grammar allows, as masking first gives; sampled, a token the grammar allows is drawn from
-        the unmasked distribution, as llama-server does."""
+        grammar allows, as masking first gives; sampled, the first draw (from the unmasked
+        distribution) stands when the grammar allows it, as in llama-server."""
         lib = self.lib
         if self._cur is None:  # the candidates (llama_token_data: id, logit, p) and a one-token array
             self._cur = np.zeros(self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32),
                                                                  ("p", np.float32)]))
             self._ids = np.arange(self.n_vocab, dtype=np.int32)
-            self._cur_p = lib.llama_token_data_array(
-                self._cur.ctypes.data_as(ctypes.POINTER(lib.llama_token_data)), self.n_vocab, -1, False)
+            self._cur_data = self._cur.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+            self._cur_p = lib.llama_token_data_array(self._cur_data, self.n_vocab, -1, False)
             self._one = lib.llama_token_data(0, 0.0, 0.0)
             self._one_p = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
         logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
@@ -824,7 +824,7 @@ class BatchedLlama:
 
         def pick(mask: bool) -> int:
             cur["id"], cur["logit"], cur["p"] = self._ids, logits, 0.0
-            cur_p.size, cur_p.selected, cur_p.sorted = self.n_vocab, -1, False
+            cur_p.data, cur_p.size, cur_p.selected, cur_p.sorted = self._cur_data, self.n_vocab, -1, False
             if mask:
                 lib.llama_sampler_apply(r.grammar, ctypes.byref(cur_p))
             lib.llama_sampler_apply(r.sampler, ctypes.byref(cur_p))
