@@ -124,6 +124,30 @@ def test_cancel_frees_the_sequence_within_a_step(backend):
     assert last.finish_reason in ("stop", "length") and text
 
 
+def test_a_prefix_copied_cell_by_cell_answers_as_the_whole_stream_copy(smollm2_gguf):
+    """Below half a stream only the cells in use are copied (llama.cpp's state of one sequence, saved
+    and loaded); llama.cpp's own stream copy moves all num_ctx cells. The same requests in the same
+    order answer the same either way, token for token."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    def serve(cell_by_cell: bool):
+        b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=2048, num_parallel=2,
+                                     extra={"n_threads": 2}))
+        b.engine.copy_cells = cell_by_cell
+        try:
+            texts = [run(collect(b, chatml(q, "You are a terse assistant who answers in one sentence."),
+                                 max_tokens=24, ignore_eos=True))[0] for q in QUESTIONS[:3]]
+            return texts, run(b.stats())
+        finally:
+            run(b.close())
+
+    (cells, st_cells), (whole, st_whole) = serve(True), serve(False)
+    assert st_cells["copied_prefixes"] == st_whole["copied_prefixes"] >= 1
+    assert st_cells["copied_cells"] > 0 and st_cells["copied_streams"] == 0, st_cells
+    assert st_whole["copied_streams"] == st_whole["copied_prefixes"] and st_whole["copied_cells"] == 0, st_whole
+    assert cells == whole
+
+
 def test_two_conversations_keep_their_prefixes(smollm2_gguf):
     """Two conversations share a system prompt. The second gets a copy of the first's stream (its
     own cells) and computes only its own question, and the first keeps every token it had: its next
@@ -142,6 +166,9 @@ def test_two_conversations_keep_their_prefixes(smollm2_gguf):
             st = await b.stats()
             n_sys = len(await b.tokenize(chatml("", SYSTEM).split("<|im_start|>user")[0]))
             assert st["copied_prefixes"] == 1 and l2.usage.cached_tokens >= n_sys
+            # the first conversation fills most of its 1,024 cells: its stream is copied whole (below half a
+            # stream only the cells in use move: test_a_stream_moves_next_to_the_others_...)
+            assert st["copied_streams"] == 1 and st["copied_cells"] == 0, st
             turn2 = p1 + t1 + "<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
             _, l3, _ = await collect(b, turn2)
             assert l3.usage.cached_tokens >= l1.usage.prompt_tokens + l1.usage.completion_tokens - 1
@@ -237,6 +264,7 @@ def test_a_stream_moves_next_to_the_others_when_one_between_them_ends(backend, s
         run(b.close())
     assert {s for batch in spy.batches for s in batch} == {0, 1, 2}
     assert st["moved_sequences"] == 1
+    assert st["copied_cells"] > 0 and st["copied_streams"] == 0, st  # the move took only the cells in use
     for batch in spy.batches:  # never two runs of sequence ids (two passes) in one step
         ids = sorted(set(batch))
         assert ids == list(range(ids[0], ids[0] + len(ids))), batch

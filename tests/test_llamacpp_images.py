@@ -63,6 +63,8 @@ def test_an_image_in_a_shared_prefix_is_cached_whole(backend):
     _, u4 = asyncio.run(answer(backend, [png((0, 255, 255))], prompt(question="describe it")))
     assert 0 < u3.cached_tokens == u4.cached_tokens and u3.cached_tokens + 16 < u2.cached_tokens
     assert u1.prompt_tokens == u3.prompt_tokens > 16  # image tokens counted
+    st = asyncio.run(backend.stats())  # Gemma 3's sliding-window cache: prefixes are copied as whole streams
+    assert st["copied_prefixes"] > 0 and st["copied_streams"] == st["copied_prefixes"] and st["copied_cells"] == 0, st
 
 
 def test_two_images_and_text_only_requests_in_the_same_steps(backend, vlm):

@@ -310,7 +310,10 @@ class LlamaCppBackend:
         # Modelfile sets (num_thread) is kept as it is
         governor = None if spec.extra.get("n_threads") else ThreadGovernor(self.n_threads)
         self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, step_tokens=step_tokens, share_prefixes=share,
-                                   name=spec.name, governor=governor, **images)
+                                   name=spec.name, governor=governor,
+                                   # cells copied one sequence at a time: KV in host memory, no sliding window
+                                   # (Gemma 3's windowed cache restored that way answered otherwise)
+                                   copy_cells=self.n_gpu_layers == 0 and lib.llama_model_n_swa(model) == 0, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._n_layer = int(lib.llama_model_n_layer(model))
