@@ -6,8 +6,8 @@ One :class:`BatchedLlama` owns a model's single ``llama_context``: ``parallel`` 
 1. admits waiting requests while fewer than ``parallel`` run: a request gets the slot whose
    cells hold the longest prefix of its prompt, cut back to that prefix (it takes an idle slot over,
    or, when that prefix is in a running slot or an idle one worth keeping, gets a copy of that
-   slot's stream: ``llama_memory_seq_cp`` copies a stream whole, a memcpy, far cheaper than
-   computing the tokens again). A request whose prompt shares a longer prefix with a prompt still
+   slot's cells (:meth:`BatchedLlama._copy_stream`: a memcpy, far cheaper than computing the
+   tokens again). A request whose prompt shares a longer prefix with a prompt still
    being prefilled waits for that prefill instead of computing the same tokens beside it;
 2. builds one ``llama_batch``: every decoding sequence's next token (plus prompt-lookup drafts when
    speculative decoding is on), then prefill chunks of the others, first come first served, up to
@@ -370,8 +370,8 @@ class BatchedLlama:
         """Keep the running sequences in consecutive slots. With one KV stream per sequence llama.cpp
         computes a step as one forward pass per run of consecutive sequence ids, so streams in slots 0
         and 2 cost two passes a step where slots 0 and 1 cost one. A sequence outside the window of
-        slots that holds most running ones moves into a free slot inside it: its stream is copied
-        whole (``llama_memory_seq_cp``, a memcpy, cheaper than the pass it saves on every step after),
+        slots that holds most running ones moves into a free slot inside it: its cells are copied
+        (``_copy_stream``, a memcpy, cheaper than the pass it saves on every step after),
         and the slot it leaves keeps the tokens as an idle cached prefix (a slot that another
         ``prompt_cache_key`` last used is not taken)."""
         if not self.share_prefixes or len(self._running) < 2:
