@@ -128,15 +128,14 @@ def converter_class() -> type:
 
         def visit(self, schema, name):
             kind = schema.get("type") if isinstance(schema, dict) else None
+            rule_name = name + "-" if name in g.RESERVED_NAMES else name or "root"  # as the base class names it
             if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
                 # each type keeps the schema's other keywords ({"type": ["string", "null"], "maxLength": 15})
-                rule_name = name + "-" if name in g.RESERVED_NAMES else name or "root"
                 return self._add_rule(rule_name, self._generate_union_rule(name, [{**schema, "type": t} for t in kind]))
             if kind == "integer" and any(k in schema for k in _BOUNDS) \
                     and not any(k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
                 lo, hi = _bounds(schema)
                 if lo is not None or hi is not None:
-                    rule_name = name + "-" if name in g.RESERVED_NAMES else name or "root"
                     return self._add_rule(rule_name, integer_range(lo, hi) + " space")
             return super().visit(schema, name)
 

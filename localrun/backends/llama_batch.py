@@ -96,6 +96,38 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
     return chain, g
 
 
+class _Candidates:
+    """llama.cpp's candidate arrays (llama_token_data: id, logit, p) for a pick outside
+    llama_sampler_sample: one over the whole vocabulary, one of a single token; reused for every
+    pick (on the loop's thread)."""
+
+    def __init__(self, lib, n_vocab: int) -> None:
+        self.lib, self.n = lib, n_vocab
+        self.arr = np.zeros(n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)]))
+        self.ids = np.arange(n_vocab, dtype=np.int32)
+        self.data = self.arr.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+        self.all = lib.llama_token_data_array(self.data, n_vocab, -1, False)
+        self.one = lib.llama_token_data(0, 0.0, 0.0)
+        self.single = lib.llama_token_data_array(ctypes.pointer(self.one), 1, -1, False)
+
+    def pick(self, logits: np.ndarray, chain, mask=None) -> int:
+        """The token `chain` picks from `logits` (after `mask`, a grammar sampler, when given)."""
+        a = self.all
+        self.arr["id"], self.arr["logit"], self.arr["p"] = self.ids, logits, 0.0
+        a.data, a.size, a.selected, a.sorted = self.data, self.n, -1, False  # (a sampler may repoint data)
+        if mask is not None:
+            self.lib.llama_sampler_apply(mask, ctypes.byref(a))
+        self.lib.llama_sampler_apply(chain, ctypes.byref(a))
+        return int(a.data[a.selected].id)
+
+    def allows(self, grammar, tok: int) -> bool:
+        """Whether `grammar` (a sampler) lets `tok` come next."""
+        self.one.id, self.one.logit, self.one.p = tok, 1.0, 0.0
+        self.single.size, self.single.selected, self.single.sorted = 1, -1, False
+        self.lib.llama_sampler_apply(grammar, ctypes.byref(self.single))
+        return self.one.logit != float("-inf")
+
+
 def plain_greedy(o: SamplingOptions, grammar: str | None = None) -> bool:
     """Whether the sampler chain make_sampler builds from the same arguments picks the largest raw
     logit and nothing else: greedy, no logit bias, neutral penalties, no grammar. Such a request
@@ -247,8 +279,7 @@ class BatchedLlama:
                              copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                              spec_steps=0, image_tokens=0, moved_sequences=0,
                              handed_over_prefixes=0, grammar_resamples=0, copied_cells=0, copied_streams=0)
-        # _sample_constrained's candidate arrays, made on first use
-        self._cur = self._ids = self._cur_data = self._cur_p = self._one = self._one_p = None
+        self._candidates: _Candidates | None = None  # _sample_constrained's arrays, made on first use
         # per-token facts asked of llama.cpp once: every ctypes call lets go of the GIL, and the
         # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
@@ -834,36 +865,16 @@ class BatchedLlama:
         step's worth) before the chain picks again. Greedy, this is the argmax of the tokens the
         grammar allows, as masking first gives; sampled, the first draw (from the unmasked
         distribution) stands when the grammar allows it, as in llama-server."""
-        lib = self.lib
-        if self._cur is None:  # the candidates (llama_token_data: id, logit, p) and a one-token array
-            self._cur = np.zeros(self.n_vocab, dtype=np.dtype([("id", np.int32), ("logit", np.float32),
-                                                                 ("p", np.float32)]))
-            self._ids = np.arange(self.n_vocab, dtype=np.int32)
-            self._cur_data = self._cur.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
-            self._cur_p = lib.llama_token_data_array(self._cur_data, self.n_vocab, -1, False)
-            self._one = lib.llama_token_data(0, 0.0, 0.0)
-            self._one_p = lib.llama_token_data_array(ctypes.pointer(self._one), 1, -1, False)
-        logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
-        cur, cur_p = self._cur, self._cur_p
-
-        def pick(mask: bool) -> int:
-            cur["id"], cur["logit"], cur["p"] = self._ids, logits, 0.0
-            cur_p.data, cur_p.size, cur_p.selected, cur_p.sorted = self._cur_data, self.n_vocab, -1, False
-            if mask:
-                lib.llama_sampler_apply(r.grammar, ctypes.byref(cur_p))
-            lib.llama_sampler_apply(r.sampler, ctypes.byref(cur_p))
-            return int(cur_p.data[cur_p.selected].id)  # (a sampler may have pointed data elsewhere)
-
-        tok = pick(False)
-        one = self._one
-        one.id, one.logit, one.p = tok, 1.0, 0.0
-        self._one_p.size, self._one_p.selected, self._one_p.sorted = 1, -1, False
-        lib.llama_sampler_apply(r.grammar, ctypes.byref(self._one_p))
-        if one.logit == float("-inf"):
+        if self._candidates is None:
+            self._candidates = _Candidates(self.lib, self.n_vocab)
+        c = self._candidates
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+        tok = c.pick(logits, r.sampler)
+        if not c.allows(r.grammar, tok):
             self.counters["grammar_resamples"] += 1
-            tok = pick(True)
-        lib.llama_sampler_accept(r.grammar, tok)
-        lib.llama_sampler_accept(r.sampler, tok)
+            tok = c.pick(logits, r.sampler, mask=r.grammar)
+        self.lib.llama_sampler_accept(r.grammar, tok)
+        self.lib.llama_sampler_accept(r.sampler, tok)
         return tok
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:

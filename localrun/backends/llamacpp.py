@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

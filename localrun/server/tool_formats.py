@@ -376,7 +376,6 @@ def _with_cont(template: str, fmt: ToolFormat, region: str, after_name: str) -> 
     return ToolFormat(fmt.kind, fmt.opener, fmt.head, fmt.tail, fmt.arg, cont)
 
 
-
 def utf8_safe(text: str) -> str:
     """`text` with any lone surrogate as U+FFFD. A model may write one as a JSON escape ("\\ud800",
     which the grammar allows and json.loads keeps); UTF-8 cannot encode it, so the response (or
