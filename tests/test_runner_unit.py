@@ -76,6 +76,89 @@ async def test_a_fatal_backend_error_ends_the_runner_with_a_clear_reason():
         remote.kill()
 
 
+SKEWED = r'''
+import asyncio, socket, sys
+from localrun.backends import wire
+from localrun.backends.base import BackendInfo, Chunk
+
+mode = sys.argv[2]
+info = wire.info_to_wire(BackendInfo(name="skewed", device="CPU", processor="100% CPU", reason="test",
+                                     context_length=64, slots=1))
+
+async def main():
+    chan = await wire.Channel.connect(socket.socket(fileno=int(sys.argv[1])))
+    if mode == "garbage":  # a frame that is no JSON
+        chan.writer.write(wire.frame({})[:4].replace(b"\x02", b"\x05") + b"{{{{{")
+    else:  # a newer runner: a field this daemon's BackendInfo lacks
+        chan.send({"t": "ready", "pid": 0, "info": {**info, "from_the_future": 1}})
+    while True:
+        msg = await chan.recv()
+        if msg.get("op") == "generate":
+            chan.send({"t": "chunk", "id": msg["id"], "x": "one", "i": [1]})
+            if mode == "bad-chunk":  # a chunk this daemon cannot read
+                chan.send({"t": "chunk", "id": msg["id"], "x": "two"})
+            else:
+                chan.send({"t": "chunk", "id": msg["id"], "x": "", "i": [], "f": "stop",
+                           "u": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+asyncio.run(main())
+'''
+
+
+async def _start_skewed(mode: str) -> RemoteBackend:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SKEWED, str(theirs.fileno()), mode,
+                                                pass_fds=(theirs.fileno(),), stdin=asyncio.subprocess.PIPE)
+    theirs.close()
+    return RemoteBackend("skewed:test", "llamacpp", proc, await wire.Channel.connect(ours))
+
+
+async def test_a_runner_of_a_newer_localrun_loads_and_serves():
+    """Its BackendInfo has a field this daemon does not know: left out, the rest is read."""
+    remote = await _start_skewed("newer")
+    try:
+        await asyncio.wait_for(remote._ready, 30)
+        assert remote.info.name == "skewed" and remote.info.context_length == 64
+        chunks = [c async for c in remote.generate(GenerationRequest("hi", SamplingOptions()))]
+        assert chunks[0].text == "one" and chunks[-1].finish_reason == "stop"
+    finally:
+        remote.kill()
+        await asyncio.wait_for(asyncio.shield(remote.exited), 10)
+
+
+@pytest.mark.parametrize("mode", ["garbage", "bad-chunk"])
+async def test_a_message_the_daemon_cannot_read_stops_the_runner_with_a_clear_error(mode):
+    """What the daemon cannot read (no JSON; a chunk without its fields) used to end its reader task
+    silently: the load (or the stream) then waited for ever, past LOCALRUN_LOAD_TIMEOUT too. Now the
+    runner is stopped and everything waiting on it gets why, at once."""
+    t0 = time.monotonic()
+    remote = await _start_skewed(mode)
+    try:
+        if mode == "garbage":
+            with pytest.raises(RunnerDied) as e:
+                await asyncio.wait_for(asyncio.shield(remote._ready), 30)
+            assert e.value.during_load and "while loading" in e.value.message
+        else:
+            await asyncio.wait_for(remote._ready, 30)
+            got = []
+            with pytest.raises(RunnerDied) as e:
+                async for c in remote.generate(GenerationRequest("hi", SamplingOptions())):
+                    got.append(c.text)
+            assert got == ["one"] and "while serving" in e.value.message
+        assert "sent a message the daemon could not read" in e.value.message
+        assert "restart the daemon" in e.value.message and "skewed:test" in e.value.message
+        assert "unloaded" not in e.value.message and "out-of-memory" not in e.value.message
+        assert time.monotonic() - t0 < 20
+        died = await asyncio.wait_for(asyncio.shield(remote.exited), 10)
+        assert died is e.value or died.message == e.value.message
+        with pytest.raises(RunnerDied):  # and the next request on it is refused at once
+            async for _ in remote.generate(GenerationRequest("hi", SamplingOptions())):
+                pass
+    finally:
+        remote.kill()
+        await asyncio.wait_for(asyncio.shield(remote.exited), 10)
+
+
 class _Pipe:
     """The runner's end of the channel, in process: messages in through a queue, out into a list."""
 

@@ -102,6 +102,7 @@ class RemoteBackend:
         self.extra_buffers = extra_buffers
         self.returncode: int | None = None
         self.fatal_message: str | None = None
+        self.unreadable: str | None = None  # what made a message from the runner unreadable (it was stopped)
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -122,31 +123,52 @@ class RemoteBackend:
                 msg = await self.chan.recv()
             except EOFError:  # the runner is gone (or closing): _watch reports why
                 return
-            t, rid = msg.get("t"), msg.get("id")
-            if t == "chunk":
-                q = self._streams.get(rid)
-                if q is not None:
-                    q.put_nowait(wire.chunk_from_wire(msg))
-            elif t == "error":
-                err = wire.error_from_wire(msg["error"])
-                if (q := self._streams.get(rid)) is not None:
-                    q.put_nowait(err)
-                elif (f := self._calls.pop(rid, None)) is not None and not f.done():
-                    f.set_exception(err)
-            elif t == "result":
-                if (f := self._calls.pop(rid, None)) is not None and not f.done():
-                    f.set_result(msg["result"])
-            elif t == "info":  # the backend's info changed after loading (e.g. a fallback)
-                self.info = wire.info_from_wire(msg["info"])
-            elif t == "ready":
-                self.info = wire.info_from_wire(msg["info"])
-                if not self._ready.done():
-                    self._ready.set_result(None)
-            elif t == "load_error":
-                if not self._ready.done():
-                    self._ready.set_exception(wire.error_from_wire(msg["error"]))
-            elif t == "fatal":
-                self.fatal_message = msg.get("message")
+            except Exception as exc:  # noqa: BLE001 - not JSON
+                self._stop_unreadable(exc)
+                return
+            try:
+                self._dispatch(msg)
+            except Exception as exc:  # noqa: BLE001 - a message this daemon cannot read
+                self._stop_unreadable(exc)
+                return
+
+    def _stop_unreadable(self, exc: BaseException) -> None:
+        """The runner sent what this daemon cannot read (a runner of another localrun version: the
+        package was upgraded or edited while the daemon ran; or a bug): nothing that waits on this
+        runner would ever hear from it again, so it is stopped and _watch tells them why."""
+        log.error("runner pid %d for %s sent a message the daemon cannot read (%s: %s); stopping it", self.pid,
+                  self.name, type(exc).__name__, exc, exc_info=exc)
+        self.unreadable = f"{type(exc).__name__}: {exc}"[:300]
+        self._signal(signal.SIGKILL)
+
+    def _dispatch(self, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            raise TypeError(f"expected a JSON object, got {type(msg).__name__}")
+        t, rid = msg.get("t"), msg.get("id")
+        if t == "chunk":
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(wire.chunk_from_wire(msg))
+        elif t == "error":
+            err = wire.error_from_wire(msg["error"])
+            if (q := self._streams.get(rid)) is not None:
+                q.put_nowait(err)
+            elif (f := self._calls.pop(rid, None)) is not None and not f.done():
+                f.set_exception(err)
+        elif t == "result":
+            if (f := self._calls.pop(rid, None)) is not None and not f.done():
+                f.set_result(msg["result"])
+        elif t == "info":  # the backend's info changed after loading (e.g. a fallback)
+            self.info = wire.info_from_wire(msg["info"])
+        elif t == "ready":
+            self.info = wire.info_from_wire(msg["info"])
+            if not self._ready.done():
+                self._ready.set_result(None)
+        elif t == "load_error":
+            if not self._ready.done():
+                self._ready.set_exception(wire.error_from_wire(msg["error"]))
+        elif t == "fatal":
+            self.fatal_message = msg.get("message")
 
     async def _watch(self) -> None:
         rc = await self.proc.wait()
@@ -154,16 +176,24 @@ class RemoteBackend:
             await asyncio.wait_for(asyncio.shield(self._reader), 1.0)
         except asyncio.TimeoutError:
             pass
+        except Exception:  # noqa: BLE001 - the reader's own failure; the waiters still hear of the exit below
+            log.exception("reading from runner pid %d for %s failed", self.pid, self.name)
         self.returncode = rc
         during_load = not self._ready.done()
-        if self._closing:
-            err: BackendError = RunnerDied(f"{self.name} was unloaded", returncode=rc)
+        stage = "while loading" if during_load else "while serving"
+        if self.unreadable:
+            err: BackendError = RunnerDied(
+                f"the runner process for {self.name} ({self._label()}) sent a message the daemon could not read "
+                f"({self.unreadable}) and was stopped {stage}. If localrun was upgraded or changed while the daemon "
+                "ran, restart the daemon; otherwise this is a bug (see the daemon's log).",
+                returncode=rc, during_load=during_load)
+        elif self._closing:
+            err = RunnerDied(f"{self.name} was unloaded", returncode=rc)
         else:
             what = describe_exit(rc)
             if self.fatal_message:
                 what += f" after an unrecoverable error: {self.fatal_message}"
             cause = likely_cause(rc, self.backend_name, self.extra_buffers)
-            stage = "while loading" if during_load else "while serving"
             err = RunnerDied(f"the runner process for {self.name} ({self._label()}) {what} {stage}; "
                              f"{cause}. The daemon keeps serving; the next request loads the model again.",
                              returncode=rc, during_load=during_load)

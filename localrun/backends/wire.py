@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import select
@@ -207,8 +208,12 @@ def info_to_wire(i: BackendInfo) -> dict:
     return dict(i.__dict__)
 
 
+_INFO_FIELDS = {f.name for f in dataclasses.fields(BackendInfo)}
+
+
 def info_from_wire(d: dict) -> BackendInfo:
-    return BackendInfo(**d)
+    """Fields this daemon does not know (a newer runner's) are left out."""
+    return BackendInfo(**{k: v for k, v in d.items() if k in _INFO_FIELDS})
 
 
 # -- errors ---------------------------------------------------------------------------------
