@@ -35,7 +35,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_NATIVE_ON_CPU": ("0", "1 = with LOCALRUN_BACKEND=auto and no CUDA GPU, run GGUF models of the architectures the native engine supports on the native engine (torch on the CPU) instead of llama.cpp (vision models stay on llama.cpp); a model the native engine fails to load falls back to llama.cpp, the reason shown in ps"),
     "LOCALRUN_CONTEXT_LENGTH": ("4096", "default context window (num_ctx) when a request and the Modelfile name none"),
     "LOCALRUN_GPU_MEMORY_FRACTION": ("0.8", "fraction of free GPU memory the native engine may use for weights + KV pool"),
-    "LOCALRUN_KV_CACHE_TYPE": ("auto", "native engine KV cache: auto (the model's dtype) | bf16 | fp16 | fp32 | fp8 | int8 (fp8/int8: about half the memory of bf16, so twice the tokens; like OLLAMA_KV_CACHE_TYPE)"),
+    "LOCALRUN_KV_CACHE_TYPE": ("auto", "the KV cache's element type, like OLLAMA_KV_CACHE_TYPE: auto | fp16 | bf16 | fp32 | int8 (q8_0) | q4_0 | fp8. llama.cpp: auto = f16; int8 = q8_0 blocks, about half of f16's memory; q4_0, about a quarter; fp8 = q8_0 there (llama.cpp has no fp8 cache); a model whose head size the blocks do not divide keeps f16 (ps says why). Native engine: auto = the model's dtype; fp8 / int8 with per-token scales, about half of bf16; q4_0 = int8 there (Modelfile: PARAMETER kv_cache_type)"),
     "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_HOST_CACHE": ("auto", "native engine: host RAM for prefix-cache pages evicted from the KV pool (size like '4GiB', a fraction of available RAM like '0.1' or '10%', 0 = off; auto = 10% of available RAM, at most 16 GiB and 4x the KV pool)"),
     "LOCALRUN_TENSOR_PARALLEL": ("1", "native engine: split each model over N ranks (processes; one GPU each on CUDA) by attention heads; N must divide its KV heads (Modelfile: PARAMETER tensor_parallel N)"),
@@ -310,7 +310,7 @@ class Settings:
         return [(k, values[k]) for k in ENV_VARS]
 
 
-KV_CACHE_TYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")  # localrun.engine.config parses the same names
+KV_CACHE_TYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "q4_0")  # the engine parses all but q4_0 (llama.cpp's)
 _KV_CACHE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "f16": "fp16", "half": "fp16", "float32": "fp32",
                      "f32": "fp32", "q8_0": "int8", "fp8_e4m3": "fp8"}
 
@@ -320,8 +320,8 @@ def parse_kv_cache_type(text: str | None) -> str:
     key = (text or "auto").strip().lower()
     key = _KV_CACHE_ALIASES.get(key, key)
     if key not in KV_CACHE_TYPES:
-        raise ValueError(f"LOCALRUN_KV_CACHE_TYPE must be one of {', '.join(KV_CACHE_TYPES)} (fp8 and int8 quantize the "
-                         f"native engine's KV cache; q4_0 is not supported), got {text!r}")
+        raise ValueError(f"LOCALRUN_KV_CACHE_TYPE must be one of {', '.join(KV_CACHE_TYPES)} (int8 is q8_0 on llama.cpp; "
+                         f"fp8 quantizes the native engine's KV cache, q4_0 llama.cpp's), got {text!r}")
     return key
 
 

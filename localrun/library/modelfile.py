@@ -43,7 +43,7 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "num_gpu": (int, -1, 1 << 16),
     "num_thread": (int, 0, 1 << 12),
     "tensor_parallel": (int, 1, 64),  # native engine: ranks the model is split over (load time)
-    "kv_cache_type": (str, None, None),  # native engine, load time: as LOCALRUN_KV_CACHE_TYPE, for this model
+    "kv_cache_type": (str, None, None),  # load time: as LOCALRUN_KV_CACHE_TYPE, for this model
     "weight_dtype": (str, None, None),  # native engine, load time: as LOCALRUN_WEIGHT_DTYPE, for this model
     "speculative": (str, None, None),  # load time: as LOCALRUN_SPECULATIVE (off | ngram | draft:PATH), for this model
     "num_speculative_tokens": (int, 1, MAX_SPECULATIVE_TOKENS),  # load time: as LOCALRUN_SPECULATIVE_TOKENS
@@ -52,10 +52,10 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "mirostat_eta": (float, 0.0, 100.0),
 }
 
-# string parameters with a closed set of values (the native engine's load-time choices; the
+# string parameters with a closed set of values (load-time choices; the
 # library does not import the engine, so the names are listed here and checked again at load)
 CHOICES: dict[str, tuple[str, ...]] = {
-    "kv_cache_type": ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "f16", "q8_0"),
+    "kv_cache_type": ("auto", "bf16", "fp16", "fp32", "fp8", "int8", "f16", "q8_0", "q4_0"),
     "weight_dtype": ("auto", "int8", "fp8"),
 }
 

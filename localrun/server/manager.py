@@ -90,6 +90,7 @@ class Runner:
             "placement": info.placement or info.device,
             "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
             "fallbacks": [*self.fallbacks, *info.fallbacks],
+            "kv_cache_type": info.kv_cache_type or None,
             "slots": info.slots,
             "active": self.active,
             "waiting": self.waiting,
