@@ -263,10 +263,10 @@ class BatchedLlama:
         # decode_image(span, seq, pos) puts them in the KV cache on the loop's thread
         self._encode, self._decode_image = encode, decode_image
         self._encoder = None
-        if encode is not None:
-            from concurrent.futures import ThreadPoolExecutor
+        if encode is not None:  # each encode on a thread that then exits (its OpenMP team with it: fresh_threads.py)
+            from localrun.backends.fresh_threads import FreshThreadExecutor
 
-            self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llama-image-{name}")
+            self._encoder = FreshThreadExecutor(f"llama-image-{name}")
         self.slots = [Slot(i) for i in range(parallel)]
         self._keyed: dict[str, int] = {}  # cache key -> the slot its last request used (at most one key a slot)
         self._waiting: list[Request] = []

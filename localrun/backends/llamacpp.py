@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -38,6 +37,7 @@ from localrun.backends.base import (
     fit_window,
     merge_chunks,
 )
+from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import token_piece
 from localrun.errors import BackendError, InvalidRequest
 
@@ -383,7 +383,9 @@ class LlamaCppBackend:
         self._n_layer = int(lib.llama_model_n_layer(model))
         self._embedder = None
         self._embed_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"llamacpp-embed-{spec.name}")
+        # embeddings compute on a thread that exits after each request: a thread that lived on would keep an
+        # OpenMP team that slows every step of the loop (fresh_threads.py)
+        self._executor = FreshThreadExecutor(f"llamacpp-embed-{spec.name}")
         size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
         how = (f"{self.n_threads} threads, {self.extra_bufts_reason}; one batched context: {parallel} parallel "
