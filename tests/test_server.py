@@ -164,8 +164,52 @@ def test_openai_errors(oai):
     assert "schema" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:  # prompt longer than the window: 400 naming it
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=2)
-    assert "2048" in str(e.value)
+    assert "2048" in str(e.value) and e.value.code == "context_length_exceeded"  # OpenAI's code, which SDKs read
     assert oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices[0].message.content is not None
+
+
+def test_ollama_chat_drops_its_oldest_turns_to_fit_the_window(daemon_a, smollm2_gguf):
+    """Ollama's /api/chat `truncate` (on unless false): a conversation that outgrows num_ctx loses its oldest
+    turns, the system message and the last question kept, so a long chat in an Ollama client goes on. The
+    expected cut is found here independently: Ollama's own scan from the front (prompt.go's chatPrompt),
+    with the model's template and llama.cpp's tokenizer, cutting before user turns and leaving the answer
+    its num_predict; the daemon's prompt_eval_count must be exactly that prompt's, and its greedy answer
+    that of the cut conversation sent whole."""
+    import llama_cpp
+    import ollama
+
+    from localrun.chat_template import render_chat
+    from localrun.library import read_gguf_info
+
+    num_ctx, num_predict = 512, 16
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
+    msgs = [system]
+    for i in range(24):
+        msgs += [{"role": "user", "content": f"Tell me fact number {i} about the ocean. " * (1 + i % 3)},
+                 {"role": "assistant", "content": f"Fact {i}: the ocean covers most of the planet. " * (1 + i % 2)}]
+    msgs.append({"role": "user", "content": "What is the capital of France?"})
+    template = read_gguf_info(smollm2_gguf).chat_template
+    vocab = llama_cpp.Llama(model_path=str(smollm2_gguf), vocab_only=True, verbose=False)
+
+    def n_tokens(kept: list[dict]) -> int:
+        text = render_chat(template, kept, add_generation_prompt=True)
+        return len(vocab.tokenize(text.encode(), add_bos=True, special=True))
+
+    assert n_tokens(msgs) > num_ctx
+    cut = next(i for i in range(1, len(msgs)) if msgs[i]["role"] == "user"
+               and n_tokens([system] + msgs[i:]) <= num_ctx - num_predict)
+    kept = [system] + msgs[cut:]
+    client = ollama.Client(host=daemon_a.url, headers={"Authorization": f"Bearer {KEY}"})
+    opts = {"num_ctx": num_ctx, "num_predict": num_predict, "temperature": 0}
+    r = client.chat(model=MODEL, messages=msgs, options=opts)
+    assert r.done and r.prompt_eval_count == n_tokens(kept), (r.prompt_eval_count, n_tokens(kept), cut)
+    alone = client.chat(model=MODEL, messages=kept, options=opts)
+    assert r.message.content == alone.message.content and alone.prompt_eval_count == r.prompt_eval_count
+    whole = daemon_a.http.post("/api/chat", json={"model": MODEL, "messages": msgs, "options": opts, "stream": False,
+                                                  "truncate": False})  # the whole chat: refused as too long
+    assert whole.status_code == 400 and "context window is 512 tokens" in whole.json()["error"], whole.text
+    bad = daemon_a.http.post("/api/chat", json={"model": MODEL, "messages": msgs, "truncate": "yes"})
+    assert bad.status_code == 400 and "'truncate' must be true or false" in bad.text
 
 
 def test_generation_hits_window_length(daemon_a):

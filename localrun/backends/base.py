@@ -154,6 +154,9 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
 INLINE_TOKENIZE_CHARS = 2048
 
 
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for it (SDKs and LangChain look for it)
+
+
 def fit_window(n_prompt: int, window: int, max_tokens: int | None) -> int:
     """The max_tokens a prompt of `n_prompt` tokens gets in a `window`-token context (the room left,
     or less if asked); InvalidRequest when it is empty or does not fit. The one window check, made
@@ -162,7 +165,7 @@ def fit_window(n_prompt: int, window: int, max_tokens: int | None) -> int:
         raise InvalidRequest("the prompt is empty")
     if n_prompt >= window:
         raise InvalidRequest(f"the prompt is {n_prompt} tokens but the context window is {window} tokens "
-                             "(num_ctx); shorten the prompt or ask for a larger num_ctx")
+                             "(num_ctx); shorten the prompt or ask for a larger num_ctx", code=CONTEXT_EXCEEDED)
     room = window - n_prompt
     return room if max_tokens is None else min(max_tokens, room)
 

@@ -28,13 +28,14 @@ or by :meth:`Generation.release` (idempotent) from whoever gives up first.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import (INFILL_BATCH, MEDIA_MARKER, Chunk, GenerationRequest, Infill, SamplingOptions,
-                                    TokenLogprob, Usage, fit_window)
+from localrun.backends.base import (CONTEXT_EXCEEDED, INFILL_BATCH, MEDIA_MARKER, Chunk, GenerationRequest, Infill,
+                                    SamplingOptions, TokenLogprob, Usage, fit_window)
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.server import generic_tools
@@ -42,6 +43,8 @@ from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
 from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_harmony, reasoning_for
 from localrun.server.tool_formats import learn as learn_tool_format
+
+log = logging.getLogger("localrun.generation")
 
 
 @dataclass
@@ -72,6 +75,9 @@ class Job:
     prompt_ids: bool = False  # keep the prompt's token ids (Generation.prompt_ids: Ollama's `context`)
     tool_format: str | None = None  # "generic": the template cannot render tools (server/generic_tools.py)
     cache_key: str | None = None  # the client's prompt_cache_key: a routing / prefix-cache hint for the backend
+    # a chat longer than the window drops its oldest turns (Ollama's /api/chat `truncate`, on by default
+    # there): system messages and the last user turn stay; see GenerationService._fit_messages
+    truncate: bool = False
 
 
 @dataclass
@@ -328,6 +334,8 @@ class GenerationService:
         try:
             self._admit()  # it may have waited in the queue while the daemon began to stop
             self._check_capabilities(job, lease)
+            if job.truncate and job.messages and len(job.messages) > 1:
+                job, prompt, reasoning, images = await self._fit_messages(job, lease, prompt, reasoning, images)
             self._check_length(prompt, lease)
             if job.infill is not None:  # the backend lays the prompt out (and checks the window)
                 requests = self._requests(job, lease, prompt, None)
@@ -405,6 +413,55 @@ class GenerationService:
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
                                  "<think> block); leave thinking unset or turn it off")
         return prompt, reasoning
+
+    async def _fit_messages(self, job: Job, lease: Lease, prompt: str, reasoning, images: list[bytes] | None):
+        """Ollama's chat truncation: a conversation whose prompt leaves the answer less than a quarter of
+        the window (or its max_tokens, if fewer) loses its oldest turns, cut before a user message (a
+        template may insist that turns alternate from a user one), the system messages among them kept;
+        the fewest dropped that fit, found by bisection (each try one render and one tokenize). When even
+        the last user turn on its own leaves too little room, that is what goes; a prompt over the window
+        is then refused as ever. Images in dropped turns go with them. (job, prompt, reasoning, images)."""
+        window = lease.num_ctx
+        room = max(1, min(job.options.max_tokens or window, window // 4))
+        target = window - room
+        if len(prompt.encode()) + 2 <= target:  # no token stands for less than a byte (+ BOS / EOS)
+            return job, prompt, reasoning, images
+        msgs = job.messages
+
+        per_token = lease.backend.info.max_token_bytes
+
+        async def tokens(text: str) -> int:
+            if per_token and len(text) > per_token * window:  # cannot fit: not worth tokenizing (_check_length)
+                return window + 1
+            return len(await lease.backend.tokenize(text, add_special=job.add_special))
+
+        if await tokens(prompt) <= target:
+            return job, prompt, reasoning, images
+        cuts = [i for i, m in enumerate(msgs) if i > 0 and m["role"] == "user"]
+        if not cuts:
+            return job, prompt, reasoning, images
+
+        async def cut_at(i: int):
+            kept = [m for m in msgs[:i] if m["role"] == "system"] + msgs[i:]
+            cut = replace(job, messages=kept)
+            text, why = await self._render(cut)
+            return cut, text, why
+
+        lo, hi, best = 0, len(cuts) - 1, None
+        while lo <= hi:  # the fewest turns dropped whose prompt fits (fewer dropped: never shorter)
+            mid = (lo + hi) // 2
+            found = await cut_at(cuts[mid])
+            if await tokens(found[1]) <= target:
+                best, hi = (cuts[mid], found), mid - 1
+            else:
+                lo = mid + 1
+        i, (cut, text, why) = best if best is not None else (cuts[-1], await cut_at(cuts[-1]))
+        dropped = [m for m in msgs[:i] if m["role"] != "system"]
+        if images:
+            images = images[sum(str(m.get("content") or "").count(MEDIA_MARKER) for m in dropped):] or None
+        log.info("%s: the chat's %d oldest of %d messages were dropped to fit num_ctx %d (%s)", job.resolved.name,
+                 len(dropped), len(msgs), window, job.api)
+        return cut, text, why, images
 
     async def _images(self, job: Job) -> list[bytes] | None:
         """The job's images as bytes, every bound checked (server/images.py), or None. A model
@@ -490,7 +547,7 @@ class GenerationService:
         if per_token and len(prompt) > per_token * lease.num_ctx:
             raise InvalidRequest(f"the prompt is {len(prompt)} characters: more than the context window of "
                                  f"{lease.num_ctx} tokens (num_ctx) can hold; shorten the prompt or ask for a larger "
-                                 "num_ctx")
+                                 "num_ctx", code=CONTEXT_EXCEEDED)
 
     @staticmethod
     def _requests(job: Job, lease: Lease, prompt: str, ids: list[int] | None,
@@ -552,7 +609,7 @@ def _context_advice(exc: InvalidRequest, job: Job, lease: Lease) -> InvalidReque
         advice = (f"{lease.num_ctx} tokens is {job.resolved.name}'s limit (the context it was trained for); shorten "
                   "the prompt (fewer or smaller tools, a shorter system prompt, fewer turns) or use a model with a "
                   "longer context")
-    return InvalidRequest(f"{head}; {advice}")
+    return InvalidRequest(f"{head}; {advice}", code=exc.code)
 
 
 def _renormalize(v: list[float]) -> list[float]:

@@ -433,8 +433,11 @@ async def chat(request: Request):
     messages = c.normalize_messages(messages, ollama_images=True)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
+    truncate = body.get("truncate", True)  # Ollama's: the oldest turns go when the chat outgrows num_ctx
+    if not isinstance(truncate, bool):
+        raise InvalidRequest("'truncate' must be true or false")
     job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages))
+              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=truncate)
     return await _run(request, st, body, job, chat=True)
 
 
