@@ -11,6 +11,7 @@ exception types, x-api-key auth. End to end: the real daemon, llama.cpp and Smol
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import anthropic
@@ -458,6 +459,22 @@ def test_real_message_and_prefix_cache(real):
     assert n == u.input_tokens + u.cache_read_input_tokens  # the model's own tokenizer and template
     again = client.messages.create(model=MODEL, max_tokens=8, messages=CAPITAL, system="Answer briefly.").usage
     assert again.cache_read_input_tokens > 0 and again.input_tokens + again.cache_read_input_tokens == n
+
+
+def test_real_prompt_over_the_window_reads_as_anthropic_words_it(real):
+    """Anthropic's wording, "prompt is too long: N tokens > M maximum", which Claude Code and agent loops
+    look for to compact the conversation; our advice follows it."""
+    import anthropic
+
+    d, client = real
+    long = [{"role": "user", "content": "Tell me about the ocean. " * 300}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=8, messages=long)
+    msg = e.value.body["error"]["message"]
+    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+    assert re.match(r"prompt is too long: \d+ tokens > 1024 maximum \(the context window, num_ctx\); \S", msg), msg
+    assert "num_ctx" in msg.split(";", 1)[1]  # the advice: a larger num_ctx, up to what the model was trained for
+    assert client.messages.create(model=MODEL, max_tokens=4, messages=CAPITAL).content[0].text
 
 
 def test_real_stream(real):

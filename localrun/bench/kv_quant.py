@@ -238,6 +238,7 @@ def run_llamacpp(a: argparse.Namespace) -> int:
     import statistics
 
     from localrun.backends.base import LoadSpec
+    from localrun.backends.fresh_threads import FreshThreadExecutor
     from localrun.backends.llamacpp import estimate_memory, physical_cores
     from localrun.bench.dataset import read_prompt_file
     from localrun.bench.throughput import BUNDLED_PROMPTS
@@ -266,7 +267,11 @@ def run_llamacpp(a: argparse.Namespace) -> int:
     for kind in ["f16"] + kinds:
         t = time.perf_counter()
         outs, speeds, loaded = llamacpp_greedy(Path(path), kind, prompts, a.max_tokens, threads)
-        nll = -statistics.fmean(llamacpp_logprobs(Path(path), loaded, text_ids, a.chunk, threads))
+        # on a thread that then exits: llama.cpp's OpenMP team of a thread that lived on would slow the next
+        # backend's loop (fresh_threads.py), and with it the next type's decode speed here
+        ppl = FreshThreadExecutor("kv-quant-ppl").submit(llamacpp_logprobs, Path(path), loaded, text_ids, a.chunk,
+                                                         threads).result()
+        nll = -statistics.fmean(ppl)
         if ref_out is None:
             ref_out, ref_nll = outs, nll
         same, first, full = agreement(outs, ref_out)

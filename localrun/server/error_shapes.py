@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import re
 
 _ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                      404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                      503: "overloaded_error", 529: "overloaded_error"}
 
 
-def anthropic_error(status: int, message: str) -> dict:
+_OVER_WINDOW = re.compile(r"^the prompt is (\d+) tokens but the context window is (\d+) tokens(?: \(num_ctx\))?;?\s*")
+
+
+def anthropic_error(status: int, message: str, code: str = "") -> dict:
+    """A prompt over the window reads as Anthropic words it, "prompt is too long: N tokens > M maximum":
+    Claude Code and agent loops look for that phrase to compact the conversation and try again."""
     etype = _ANTHROPIC_ERRORS.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    if code == "context_length_exceeded":
+        m = _OVER_WINDOW.match(message)
+        message = (f"prompt is too long: {m[1]} tokens > {m[2]} maximum (the context window, num_ctx); "
+                   f"{message[m.end():]}" if m else f"prompt is too long: {message}")
     return {"type": "error", "error": {"type": etype, "message": message}}
 
 
@@ -25,7 +35,7 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
     """Anthropic's error shape under /v1/messages, OpenAI's under the rest of /v1, Ollama's
     {"error": "..."} elsewhere."""
     if path.startswith("/v1/messages"):
-        return anthropic_error(status, message)
+        return anthropic_error(status, message, code)
     if path == "/infill":
         return llama_server_error(status, message)
     if path.startswith("/v1"):

@@ -419,7 +419,7 @@ def _stream_error(exc: BaseException) -> dict:
     if not isinstance(exc, LocalrunError):
         log.error("stream failed: %s: %s", type(exc).__name__, exc)
         exc = LocalrunError(f"internal error: {type(exc).__name__}")
-    return anthropic_error(exc.status, exc.public_message)
+    return anthropic_error(exc.status, exc.public_message, exc.code)
 
 
 async def _service(coro):
