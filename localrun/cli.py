@@ -676,7 +676,8 @@ def cmd_ps(args, client: DaemonClient) -> int:
             proc = (f"\n  runner process {runner['pid']}: {human_size(runner.get('rss_bytes'))} resident"
                     + (f", {human_size(runner['vram_bytes'])} VRAM" if runner.get("vram_bytes") else "")
                     if runner.get("pid") else "")
-            print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens, "
+            kv = f" ({m['kv_cache_type']} KV cache)" if m.get("kv_cache_type") else ""
+            print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens{kv}, "
                   f"{m.get('slots', '-')} slot(s), {m.get('active', 0)} active, {m.get('waiting', 0)} waiting"
                   + proc + (f"\n  {m['reason']}" if m.get("reason") else "")
                   + "".join(f"\n  fallback: {f}" for f in m.get("fallbacks") or ()))

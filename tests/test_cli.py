@@ -288,6 +288,7 @@ def test_ps_stop_and_keepalive(pulled):
     assert re.search(r"\b(9|10) minutes from now", row), row
     r = cli(env, "ps", "--verbose")
     assert r.returncode == 0 and "context" in r.stdout and "slot" in r.stdout
+    assert re.search(r"context \d+ tokens \(f16 KV cache\)", r.stdout), r.stdout
     assert re.search(r"runner process \d+: \d+ MB resident", r.stdout), r.stdout  # the model's own process
     r = cli(env, "stop", MODEL)
     assert r.returncode == 0, r.stderr
