@@ -226,6 +226,22 @@ def test_several_images_and_earlier_turns(daemon, expect):
     assert [c.message.content for c in r.choices] == [want, want]
 
 
+def test_a_chat_that_outgrows_the_window_drops_old_turns_with_their_images(daemon, expect):
+    """Ollama's truncation on a vision chat: the early turns (one with an image) go, and their image
+    with them; the last turn's image stays with its turn. The answer is llama.cpp's to that turn alone."""
+    long = "tell me more about the colours of the sea " * 12
+    msgs = [{"role": "user", "content": long, "images": [b64(GREEN)]}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": Q, "images": [b64(BLUE)]}]
+    r = daemon.http.post("/api/chat", json={"model": VLM, "messages": msgs, "stream": False,
+                                            "options": {"temperature": 0, "num_predict": N, "num_ctx": 128}})
+    assert r.status_code == 200, r.text
+    assert r.json()["message"]["content"] == expect(gemma(("user", MEDIA_MARKER + Q)), [BLUE])
+    whole = daemon.http.post("/api/chat", json={"model": VLM, "messages": msgs, "stream": False, "truncate": False,
+                                                "options": {"temperature": 0, "num_predict": N, "num_ctx": 128}})
+    assert whole.status_code == 400 and "context window is 128 tokens" in whole.text, whole.text
+
+
 def test_responses_keep_the_image_for_the_next_turn(daemon, expect, text_only_prompt_tokens):
     """A stored response's input image is sent again with previous_response_id."""
     c = oai(daemon)

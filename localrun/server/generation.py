@@ -420,7 +420,9 @@ class GenerationService:
         template may insist that turns alternate from a user one), the system messages among them kept;
         the fewest dropped that fit, found by bisection (each try one render and one tokenize). When even
         the last user turn on its own leaves too little room, that is what goes; a prompt over the window
-        is then refused as ever. Images in dropped turns go with them. (job, prompt, reasoning, images)."""
+        is then refused as ever. Images in dropped turns go with them; an image counts here as its marker's
+        text (only the runner knows its tokens), so a kept one can still overflow: a 400 then, as ever.
+        (job, prompt, reasoning, images)."""
         window = lease.num_ctx
         room = max(1, min(job.options.max_tokens or window, window // 4))
         target = window - room
@@ -457,8 +459,15 @@ class GenerationService:
                 lo = mid + 1
         i, (cut, text, why) = best if best is not None else (cuts[-1], await cut_at(cuts[-1]))
         dropped = [m for m in msgs[:i] if m["role"] != "system"]
-        if images:
-            images = images[sum(str(m.get("content") or "").count(MEDIA_MARKER) for m in dropped):] or None
+        if images:  # each message holds the images of its markers, in order: the kept ones keep theirs
+            kept, at = [], 0
+            for j, m in enumerate(msgs):
+                n = str(m.get("content") or "").count(MEDIA_MARKER)
+                if j >= i or m["role"] == "system":
+                    kept += images[at:at + n]
+                at += n
+            images = kept or None
+            self._check_markers(text, images or [])
         log.info("%s: the chat's %d oldest of %d messages were dropped to fit num_ctx %d (%s)", job.resolved.name,
                  len(dropped), len(msgs), window, job.api)
         return cut, text, why, images
