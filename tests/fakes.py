@@ -172,7 +172,7 @@ class FakeBackend:
             if request.request_id not in m.finished and request.request_id not in m.aborted:
                 m.aborted.append(request.request_id)
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         return [[float(len(t)), 1.0, 2.0, 0.5] for t in texts]
 
     async def stats(self) -> dict:

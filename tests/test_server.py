@@ -464,3 +464,25 @@ def test_ollama_sdk_and_langchain_against_the_real_model(daemon_a):
     lc_openai = ChatOpenAI(base_url=daemon_a.url + "/v1", api_key=KEY, model=MODEL, max_tokens=8, temperature=0,
                            max_retries=0)
     assert lc_openai.invoke("What is the capital of France?").content == r.message.content
+
+
+def test_ollama_embed_truncates_long_inputs_as_ollama_does(daemon_b):
+    """Ollama's /api/embed (and /api/embeddings) cut an input to the model's embedding window unless
+    truncate is false (RAG clients send long chunks); OpenAI's route refuses it, with OpenAI's code."""
+    d = daemon_b
+    long = "The quick brown fox jumps over the lazy dog. " * 120  # ~1,300 tokens; the window is 1,024
+    r = d.http.post("/api/embed", json={"model": MODEL, "input": [long, long + "Unrelated words at the end. " * 40]})
+    assert r.status_code == 200, r.text
+    a, b = r.json()["embeddings"]
+    assert a == b  # only the first 1,024 tokens count: what follows the cut changes nothing
+    assert r.json()["prompt_eval_count"] == 2 * 1024
+    short = d.http.post("/api/embed", json={"model": MODEL, "input": "The quick brown fox."}).json()["embeddings"][0]
+    assert short != a
+    legacy = d.http.post("/api/embeddings", json={"model": MODEL, "prompt": long})
+    assert legacy.status_code == 200 and legacy.json()["embedding"] == a
+    r = d.http.post("/api/embed", json={"model": MODEL, "input": long, "truncate": False})
+    assert r.status_code == 400 and "longer than the embedding window of 1024 tokens" in r.json()["error"], r.text
+    r = d.http.post("/v1/embeddings", json={"model": MODEL, "input": long})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = d.http.post("/api/embed", json={"model": MODEL, "input": long, "truncate": "no"})
+    assert r.status_code == 400 and "'truncate' must be true or false" in r.text

@@ -203,6 +203,8 @@ class BackendInfo:
     # the KV cache's element type as loaded ("f16", "q8_0", "q4_0" on llama.cpp; "bf16", "int8", ...
     # on the native engine); "" = not reported
     kv_cache_type: str = ""
+    # the most tokens one embeddings input may have (0: not reported)
+    embed_window: int = 0
 
 
 @dataclass
@@ -245,7 +247,10 @@ class Backend(Protocol):
         """Async generator of chunks; closing it early aborts the request."""
         ...
 
-    async def embed(self, texts: list[str]) -> list[list[float]]: ...
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        """One vector per text; an input longer than info.embed_window is an InvalidRequest, or with
+        `truncate` its first embed_window tokens are embedded (Ollama's /api/embed default)."""
+        ...
 
     async def close(self) -> None:
         """Free everything. Called once, after in-flight generations ended or were aborted."""

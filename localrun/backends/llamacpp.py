@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from localrun.backends.base import (
+    CONTEXT_EXCEEDED,
     BackendInfo,
     Chunk,
     GenerationRequest,
@@ -408,6 +409,7 @@ class LlamaCppBackend:
             placement=placement(device, self.n_gpu_layers, self._n_layer),
             fallbacks=[self.kv_note] if self.kv_note else [],
             kv_cache_type=self.kv_type,
+            embed_window=min(spec.num_ctx, _EMBED_MAX_CTX),
         )
 
     @property
@@ -760,17 +762,19 @@ class LlamaCppBackend:
             raise BackendError(f"llama.cpp could not decode an image into the context (code {rc})")
 
     # -- embeddings ----------------------------------------------------------------------
-    def _embed_sync(self, texts: list[str]) -> list[list[float]]:
+    def _embed_sync(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         with self._embed_lock:
             if self._embedder is None:
                 self._embedder = self._new_embedder(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX))
             emb = self._embedder
             limit = emb.n_batch
-            for t in texts:
+            for t in texts if not truncate else ():
                 n = len(emb.tokenize(t.encode("utf-8"), add_bos=True))
                 if n > limit:
-                    raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} tokens")
-            return [list(map(float, v)) for v in emb.embed(texts, normalize=True)]
+                    raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} tokens",
+                                         code=CONTEXT_EXCEEDED)
+            # truncate: each input's first `limit` tokens (llama-cpp-python cuts them so)
+            return [list(map(float, v)) for v in emb.embed(texts, normalize=True, truncate=True)]
 
     def _new_embedder(self, n_ctx: int):
         """A second context for embeddings (mean pooling), through llama-cpp-python's Llama."""
@@ -781,9 +785,9 @@ class LlamaCppBackend:
                                    embedding=True, n_batch=n_ctx, n_ubatch=n_ctx,
                                    pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._embed_sync, texts)
+        return await loop.run_in_executor(self._executor, self._embed_sync, texts, truncate)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._close)

@@ -224,6 +224,7 @@ class NativeBackend:
             supports_groups=tp == 1,  # tensor parallelism: the engine runs group members on their own
             fallbacks=list(engine.fallbacks),
             kv_cache_type=kv_dtype_name(pool.dtype),
+            embed_window=engine.config.max_model_len,
         )
         self.on_info: Callable[[], None] | None = None  # the runner sends self.info to the daemon (any thread)
         engine.on_fallback = self._fallbacks_changed
@@ -307,8 +308,10 @@ class NativeBackend:
         """KV pages, prefix-cache hits, running/waiting sequences (for /metrics)."""
         return self.engine.stats()
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         ids = [await self.tokenize(t, add_special=True) for t in texts]
+        if truncate:
+            ids = [i[:self.engine.config.max_model_len] for i in ids]
         if any(not i for i in ids):
             raise InvalidRequest("cannot embed an empty input")
         try:

@@ -234,8 +234,8 @@ class RemoteBackend:
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._call("detokenize", ids=list(token_ids))
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        return await self._call("embed", texts=texts)
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        return await self._call("embed", texts=texts, truncate=truncate)
 
     async def stats(self) -> dict:
         """The backend's own counters (the native engine: KV pages, prefix hits); {} if none."""

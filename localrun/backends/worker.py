@@ -255,7 +255,7 @@ class Runner:
             elif op == "detokenize":
                 result = await self.backend.detokenize(msg["ids"])
             elif op == "embed":
-                result = await self.backend.embed(msg["texts"])
+                result = await self.backend.embed(msg["texts"], truncate=bool(msg.get("truncate")))
             else:
                 stats = getattr(self.backend, "stats", None)
                 result = await stats() if stats is not None else {}

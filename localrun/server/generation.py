@@ -385,15 +385,18 @@ class GenerationService:
             await release()
 
     async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
-                    dimensions: int | None = None) -> tuple[list[list[float]], int]:
+                    dimensions: int | None = None, truncate: bool = False) -> tuple[list[list[float]], int]:
         """Embedding vectors (truncated to `dimensions`, then re-normalized, as OpenAI's
-        text-embedding-3 models do) and the number of input tokens."""
+        text-embedding-3 models do) and the number of input tokens. An input longer than the model's
+        embedding window is a 400, or with `truncate` (Ollama's /api/embed) its first tokens are embedded."""
         async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
             if not lease.backend.info.supports_embeddings:
                 raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, "
                                      "which does not make embeddings")
-            vectors = await lease.backend.embed(texts)
-            n_tokens = sum([len(await lease.backend.tokenize(t, add_special=True)) for t in texts])
+            vectors = await lease.backend.embed(texts, truncate=truncate)
+            window = lease.backend.info.embed_window if truncate else 0
+            n_tokens = sum([min(len(await lease.backend.tokenize(t, add_special=True)), window or 1 << 62)
+                            for t in texts])
         if dimensions is not None:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens

@@ -433,12 +433,18 @@ async def chat(request: Request):
     messages = c.normalize_messages(messages, ollama_images=True)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
-    truncate = body.get("truncate", True)  # Ollama's: the oldest turns go when the chat outgrows num_ctx
+    job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
+              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=_truncate(body))
+    return await _run(request, st, body, job, chat=True)
+
+
+def _truncate(body: dict) -> bool:
+    """Ollama's `truncate`, on unless false: a chat drops its oldest turns to fit num_ctx; an
+    embeddings input is cut to the model's embedding window."""
+    truncate = body.get("truncate", True)
     if not isinstance(truncate, bool):
         raise InvalidRequest("'truncate' must be true or false")
-    job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=truncate)
-    return await _run(request, st, body, job, chat=True)
+    return truncate
 
 
 @router.post("/embed")
@@ -450,7 +456,8 @@ async def embed(request: Request):
     dims = c.get_int(body, "dimensions", 1)
     t0 = time.perf_counter_ns()
     was_loaded = resolved.name in st.manager.runners
-    vectors, n = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims)
+    vectors, n = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims,
+                                           truncate=_truncate(body))
     runner = st.manager.runners.get(resolved.name)
     load_s = runner.load_seconds if (runner is not None and not was_loaded) else 0.0
     return {"model": resolved.name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - t0,
@@ -464,5 +471,5 @@ async def embeddings_legacy(request: Request):
     body = await json_body(request)
     resolved = await st.resolve(_name(body))
     text = c.embed_inputs(body.get("prompt"), "prompt")
-    vectors, _ = await st.generation.embed(resolved, text, keep_alive=st.keep_alive(body))
+    vectors, _ = await st.generation.embed(resolved, text, keep_alive=st.keep_alive(body), truncate=_truncate(body))
     return {"embedding": vectors[0]}
