@@ -158,6 +158,10 @@ def test_openai_errors(oai):
         oai.chat.completions.create(model=MODEL, messages=CHAT, temperature=9)
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=99)
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs': true"):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2, max_tokens=2)
+    # top_logprobs 0 without logprobs asks for nothing: answered (clients send it as a default; vLLM takes it)
+    assert oai.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=0, max_tokens=2).choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError) as e:  # invalid JSON schema -> 400, next request works
         oai.chat.completions.create(model=MODEL, messages=CHAT, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "not-a-type"}}})

@@ -201,7 +201,7 @@ async def chat_completions(request: Request):
     if p.get_bool(body, "logprobs"):
         opts.logprobs = True
         opts.top_logprobs = p.get_int(body, "top_logprobs", 0, p.MAX_TOP_LOGPROBS, default=0)
-    elif body.get("top_logprobs") is not None:
+    elif p.get_int(body, "top_logprobs", 0, p.MAX_TOP_LOGPROBS, default=0):  # 0 asks for nothing (as vLLM reads it)
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     tools = p.check_tools(body.get("tools"), resolved.template)
     if tools:
