@@ -490,3 +490,37 @@ def test_ollama_embed_truncates_long_inputs_as_ollama_does(daemon_b):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     r = d.http.post("/api/embed", json={"model": MODEL, "input": long, "truncate": "no"})
     assert r.status_code == 400 and "'truncate' must be true or false" in r.text
+
+
+def test_ollama_logprobs_on_chat_and_generate(daemon_a):
+    """Ollama's top-level logprobs / top_logprobs: each generated token with its log-probability and
+    alternatives, streamed or not, the same numbers the OpenAI route gives for the same prompt."""
+    d, prompt = daemon_a, "The capital of France is"
+    r = d.http.post("/api/generate", json={"model": MODEL, "prompt": prompt, "raw": True, "stream": False,
+                                           "logprobs": True, "top_logprobs": 2,
+                                           "options": {"temperature": 0, "num_predict": 5}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    lps = body["logprobs"]
+    assert len(lps) == body["eval_count"] == 5 and "".join(x["token"] for x in lps) == body["response"]
+    for x in lps:
+        assert x["logprob"] <= 0 and len(x["top_logprobs"]) == 2 and x["top_logprobs"][0]["token"] == x["token"]
+        assert x["bytes"] == list(x["token"].encode())
+    oai = d.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                               "logprobs": 2}).json()["choices"][0]["logprobs"]
+    assert oai["tokens"] == [x["token"] for x in lps]
+    assert oai["token_logprobs"] == pytest.approx([x["logprob"] for x in lps], abs=1e-4)
+    lines = []
+    with d.http.stream("POST", "/api/chat", json={"model": MODEL, "messages": CHAT, "logprobs": True,
+                                                  "options": {"temperature": 0, "num_predict": 6}}) as s:
+        assert s.status_code == 200
+        lines = [json.loads(x) for x in s.iter_lines() if x.strip()]
+    text = "".join(x["message"]["content"] for x in lines)
+    streamed = [lp for x in lines for lp in x.get("logprobs") or []]
+    assert "".join(x["token"] for x in streamed) == text and len(streamed) == lines[-1]["eval_count"]
+    assert all(x["top_logprobs"] == [] for x in streamed)
+    plain = d.http.post("/api/chat", json={"model": MODEL, "messages": CHAT, "stream": False,
+                                           "options": {"num_predict": 2}}).json()
+    assert "logprobs" not in plain
+    bad = d.http.post("/api/chat", json={"model": MODEL, "messages": CHAT, "top_logprobs": 3})
+    assert bad.status_code == 400 and "needs 'logprobs': true" in bad.text

@@ -331,6 +331,8 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
                 out["response"] = ch.content
                 if ch.reasoning:
                     out["thinking"] = ch.reasoning
+            if job.options.logprobs:
+                out["logprobs"] = _logprobs(ch.logprobs or [])
             return out
 
         return await until_disconnected(request, run())
@@ -340,8 +342,11 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
 
     async def produce() -> AsyncIterator[bytes]:
         async for ev in gen.events():
-            if isinstance(ev, Delta) and (ev.content or ev.reasoning):
-                yield ndjson(piece(ev.content, ev.reasoning))
+            if isinstance(ev, Delta) and (ev.content or ev.reasoning or ev.logprobs):
+                out = piece(ev.content, ev.reasoning)
+                if ev.logprobs:
+                    out["logprobs"] = _logprobs(ev.logprobs)
+                yield ndjson(out)
             elif isinstance(ev, ToolCalls):
                 yield ndjson(piece(calls=ev.calls))
             elif isinstance(ev, Done):
@@ -382,7 +387,21 @@ async def _resolve_with_options(st: State, body: dict):
     resolved = await st.resolve(_name(body))
     opts, num_ctx = c.base_options(resolved)
     req_ctx = c.apply_ollama_options(opts, body.get("options"))
+    # Ollama's logprobs (top level, not in options): each token's, and top_logprobs alternatives (0-20)
+    if c.get_bool(body, "logprobs"):
+        opts.logprobs = True
+        opts.top_logprobs = c.get_int(body, "top_logprobs", 0, c.MAX_TOP_LOGPROBS, default=0)
+    elif c.get_int(body, "top_logprobs", 0, c.MAX_TOP_LOGPROBS, default=0):
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
     return resolved, opts, req_ctx or num_ctx
+
+
+def _logprobs(lps: list) -> list[dict]:
+    """Ollama's logprobs: token, logprob, bytes and the top_logprobs alternatives of each token."""
+    def tok(t: str, lp: float) -> dict:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    return [{**tok(x.token, x.logprob), "top_logprobs": [tok(t, lp) for t, lp in x.top]} for x in lps]
 
 
 @router.post("/generate")
