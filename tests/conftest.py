@@ -41,6 +41,19 @@ def vlm(tmp_path_factory, request) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def fim_gguf(tmp_path_factory, request) -> Path:
+    """The tiny fill-in-the-middle test model's GGUF (tests/fim_model.py; 16-wide attention heads), built
+    once and kept in the pytest cache across runs."""
+    from fim_model import build_tiny_fim
+
+    try:
+        cache = request.config.cache.mkdir("tiny-fim")
+    except AttributeError:  # the cache plugin is off
+        cache = tmp_path_factory.mktemp("tiny-fim")
+    return build_tiny_fim(cache)
+
+
+@pytest.fixture(scope="session")
 def llama_server_bin() -> Path:
     """llama.cpp's llama-server (LOCALRUN_LLAMA_SERVER, else built once from the vendored llama.cpp and cached;
     tests/llama_server.py); skipped only where cmake or a C/C++ compiler is missing."""

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 from daemon import KEY, MODEL, Daemon
-from fim_model import Reference, build_tiny_fim
+from fim_model import Reference
 
 import localrun
 
@@ -23,15 +23,6 @@ N_CTX = 4096
 N = 12
 CASES = [("def add(a, b):\n    return ", "\n\nfor i in range(10):\n    print(i)\n"),
          ("class Point:\n    x = 0\n    ", "\nif x > 0:\n    y = x * 2\nelse:\n    y = -x\n")]
-
-
-@pytest.fixture(scope="module")
-def fim_gguf(tmp_path_factory, request):
-    try:
-        cache = request.config.cache.mkdir("tiny-fim")
-    except AttributeError:  # the cache plugin is off
-        cache = tmp_path_factory.mktemp("tiny-fim")
-    return build_tiny_fim(cache)
 
 
 @pytest.fixture(scope="module")

@@ -134,18 +134,7 @@ def test_a_quantized_cache_copies_prefixes_cell_by_cell_as_whole_streams(smollm2
     assert cells == whole
 
 
-# -- a model whose heads no block divides: the tiny FIM model (16-wide heads) ----------------------------
-@pytest.fixture(scope="module")
-def fim_gguf(tmp_path_factory, request):
-    from fim_model import build_tiny_fim
-
-    try:
-        cache = request.config.cache.mkdir("tiny-fim")
-    except AttributeError:
-        cache = tmp_path_factory.mktemp("tiny-fim")
-    return build_tiny_fim(cache)
-
-
+# -- a model whose heads no block divides: the tiny FIM model (16-wide heads; conftest's fim_gguf) -------
 def test_llama_cpp_refuses_the_blocks_and_the_load_keeps_f16(fim_gguf, monkeypatch):
     import llama_cpp.llama_cpp as lib
 
