@@ -462,6 +462,9 @@ def test_ollama_sdk_and_langchain_against_the_real_model(daemon_a):
                                                             options={"num_predict": 8, "temperature": 0}))
     assert text == r.message.content
     assert len(client.embed(model=MODEL, input="hello").embeddings[0]) == 576
+    with pytest.raises(ollama.ResponseError) as e:  # no registry: a clear 501, not "no such endpoint"
+        client.push(MODEL)
+    assert e.value.status_code == 501 and "does not push models to a registry" in e.value.error
     lc_ollama = ChatOllama(base_url=daemon_a.url, model=MODEL, num_predict=8, temperature=0,
                            client_kwargs={"headers": auth})
     assert lc_ollama.invoke("What is the capital of France?").content == r.message.content

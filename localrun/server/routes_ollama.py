@@ -91,6 +91,14 @@ async def show(request: Request):
 FIM_TEMPLATE_NOTE = "{# .Suffix: fill-in-the-middle requests (suffix) are laid out with the model's FIM tokens #}"
 
 
+@router.post("/push")
+async def push(request: Request):
+    """`ollama push` has no counterpart: the library is local, and there is no registry to push to."""
+    raise LocalrunError("localrun does not push models to a registry: its library is on this machine. Share the "
+                        "GGUF file itself (`localrun show --modelfile NAME` names it) or publish it on the Hugging "
+                        "Face hub, where `localrun pull hf.co/USER/REPO` finds it", status=501, code="not_supported")
+
+
 @router.post("/copy")
 async def copy(request: Request):
     st: State = request.app.state.lr
