@@ -768,11 +768,12 @@ class LlamaCppBackend:
                 self._embedder = self._new_embedder(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX))
             emb = self._embedder
             limit = emb.n_batch
-            for t in texts if not truncate else ():
-                n = len(emb.tokenize(t.encode("utf-8"), add_bos=True))
-                if n > limit:
-                    raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} tokens",
-                                         code=CONTEXT_EXCEEDED)
+            if not truncate:
+                for t in texts:
+                    n = len(emb.tokenize(t.encode("utf-8"), add_bos=True))
+                    if n > limit:
+                        raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} "
+                                             "tokens", code=CONTEXT_EXCEEDED)
             # truncate: each input's first `limit` tokens (llama-cpp-python cuts them so)
             return [list(map(float, v)) for v in emb.embed(texts, normalize=True, truncate=True)]
 

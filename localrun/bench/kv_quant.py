@@ -237,9 +237,11 @@ def llamacpp_greedy(path: Path, kv: str, prompts: list[list[int]], max_tokens: i
 def run_llamacpp(a: argparse.Namespace) -> int:
     import statistics
 
+    import llama_cpp
+
     from localrun.backends.base import LoadSpec
     from localrun.backends.fresh_threads import FreshThreadExecutor
-    from localrun.backends.llamacpp import estimate_memory, physical_cores
+    from localrun.backends.llamacpp import estimate_memory, model_params, physical_cores
     from localrun.bench.dataset import read_prompt_file
     from localrun.bench.throughput import BUNDLED_PROMPTS
     from localrun.library.catalog import bundled_gguf
@@ -250,10 +252,6 @@ def run_llamacpp(a: argparse.Namespace) -> int:
     kinds = [k.strip().lower() for k in (a.kv or "q8_0,q4_0").split(",") if k.strip()]
     threads = a.threads or physical_cores()
     prompts = [r.prompt_token_ids[:a.prompt_tokens] for r in read_prompt_file(BUNDLED_PROMPTS, a.prompts).requests]
-    import llama_cpp
-
-    from localrun.backends.llamacpp import model_params
-
     with model_params(use_extra_bufts=False):
         tok = llama_cpp.Llama(model_path=str(path), n_ctx=64, vocab_only=True, verbose=False)
     text_ids = tok.tokenize(HELD_OUT.encode(), add_bos=True)

@@ -394,9 +394,9 @@ class GenerationService:
                 raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, "
                                      "which does not make embeddings")
             vectors = await lease.backend.embed(texts, truncate=truncate)
-            window = lease.backend.info.embed_window if truncate else 0
-            n_tokens = sum([min(len(await lease.backend.tokenize(t, add_special=True)), window or 1 << 62)
-                            for t in texts])
+            counts = [len(await lease.backend.tokenize(t, add_special=True)) for t in texts]
+            window = lease.backend.info.embed_window
+            n_tokens = sum(min(n, window) for n in counts) if truncate and window else sum(counts)
         if dimensions is not None:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens

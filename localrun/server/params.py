@@ -180,6 +180,16 @@ def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | No
     return get_int(params, "num_ctx", 16, 1 << 20)
 
 
+def apply_logprobs(opts: SamplingOptions, body: dict) -> None:
+    """The top-level `logprobs` / `top_logprobs` of OpenAI's chat and Ollama's chat and generate: each
+    token's log-probability, and that many alternatives (0-20; above 0 only with logprobs true)."""
+    if get_bool(body, "logprobs"):
+        opts.logprobs = True
+        opts.top_logprobs = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0)
+    elif get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0):  # 0 asks for nothing (as vLLM reads it)
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+
+
 def base_options(resolved: Any) -> tuple[SamplingOptions, int | None]:
     """Sampling defaults: the model's Modelfile PARAMETERs over localrun's defaults."""
     opts = SamplingOptions()

@@ -21,6 +21,7 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.images import from_base64, take_images
+from localrun.server.routes_openai import token_logprobs
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
 router = APIRouter(prefix="/api")
@@ -340,7 +341,7 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
                 if ch.reasoning:
                     out["thinking"] = ch.reasoning
             if job.options.logprobs:
-                out["logprobs"] = _logprobs(ch.logprobs or [])
+                out["logprobs"] = token_logprobs(ch.logprobs or [])
             return out
 
         return await until_disconnected(request, run())
@@ -353,7 +354,7 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
             if isinstance(ev, Delta) and (ev.content or ev.reasoning or ev.logprobs):
                 out = piece(ev.content, ev.reasoning)
                 if ev.logprobs:
-                    out["logprobs"] = _logprobs(ev.logprobs)
+                    out["logprobs"] = token_logprobs(ev.logprobs)
                 yield ndjson(out)
             elif isinstance(ev, ToolCalls):
                 yield ndjson(piece(calls=ev.calls))
@@ -395,21 +396,8 @@ async def _resolve_with_options(st: State, body: dict):
     resolved = await st.resolve(_name(body))
     opts, num_ctx = c.base_options(resolved)
     req_ctx = c.apply_ollama_options(opts, body.get("options"))
-    # Ollama's logprobs (top level, not in options): each token's, and top_logprobs alternatives (0-20)
-    if c.get_bool(body, "logprobs"):
-        opts.logprobs = True
-        opts.top_logprobs = c.get_int(body, "top_logprobs", 0, c.MAX_TOP_LOGPROBS, default=0)
-    elif c.get_int(body, "top_logprobs", 0, c.MAX_TOP_LOGPROBS, default=0):
-        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    c.apply_logprobs(opts, body)  # top level, not in options
     return resolved, opts, req_ctx or num_ctx
-
-
-def _logprobs(lps: list) -> list[dict]:
-    """Ollama's logprobs: token, logprob, bytes and the top_logprobs alternatives of each token."""
-    def tok(t: str, lp: float) -> dict:
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-
-    return [{**tok(x.token, x.logprob), "top_logprobs": [tok(t, lp) for t, lp in x.top]} for x in lps]
 
 
 @router.post("/generate")

@@ -107,11 +107,17 @@ def _finish(reason: str) -> str:
     return "stop" if reason == "abort" else reason
 
 
-def _chat_logprobs(lps: list) -> dict:
+def token_logprobs(lps: list) -> list[dict]:
+    """Each token's token, logprob, bytes and top_logprobs alternatives: OpenAI chat's `content` entries,
+    and Ollama's `logprobs` as they are."""
     def tok(t, lp):
         return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
 
-    return {"content": [{**tok(x.token, x.logprob), "top_logprobs": [tok(t, lp) for t, lp in x.top]} for x in lps]}
+    return [{**tok(x.token, x.logprob), "top_logprobs": [tok(t, lp) for t, lp in x.top]} for x in lps]
+
+
+def _chat_logprobs(lps: list) -> dict:
+    return {"content": token_logprobs(lps)}
 
 
 def _completion_logprobs(lps: list, offset0: int = 0) -> dict:
@@ -198,11 +204,7 @@ async def chat_completions(request: Request):
     stream = p.get_bool(body, "stream")
     resolved = await st.resolve(model)
     opts, num_ctx, n = openai_options(body, resolved, chat=True)
-    if p.get_bool(body, "logprobs"):
-        opts.logprobs = True
-        opts.top_logprobs = p.get_int(body, "top_logprobs", 0, p.MAX_TOP_LOGPROBS, default=0)
-    elif p.get_int(body, "top_logprobs", 0, p.MAX_TOP_LOGPROBS, default=0):  # 0 asks for nothing (as vLLM reads it)
-        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    p.apply_logprobs(opts, body)
     tools = p.check_tools(body.get("tools"), resolved.template)
     if tools:
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
