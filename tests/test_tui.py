@@ -355,6 +355,26 @@ async def test_stop_mid_reply_with_escape_and_ctrl_c(models, store):
         assert r.status_code == 200
 
 
+async def test_stop_before_the_reply_task_runs(models, store):
+    """Esc between Enter and the reply task's first step (a fast typist, a busy machine). asyncio drops
+    a task cancelled that early without running any of it, which left the app "generating" for ever
+    (and made the test above fail in CI when its second round's key came that early)."""
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        question = "Write a long essay about the history of tea."
+        await app.send(question)  # what Enter does; the reply's task is created, not yet run
+        app.action_stop()  # no await in between: the stop lands before that task's first step
+        await wait_for(pilot, lambda: app.idle, 10, "the stop")
+        assert app.conv.messages == [] and app.input_box.text == question  # the question is back
+        assert app.status.state == "stopped" and app.last_error is None
+        assert not replies(app)
+        await type_and_send(pilot, "/set num_predict 3")
+        await type_and_send(pilot, question)  # and the next send answers
+        await reply_done(pilot)
+        assert [m["role"] for m in app.conv.messages] == ["user", "assistant"]
+
+
 async def test_switch_model_and_change_parameters(models, store):
     app = ChatApp(model=MODEL, base_url=models["url"], store=store)
     async with app.run_test(size=(120, 30)) as pilot:

@@ -115,6 +115,7 @@ class ChatApp(App[int]):
         self.pulling: str | None = None
         self.last_error: str | None = None  # the last error shown (tests and screenshots read it)
         self._gen_worker = None
+        self._started = self._stop_early = False  # generate's task has run / a stop came before that
         self.reply_chunks = 0
         self._pull_worker = None
         self.pending: list[Attachment] = []  # images attached to the next message (/image, a dropped path)
@@ -294,11 +295,14 @@ class ChatApp(App[int]):
         await self.log_view.mount(view)
         self.log_view.scroll_end(animate=False)
         self.generating = True
+        self.reply_chunks = 0
+        self._started, self._stop_early = False, False
         self.refresh_bindings()
         self._gen_worker = self.generate(view)
 
     @work(exclusive=True, group="generate", exit_on_error=False)
     async def generate(self, user_view: MessageView) -> None:
+        self._started = True
         conv = self.conv  # /new, /clear or a resume may swap self.conv while this runs
         model = conv.model
         messages = ([{"role": "system", "content": conv.system}] if conv.system else []) + [
@@ -307,13 +311,15 @@ class ChatApp(App[int]):
         reply = MessageView("assistant", "", label=model)
         await self.log_view.mount(reply)
         self.log_view.scroll_end(animate=False)
-        stream = Markdown.get_stream(reply.body)
+        stream = None  # started with the first piece of content
         self.status.set(state="thinking…", stats={})
         text, final, ttft, error = "", None, None, None
         self.reply_chunks = 0  # content chunks of the reply being streamed
         t0 = time.monotonic()
         outcome = "done"
         try:
+            if self._stop_early:
+                raise asyncio.CancelledError  # stopped before this task's first step (see action_stop)
             async for chunk in self.client.chat(model, messages, options=options):
                 message = chunk.get("message") or {}
                 thought = message.get("thinking") or ""
@@ -328,6 +334,7 @@ class ChatApp(App[int]):
                         self.status.set(state="generating…")
                     text += piece
                     self.reply_chunks += 1
+                    stream = stream or Markdown.get_stream(reply.body)
                     await stream.write(piece)
                 if chunk.get("done"):
                     final = chunk
@@ -337,7 +344,8 @@ class ChatApp(App[int]):
             outcome, error = "error", explain_error(exc, model)
         finally:
             self.generating = False
-            await stream.stop()
+            if stream is not None:
+                await stream.stop()
         wall = time.monotonic() - t0
         if text:
             turn = {"role": "assistant", "content": text}
@@ -385,7 +393,11 @@ class ChatApp(App[int]):
     def action_stop(self) -> None:
         if isinstance(self.screen, ModalScreen) or not (self.generating or self.pulling):
             raise SkipAction()  # let Esc / Ctrl+C do their usual job
-        if self.generating:
+        if self.generating and not self._started:
+            # asyncio drops a task cancelled before its first step without running any of it (generate's
+            # clean-up included), so the app would say "generating" for ever: generate stops itself instead
+            self._stop_early = True
+        elif self.generating:
             self.workers.cancel_group(self, "generate")
         elif self.pulling:
             self.workers.cancel_group(self, "pull")
