@@ -19,13 +19,15 @@ from localrun.library.create import gguf_details, safetensors_description, safet
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
 from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfile
-from localrun.library.names import ModelName, parse_name, validate_filename
+from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
 from localrun.library.paths import shown as shown_path, user_path_errors
-from localrun.library.pull import Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors
+from localrun.library.pull import (SAFETENSORS_KEEP, Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector,
+                                   choose_safetensors)
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
                                     MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
 
 ProgressFn = Callable[[PullEvent], None] | None
+MAX_FILES = 1000  # files in one create's `files` (a safetensors model has tens)
 _TEXT_LAYERS = {MT_TEMPLATE: "template", MT_SYSTEM: "system", MT_LICENSE: "license"}
 _info_cache: dict[tuple, GGUFInfo] = {}
 _info_lock = threading.Lock()
@@ -218,11 +220,17 @@ class Library:
 
     # ------------------------------------------------------------------ create
     def create(self, name: str, modelfile: str | Modelfile, base_dir: Path | None = None,
-               progress: ProgressFn = None, cancel: threading.Event | None = None) -> ResolvedModel:
+               progress: ProgressFn = None, cancel: threading.Event | None = None,
+               files: dict[str, str] | None = None) -> ResolvedModel:
+        """A model from a Modelfile: its FROM (a model, a GGUF file, a safetensors directory), or
+        `files`: {file name: digest} of blobs already in the store (Ollama's /api/create after
+        POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...)."""
         mn = parse_name(name)
         if mn.is_hf:
             raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
-        mf = modelfile if isinstance(modelfile, Modelfile) else parse_modelfile(modelfile)
+        mf = modelfile if isinstance(modelfile, Modelfile) else parse_modelfile(modelfile, require_from=files is None)
+        if files is not None and mf.from_ is not None:
+            raise InvalidRequest("give the model as FROM or as 'files', not both")
         if mf.adapter:
             raise InvalidRequest(
                 "ADAPTER is not supported yet: no backend applies LoRA adapters, so the model would silently "
@@ -234,7 +242,10 @@ class Library:
         self.store.ensure()
         pins: list[str] = []
         try:
-            layers, extra = self._create_from(mf, base, prog, pins)
+            if files is not None:
+                layers, extra = self._create_from_files(files, prog, pins)
+            else:
+                layers, extra = self._create_from(mf, base, prog, pins)
             if mf.projector is not None:  # the second FROM replaces any projector the base model had
                 layers = [l for l in layers if l["mediaType"] != MT_PROJECTOR]
                 layers.append(self._import_projector(mf.projector, base, prog, pins))
@@ -249,6 +260,8 @@ class Library:
             prog.check()
             prog.emit("writing manifest")
             self._write(mn, layers, extra, pins)
+            if files is not None:
+                self.store.claimed(files.values())
             prog.emit("success", check=False)
         finally:
             for d in pins:
@@ -298,6 +311,53 @@ class Library:
         cfg = self._config(m)
         extra["source"] = cfg.get("source") or {}
         return layers, extra
+
+    def _create_from_files(self, files: Any, prog: Progress, pins: list[str]):
+        """Layers for Ollama's `files`: uploaded blobs by file name. GGUF files: one model, plus a
+        vision projector (a GGUF whose architecture is clip); or a safetensors model's files."""
+        if not isinstance(files, dict) or not files:
+            raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...)")
+        if len(files) > MAX_FILES:
+            raise InvalidRequest(f"'files' names {len(files)} files: at most {MAX_FILES}")
+        blobs: dict[str, tuple[str, Path]] = {}
+        for fn, digest in files.items():
+            fn = validate_filename(fn)
+            if not isinstance(digest, str):
+                raise InvalidRequest(f"'files': the digest of {fn} must be a string like 'sha256:<64 hex digits>'")
+            d = validate_digest(digest)
+            if not self.store.has_blob(d):
+                raise InvalidRequest(f"'files': no blob {d} for {fn}: upload the file first "
+                                     f"(POST /api/blobs/{d} with the file as the body)")
+            self._pin(pins, d)  # from here until the manifest names it, GC leaves it alone
+            blobs[fn] = (d, self.store.blob_path(d))
+        ggufs = [fn for fn in blobs if fn.lower().endswith(".gguf")]
+        prog.emit("parsing files")
+        if not ggufs:
+            keep = {fn: p for fn, (_, p) in blobs.items()
+                    if fn in SAFETENSORS_KEEP or fn.endswith((".safetensors", ".safetensors.index.json"))}
+            if "config.json" not in keep or not any(fn.endswith(".safetensors") for fn in keep):
+                raise InvalidRequest("'files' holds no model: give a .gguf file, or a safetensors model's config.json "
+                                     "and *.safetensors files")
+            safetensors_description(keep)  # every header checked, config.json read
+            layers = [_layer(MT_FILE, blobs[fn][0], p.stat().st_size, fn) for fn, p in keep.items()]
+            return layers, {"source": {"import": "files"}}
+        others = sorted(set(blobs) - set(ggufs))
+        if others:
+            raise InvalidRequest(f"'files' mixes GGUF files with others ({', '.join(others[:5])}): "
+                                 "a GGUF model is its .gguf file (and a vision projector .gguf)")
+        model, projector = [], []
+        for fn in ggufs:
+            info = read_gguf_info(blobs[fn][1], display_name=fn)
+            (projector if info.architecture == "clip" else model).append(fn)
+        if len(model) != 1 or len(projector) > 1:
+            raise InvalidRequest(f"'files' must hold one GGUF model (and at most one vision projector), not "
+                                 f"{len(model)} models ({', '.join(model) or 'none'}) and {len(projector)} projectors")
+        layers = [self._gguf_layer(blobs[model[0]][0], model[0])]
+        if projector:
+            d, p = blobs[projector[0]]
+            layers.append(_layer(MT_PROJECTOR, d, p.stat().st_size, projector[0]))
+        prog.emit(f"using layer {blobs[model[0]][0][:19]}")
+        return layers, {"source": {"import": model[0]}}
 
     def _import(self, path: Path, shown: str, prog: Progress, pins: list[str]):
         """Layers for FROM <path>: a safetensors directory or a GGUF file, validated and
@@ -412,6 +472,15 @@ class Library:
                 if self.store.manifest_path(alt).is_file():
                     return alt
         return mn
+
+    # ------------------------------------------------------------------ blobs (Ollama's /api/blobs)
+    def has_blob(self, digest: str) -> bool:
+        return self.store.has_blob(validate_digest(digest))
+
+    def upload(self, digest: str):
+        """A blob to receive (Store.upload): for a create whose `files` will name it."""
+        self.store.ensure()
+        return self.store.upload(digest)
 
     # ------------------------------------------------------------------ read side
     def exists(self, name: str) -> bool:

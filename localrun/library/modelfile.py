@@ -136,7 +136,8 @@ def _unquote_line(arg: str, line: int) -> str:
     return arg
 
 
-def parse_modelfile(text: str) -> Modelfile:
+def parse_modelfile(text: str, require_from: bool = True) -> Modelfile:
+    """require_from=False: the model comes from elsewhere (/api/create's `files`)."""
     if not isinstance(text, str):
         raise InvalidRequest("Modelfile must be text")
     if "\x00" in text:
@@ -232,7 +233,7 @@ def parse_modelfile(text: str) -> Modelfile:
             if mf.adapter is not None:
                 raise _err(lineno, "only one ADAPTER is supported")
             mf.adapter = v
-    if mf.from_ is None:
+    if mf.from_ is None and require_from:
         raise InvalidRequest("Modelfile has no FROM line: start it with e.g. `FROM smollm2:135m` or `FROM ./model.gguf`")
     if licenses:
         mf.license = "\n\n".join(licenses)

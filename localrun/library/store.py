@@ -62,6 +62,10 @@ MAX_SMALL_LAYER = 4 * 1024 * 1024  # template/system/params/... layers are read 
 # Blobs that a pull or create in this process is about to reference: GC leaves them alone.
 _pins: Counter = Counter()
 _pins_lock = threading.Lock()
+# Blobs uploaded here (POST /api/blobs) for a create still to come: digest -> when. GC leaves them
+# alone for UPLOAD_KEEP_S (an Ollama client uploads every file, then sends one /api/create)
+_uploads: dict[str, float] = {}
+UPLOAD_KEEP_S = 3600.0
 
 
 class DiskFull(LocalrunError):
@@ -310,6 +314,18 @@ class Store:
                 tmp.unlink()
             raise
 
+    def upload(self, expected: str) -> "BlobUpload":
+        """A blob a client sends (Ollama's POST /api/blobs/<digest>): written to a temp file and
+        hashed as it arrives, moved into blobs/ by finish() only when its sha256 is `expected`."""
+        return BlobUpload(self, validate_digest(expected))
+
+    @staticmethod
+    def claimed(digests) -> None:
+        """Uploads a manifest now names: GC treats them like any other blob from here on."""
+        with _pins_lock:
+            for d in digests:
+                _uploads.pop(d, None)
+
     def put_bytes(self, data: bytes) -> tuple[str, int]:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         if not self.has_blob(digest, len(data)):
@@ -484,6 +500,11 @@ class Store:
             refs, mdigests = self.referenced()
             with _pins_lock:
                 pinned = set(_pins)
+                now = time.monotonic()
+                for d, t in list(_uploads.items()):
+                    if now - t > UPLOAD_KEEP_S:
+                        del _uploads[d]
+                pinned |= set(_uploads)
             if self.blobs.is_dir():
                 for p in self.blobs.iterdir():
                     if not p.name.startswith("sha256-"):
@@ -510,6 +531,41 @@ class Store:
                         with contextlib.suppress(OSError):
                             t.unlink()
         return freed
+
+
+class BlobUpload:
+    """One upload into the store (:meth:`Store.upload`): ``write`` each piece as it comes, then
+    ``finish`` (hash checked, then moved into blobs/) or ``close`` (the temp file goes). Nothing
+    reaches blobs/ unless its sha256 is the one the client named."""
+
+    def __init__(self, store: Store, expected: str) -> None:
+        self.store, self.expected = store, expected
+        self._ctx = store.temp_file()
+        self.tmp, self.f = self._ctx.__enter__()
+        self.h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        with storage_errors("store the uploaded file"):
+            self.f.write(data)
+        self.h.update(data)
+        self.size += len(data)
+
+    def finish(self) -> tuple[str, int]:
+        got = "sha256:" + self.h.hexdigest()
+        if got != self.expected:
+            raise InvalidRequest(f"the uploaded file's sha256 is {got}, not {self.expected} as the URL says: "
+                                 "it was discarded; send the file again (its digest is sha256 of its bytes)")
+        with storage_errors("store the uploaded file"):
+            self.f.flush()
+            os.fsync(self.f.fileno())
+        digest, size = self.store.adopt(self.tmp, got, what="uploaded file", hashed=(got, self.size))
+        with _pins_lock:
+            _uploads[digest] = time.monotonic()
+        return digest, size
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
 
 
 def _dirs(p: Path) -> list[Path]:

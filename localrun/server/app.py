@@ -3,7 +3,7 @@
 Security (security.md 11-18): loopback binds refuse foreign Host headers (DNS
 rebinding, 403); LOCALRUN_API_KEY, when set, is required on every route (401); CORS
 headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones
-too, as soon as they pass it); binding a non-loopback address without an API key is refused
+too, as soon as they pass it), except a blob upload (POST /api/blobs/..., bounded by the disk); binding a non-loopback address without an API key is refused
 unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1 (containers), and then the Host check stays on:
 only requests addressed to localhost are answered.
 """
@@ -89,6 +89,10 @@ class SecurityMiddleware:
                 return await self._deny(scope, send, 401, "missing or wrong API key: send "
                                         "'Authorization: Bearer <LOCALRUN_API_KEY>' (or 'x-api-key')",
                                         "invalid_api_key")
+        if scope.get("method") == "POST" and scope.get("path", "").startswith("/api/blobs/"):
+            # a model file on its way into the library (Ollama's blob upload): gigabytes, streamed to disk
+            # as they arrive; the route checks the free space first and the sha256 at the end
+            return await self.app(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -11,9 +12,11 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request, Response
+from starlette.requests import ClientDisconnect
 
 from localrun.library.modelfile import parse_modelfile
 from localrun.library.names import parse_name
+from localrun.library.store import DiskFull
 
 import localrun
 from localrun.backends.base import MEDIA_MARKER, Infill, SamplingOptions
@@ -200,10 +203,11 @@ async def pull(request: Request):
     return await _progress(request, work, stream)
 
 
-def _modelfile_from_fields(body: dict) -> str:
-    """Ollama's newer /api/create fields (from, system, template, parameters, ...) as a Modelfile."""
-    src = c.get_str(body, "from", required=True)
-    lines = [f"FROM {src}"]
+def _modelfile_from_fields(body: dict, files: bool) -> str:
+    """Ollama's newer /api/create fields (from, system, template, parameters, ...) as a Modelfile
+    (with `files`, the model is those uploaded blobs and there is no FROM)."""
+    src = c.get_str(body, "from", required=not files)
+    lines = [f"FROM {src}"] if src else []
     for key, word in (("template", "TEMPLATE"), ("system", "SYSTEM"), ("license", "LICENSE")):
         v = body.get(key)
         if isinstance(v, list):
@@ -230,13 +234,31 @@ async def create(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     name = _name(body)
+    if body.get("quantize"):
+        raise InvalidRequest("'quantize' is not supported: localrun does not quantize models. Quantize the GGUF "
+                             "with llama.cpp's llama-quantize (e.g. `llama-quantize model-f16.gguf model-q4_k_m.gguf "
+                             "Q4_K_M`) and create the model from the result")
+    if body.get("adapters"):
+        raise InvalidRequest("'adapters' is not supported yet: no backend applies LoRA adapters, so the model would "
+                             "silently run without them. Merge the adapter into the GGUF first (llama.cpp's "
+                             "llama-export-lora) and create the model from the result")
+    files = body.get("files")
+    if files is not None and (not isinstance(files, dict) or not files):
+        raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...), "
+                             "each uploaded first with POST /api/blobs/<digest>")
     modelfile = body.get("modelfile")
     if modelfile is None:
-        modelfile = _modelfile_from_fields(body)
-    if not isinstance(modelfile, str) or not modelfile.strip():
+        modelfile = _modelfile_from_fields(body, files is not None)
+    if not isinstance(modelfile, str) or not (modelfile.strip() or files):
         raise InvalidRequest("'modelfile' must be a non-empty string")
     parse_name(name)  # bad names and Modelfiles are a 400 before any 200
-    parse_modelfile(modelfile)
+    mf = parse_modelfile(modelfile, require_from=files is None)
+    if files is not None and mf.from_ is not None:
+        raise InvalidRequest("give the model as 'from' (or a Modelfile's FROM) or as 'files', not both")
+    for fn, digest in (files or {}).items():  # a file never uploaded is a 400 before any 200 too
+        if not isinstance(digest, str) or not st.library.has_blob(digest):
+            raise InvalidRequest(f"'files': no blob {str(digest)[:80]} for {str(fn)[:80]}: upload the file first "
+                                 "(POST /api/blobs/<its sha256 digest> with the file as the body)")
     base = c.get_str(body, "base_dir") or c.get_str(body, "path")
     base_dir = Path(base) if base else None
     try:
@@ -247,9 +269,57 @@ async def create(request: Request):
     stream = c.get_bool(body, "stream", True)
 
     def work(progress, cancel):
-        st.library.create(name, modelfile, base_dir=base_dir, progress=progress)
+        st.library.create(name, mf, base_dir=base_dir, progress=progress, files=files)
 
     return await _progress(request, work, stream)
+
+
+BLOB_WRITE = 4 * 2**20  # bytes of an upload gathered per write (each on a thread: the loop never waits on the disk)
+BLOB_SPARE = 64 * 2**20  # free space an upload must leave on the library's disk
+
+
+@router.head("/blobs/{digest}")
+async def blob_exists(request: Request, digest: str):
+    """Ollama's check before an upload: 200 when the library has the blob, else 404."""
+    st: State = request.app.state.lr
+    return Response(status_code=200 if st.library.has_blob(digest) else 404)
+
+
+@router.post("/blobs/{digest}")
+async def blob_upload(request: Request, digest: str):
+    """Ollama's upload of a model file (`ollama create`, the SDKs' create_blob): the body is the file,
+    the URL names its sha256. 201 once stored, 200 when the library had it already (the body unread);
+    a body whose sha256 differs is discarded (400). A create's `files` then names the blob."""
+    st: State = request.app.state.lr
+    if st.library.has_blob(digest):  # a bad digest is a 400 here
+        return Response(status_code=200)
+    store = st.library.store
+    await asyncio.to_thread(store.ensure)
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit():
+        free = (await asyncio.to_thread(shutil.disk_usage, store.root)).free
+        if int(length) + BLOB_SPARE > free:
+            raise DiskFull(f"disk full: the upload is {int(length) / 2**30:.2f} GiB and the model library's disk has "
+                           f"{free / 2**30:.2f} GiB free; free some space (e.g. `localrun rm` unused models) and try again")
+    up = await asyncio.to_thread(st.library.upload, digest)
+    try:
+        pending: list[bytes] = []
+        n = 0
+        async for piece in request.stream():
+            pending.append(piece)
+            n += len(piece)
+            if n >= BLOB_WRITE:
+                await asyncio.to_thread(up.write, b"".join(pending))
+                pending, n = [], 0
+        if pending:
+            await asyncio.to_thread(up.write, b"".join(pending))
+        await asyncio.to_thread(up.finish)
+    except ClientDisconnect:  # the client went away midway: the temp file goes, nobody to answer
+        log.info("an upload of %s stopped midway (the client went away); nothing was stored", digest)
+        return Response(status_code=499)
+    finally:
+        await asyncio.to_thread(up.close)
+    return Response(status_code=201)
 
 
 # -- generation ------------------------------------------------------------------------------
