@@ -134,8 +134,11 @@ class _Requests:
     def pull(self, name: str, insecure: bool = False) -> _Call:
         return _Call("POST", "/api/pull", _drop_none({"model": name, "insecure": insecure or None, "stream": True}), stream=True)
 
-    def create(self, name: str, modelfile: str, base_dir: str | None = None) -> _Call:
-        body = _drop_none({"model": name, "modelfile": modelfile, "base_dir": base_dir, "stream": True})
+    def create(self, name: str, modelfile: str, base_dir: str | None = None,
+               files: dict[str, str] | None = None) -> _Call:
+        """files: {file name: digest} of blobs uploaded first (upload_blob), for a Modelfile with no FROM."""
+        body = _drop_none({"model": name, "modelfile": modelfile, "base_dir": base_dir, "files": files,
+                           "stream": True})
         return _Call("POST", "/api/create", body, stream=True)
 
     def copy(self, src: str, dst: str) -> _Call:
@@ -337,6 +340,33 @@ class DaemonClient(_Base):
                 raise err
             time.sleep(0.1)
         raise self._timed_out(proc, wait_s)
+
+    def has_blob(self, digest: str) -> bool:
+        try:
+            r = self._http.head(f"/api/blobs/{digest}")
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from None
+        if r.status_code not in (200, 404):
+            raise APIError(r.status_code, f"HTTP {r.status_code} from HEAD /api/blobs/{digest}")
+        return r.status_code == 200
+
+    def upload_blob(self, digest: str, path: Path, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Send a file to POST /api/blobs/<digest> (its sha256), streamed; on_bytes(n) after each piece."""
+        size = path.stat().st_size
+
+        def body() -> Iterator[bytes]:
+            with open(path, "rb") as f:
+                while piece := f.read(1 << 20):
+                    yield piece
+                    if on_bytes:
+                        on_bytes(len(piece))
+
+        try:
+            r = self._http.post(f"/api/blobs/{digest}", content=body(), headers={"Content-Length": str(size)},
+                                timeout=httpx.Timeout(self.timeout, connect=5.0, write=None))
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from None
+        self._result(_Call("POST", f"/api/blobs/{digest}", None), r)
 
     def _send(self, call: _Call) -> Any:
         if call.stream:

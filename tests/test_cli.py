@@ -333,6 +333,48 @@ def test_create_resolves_paths_next_to_the_modelfile(pulled, smollm2_gguf, tmp_p
     assert "no Modelfile" in assert_clean_error(r, code=1)
 
 
+def test_create_against_a_daemon_on_another_machine_uploads_the_files(smollm2_gguf, tmp_path):
+    """A daemon that is not on this machine cannot read the files a Modelfile's FROM names: the CLI
+    uploads them (POST /api/blobs, skipped when the daemon has them) as `ollama create` does. Here the
+    daemon listens on 127.0.0.2, an address the CLI does not count as this machine."""
+    home, port = tmp_path / "remote-home", free_port()
+    env = make_env(home, port, LOCALRUN_HOST=f"127.0.0.2:{port}")
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
+    try:
+        wait_up(f"http://127.0.0.2:{port}", proc)
+        d = tmp_path / "proj"
+        d.mkdir()
+        os.symlink(smollm2_gguf, d / "weights.gguf")
+        (d / "Modelfile").write_text('FROM ./weights.gguf\nSYSTEM """You are a pirate."""\n'
+                                     'PARAMETER stop "<|im_end|>"\nPARAMETER temperature 0.25\n')
+        r = cli(env, "create", "pirate", "-f", str(d / "Modelfile"))
+        assert r.returncode == 0, r.stderr
+        assert "uploading weights.gguf" in r.stderr and "success" in r.stderr
+        assert "pirate" in cli(env, "show", "pirate", "--system").stdout
+        params = cli(env, "show", "pirate", "--parameters").stdout
+        assert "0.25" in params and "<|im_end|>" in params
+        r = cli(env, "run", "pirate", "Hello", *FAST)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        # again: the daemon has the file, so nothing is sent twice
+        r = cli(env, "create", "pirate2", "-f", str(d / "Modelfile"))
+        assert r.returncode == 0 and "uploading" not in r.stderr, r.stderr
+        # a FROM that names a model goes as it is; a FROM file that is not there is a clean error
+        (d / "Modelfile.child").write_text("FROM pirate\nSYSTEM be brief\n")
+        assert cli(env, "create", "child", "-f", str(d / "Modelfile.child")).returncode == 0
+        (d / "Modelfile.bad").write_text("FROM ./missing.gguf\n")
+        assert "missing.gguf" in assert_clean_error(cli(env, "create", "bad", "-f", str(d / "Modelfile.bad")), code=1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log = proc.stdout.read()
+    assert log.count("stored an uploaded file") == 1, log[-3000:]
+
+
 def test_create_from_repo_modelfiles(pulled):
     examples = sorted((REPO / "modelfiles").glob("*")) if (REPO / "modelfiles").is_dir() else []
     examples = [p for p in examples if p.is_file() and "FROM smollm2" in p.read_text(errors="replace")]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,7 +17,7 @@ from localrun.library.capabilities import model_info as with_ide_keys
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
 from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
-from localrun.library.modelfile import Modelfile, parameter_lines, parse_modelfile
+from localrun.library.modelfile import Modelfile, local_source, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
 from localrun.library.paths import shown as shown_path, user_path_errors
 from localrun.library.pull import (SAFETENSORS_KEEP, Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector,
@@ -268,25 +267,9 @@ class Library:
                 self.store.unpin(d)
         return self.resolve(mn.display)
 
-    @staticmethod
-    def _local_path(text: str, base: Path) -> Path | None:
-        """The file or directory FROM names, or None when it names a model."""
-        if "\x00" in text:
-            raise InvalidRequest("FROM contains a NUL byte")
-        looks = text.startswith(("./", "../", "/", "~", ".\\")) or text.lower().endswith(".gguf") or text in (".", "..")
-        p = Path(os.path.expanduser(text))
-        if not p.is_absolute():
-            p = base / p
-        if looks:
-            return p
-        try:
-            return p if p.exists() else None
-        except OSError:  # e.g. a 10 KB name: too long for a path, so it names a model (or nothing)
-            return None
-
     def _create_from(self, mf: Modelfile, base: Path, prog: Progress, pins: list[str]):
         src = mf.from_ or ""
-        path = self._local_path(src, base)
+        path = local_source(src, base)
         if path is not None:
             return self._import(path, f"FROM {shown_path(src)}", prog, pins)
         base_name = parse_name(src)
@@ -388,7 +371,7 @@ class Library:
         """The projector layer for a second FROM: a local GGUF whose architecture is clip (a vision
         projector, as llama.cpp's converter writes it with --mmproj), copied into the store."""
         shown = f"FROM {shown_path(text)}"
-        path = self._local_path(text, base)
+        path = local_source(text, base)
         if path is None:
             raise InvalidRequest(f"{shown}: a second FROM must be a vision projector file (an mmproj .gguf)")
         with user_path_errors(shown):

@@ -13,7 +13,9 @@ backend applies adapters. Errors raise InvalidRequest naming the line ("Modelfil
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from localrun.config import MAX_SPECULATIVE_TOKENS
@@ -262,6 +264,23 @@ def _quote(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def local_source(text: str, base: Path) -> Path | None:
+    """The file or directory a FROM names (relative to `base`, the Modelfile's folder), or None when
+    it names a model."""
+    if "\x00" in text:
+        raise InvalidRequest("FROM contains a NUL byte")
+    looks = text.startswith(("./", "../", "/", "~", ".\\")) or text.lower().endswith(".gguf") or text in (".", "..")
+    p = Path(os.path.expanduser(text))
+    if not p.is_absolute():
+        p = base / p
+    if looks:
+        return p
+    try:
+        return p if p.exists() else None
+    except OSError:  # e.g. a 10 KB name: too long for a path, so it names a model (or nothing)
+        return None
+
+
 def format_parameter_value(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)
@@ -279,13 +298,14 @@ def parameter_lines(parameters: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def render_modelfile(from_: str, parameters: dict, template: str | None, system: str | None,
+def render_modelfile(from_: str | None, parameters: dict, template: str | None, system: str | None,
                      messages: list[dict], license: str | None, adapter: str | None,
                      header: str | None = None, projector: str | None = None) -> str:
     out = []
     if header:
         out += [f"# {h}" if h else "#" for h in header.splitlines()] + [""]
-    out.append(f"FROM {from_}")
+    if from_ is not None:  # None: the model comes as uploaded files (/api/create's `files`)
+        out.append(f"FROM {from_}")
     if projector:
         out.append(f"FROM {projector}")
     if template:

@@ -313,7 +313,8 @@ async def blob_upload(request: Request, digest: str):
                 pending, n = [], 0
         if pending:
             await asyncio.to_thread(up.write, b"".join(pending))
-        await asyncio.to_thread(up.finish)
+        _, size = await asyncio.to_thread(up.finish)
+        log.info("stored an uploaded file: %s (%d bytes)", digest, size)
     except ClientDisconnect:  # the client went away midway: the temp file goes, nobody to answer
         log.info("an upload of %s stopped midway (the client went away); nothing was stored", digest)
         return Response(status_code=499)
