@@ -20,12 +20,14 @@ def test_the_overhead_benchmark_runs(tmp_path):
                         "--max-overhead", "1000", "--max-ttft", "100000"], env={**env, "TMPDIR": str(tmp_path)},
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("text same") == 2, r.stdout
-    assert "daemon overhead: tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout, r.stdout
-    # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
-    # token on any CPU), and so are the daemon's and the client's
-    m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon (\d+) us = runner (\d+) "
-                  r".* daemon (\d+) \+ HTTP client (\d+)", r.stdout)
-    assert m, r.stdout
-    direct, total, runner, daemon, client = map(int, m.groups())
-    assert direct > 1000 and runner > 1000 and total == pytest.approx(runner + daemon + client, abs=2), r.stdout
+    assert r.stdout.count("text same") == 4, r.stdout  # 2 prompts x (direct beside stdlib, direct beside httpx)
+    for client in ("stdlib", "httpx"):
+        assert f"daemon overhead ({client} client): tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout
+        # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
+        # token on any CPU), and so are the daemon's and the client's
+        m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +
+                      r" (\d+) us = runner (\d+) .* daemon (\d+) \+ HTTP client (\d+)", r.stdout)
+        assert m, r.stdout
+        direct, total, runner, daemon, client_us = map(int, m.groups())
+        assert direct > 1000 and runner > 1000 and client_us > 0, r.stdout
+        assert total == pytest.approx(runner + daemon + client_us, abs=2), r.stdout
