@@ -23,6 +23,7 @@ DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
 # name -> (default, help). The order here is the order `localrun serve --help` shows.
 ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs, chats and stored responses live"),
+    "LOCALRUN_MODELS": ("$LOCALRUN_HOME/models", "where the model library lives (blobs and manifests), like OLLAMA_MODELS: e.g. a larger disk; chats, logs and stored responses stay under LOCALRUN_HOME"),
     "LOCALRUN_HOST": (DEFAULT_HOST, "host:port the daemon binds and the CLI/TUI talk to"),
     "LOCALRUN_KEEP_ALIVE": ("5m", "how long an idle model stays loaded (duration, seconds, -1 = forever, 0 = unload at once)"),
     "LOCALRUN_NUM_PARALLEL": ("auto", "requests a loaded llama.cpp model decodes at once, in one batched context of NUM_PARALLEL x num_ctx KV cells (auto: up to 4, fewer when their KV cache would not fit the free memory; the native engine batches up to max(NUM_PARALLEL, 64))"),
@@ -246,10 +247,11 @@ class Settings:
     generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
     faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
     native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
+    models: Path | None = None  # LOCALRUN_MODELS: the model library (None: LOCALRUN_HOME/models)
 
     @property
     def models_dir(self) -> Path:
-        return self.home / "models"
+        return self.models if self.models is not None else self.home / "models"
 
     @property
     def chats_dir(self) -> Path:
@@ -276,6 +278,7 @@ class Settings:
         """(variable, current value) pairs for `localrun serve --help` and logs."""
         values = {
             "LOCALRUN_HOME": str(self.home),
+            "LOCALRUN_MODELS": str(self.models_dir),
             "LOCALRUN_HOST": f"{self.host}:{self.port}",
             "LOCALRUN_KEEP_ALIVE": "forever" if self.keep_alive is None else f"{self.keep_alive:g}s",
             "LOCALRUN_NUM_PARALLEL": str(self.num_parallel or "auto"),
@@ -403,6 +406,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
     message naming the variable when one is malformed."""
     e = os.environ if env is None else env
     home = Path(e["LOCALRUN_HOME"]).expanduser() if e.get("LOCALRUN_HOME") else _default_home()
+    models = Path(e["LOCALRUN_MODELS"]).expanduser() if (e.get("LOCALRUN_MODELS") or "").strip() else None
     host, port = parse_hostport(e.get("LOCALRUN_HOST") or DEFAULT_HOST)
     try:
         keep_alive = parse_duration(e.get("LOCALRUN_KEEP_ALIVE"), default=300.0)
@@ -495,6 +499,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         generic_tools=generic_tools,
         faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
         native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
+        models=models,
     )
 
 

@@ -121,6 +121,30 @@ def test_serve_help_lists_every_setting(tmp_path):
     assert str(tmp_path) in r.stdout
 
 
+def test_models_live_where_localrun_models_says(tmp_path):
+    """LOCALRUN_MODELS (Ollama's OLLAMA_MODELS): the library on another disk, the rest under the home;
+    a place that cannot hold it stops `serve` at start with a message, not the first pull."""
+    home, models, port = tmp_path / "home", tmp_path / "big-disk" / "models", free_port()
+    env = make_env(home, port, LOCALRUN_MODELS=str(models))
+    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
+    try:
+        wait_up(f"http://127.0.0.1:{port}", proc)
+        r = cli(env, "pull", MODEL)
+        assert r.returncode == 0, r.stderr
+        shown = cli(env, "show", MODEL).stdout
+        assert str(models) in shown, shown  # the weights' path
+        assert any((models / "blobs").iterdir()) and not (home / "models").exists()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    assert f"LOCALRUN_MODELS={models}" in proc.stdout.read()
+    (tmp_path / "a-file").write_text("not a folder")
+    r = cli(make_env(home, free_port(), LOCALRUN_MODELS=str(tmp_path / "a-file")), "serve")
+    msg = assert_clean_error(r)
+    assert "LOCALRUN_MODELS" in msg and "a-file" in msg, msg
+
+
 def test_bad_arguments_give_usage_errors(tmp_path):
     env = make_env(tmp_path, free_port())
     r = cli(env, "run")

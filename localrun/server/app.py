@@ -285,6 +285,24 @@ def _version() -> str:
     return localrun.__version__
 
 
+def check_models_dir(s: Settings) -> None:
+    """The model library's folder (LOCALRUN_MODELS, else LOCALRUN_HOME/models) exists and is writable,
+    or the daemon does not start: every pull and create would fail otherwise."""
+    import os
+
+    d = s.models_dir
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        ok = d.is_dir() and os.access(d, os.W_OK | os.X_OK)
+        why = "not a writable folder"
+    except OSError as exc:
+        ok, why = False, exc.strerror or str(exc)
+    if not ok:
+        var = "LOCALRUN_MODELS" if s.models is not None else "LOCALRUN_HOME"
+        raise SystemExit(f"cannot use {d} for the model library: {why}. Point {var} at a folder this user "
+                         "can write (it is created if missing)")
+
+
 def check_bind(s: Settings) -> None:
     """Refuse a non-loopback bind without an API key (security.md item 11), unless
     LOCALRUN_ALLOW_UNAUTHENTICATED_BIND says so (a container, its port published on 127.0.0.1)."""
@@ -364,9 +382,10 @@ def serve(s: Settings | None = None) -> int:
     s = s or read_settings()
     setup_logging(s)
     check_bind(s)
+    check_models_dir(s)
     from localrun.backends.select import choose
 
-    log.info("localrun %s listening on %s (home %s)", _version(), s.base_url, s.home)
+    log.info("localrun %s listening on %s (home %s, models %s)", _version(), s.base_url, s.home, s.models_dir)
     for k, v in s.describe():
         log.info("  %s=%s", k, v)
     try:
