@@ -179,13 +179,57 @@ def show_progress(events: Iterable[dict]) -> dict | None:
 
 class RunSettings:
     def __init__(self, options: dict | None = None, keep_alive=None, format=None, verbose=False, system=None,
-                 wordwrap=True):
+                 wordwrap=True, think: bool | str | None = None, hide_thinking: bool = False):
         self.options = dict(options or {})
         self.keep_alive = keep_alive
         self.format = format
         self.verbose = verbose
         self.system = system
         self.wordwrap = wordwrap
+        self.think = think  # None: as the model's template does; False / True / low|medium|high (Ollama's)
+        self.hide_thinking = hide_thinking
+
+
+THINK_LEVELS = ("low", "medium", "high")
+
+
+def parse_think(value: str) -> bool | str:
+    """--think's value, as Ollama's: true/false (1/0, yes/no, on/off) or an effort level."""
+    v = value.strip().lower()
+    if v in ("", "true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    if v in THINK_LEVELS:
+        return v
+    raise CLIError(f"--think wants true, false, low, medium or high, got {value!r}")
+
+
+class ThinkingShown:
+    """A thinking model's reasoning on the terminal as Ollama shows it: 'Thinking...', the thoughts
+    (dim on a terminal), '...done thinking.', then the answer."""
+
+    def __init__(self, out) -> None:
+        self.out, self.open = out, False
+        self.dim = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+    def write(self, piece: str) -> None:
+        if not self.open:
+            self.open = True
+            self.out.write("Thinking...\n")
+            if self.dim:
+                sys.stdout.write("\x1b[2m")
+        self.out.write(piece)
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.out.flush()
+            if self.dim:
+                sys.stdout.write("\x1b[0m")
+            self.out.write("\n...done thinking.\n\n")
+            self.out.flush()
 
 
 class WordWrapper:
@@ -252,17 +296,27 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
     parts: list[str] = []
     out = _writer(rs)
     spinner = None
-    stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format)
+    thinking = ThinkingShown(out)
+    stream = client.chat(model, msgs, options=rs.options, keep_alive=rs.keep_alive, format=rs.format,
+                         think=rs.think)
     try:
         spinner = _spinner()  # loading a big model can take a while: show that something happens
         for chunk in stream:
             if spinner is not None:
                 spinner.stop()
                 spinner = None
-            piece = (chunk.get("message") or {}).get("content") or chunk.get("response") or ""
+            message = chunk.get("message") or {}
+            thought = message.get("thinking") or chunk.get("thinking") or ""
+            if thought:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                if not rs.hide_thinking:
+                    thinking.write(thought)
+            piece = message.get("content") or chunk.get("response") or ""
             if piece:
                 if ttft is None:
                     ttft = time.perf_counter() - start
+                thinking.close()
                 parts.append(piece)
                 out.write(piece)
                 out.flush()
@@ -274,6 +328,7 @@ def stream_chat(client: DaemonClient, model: str, messages: list[dict], rs: RunS
         finally:
             if spinner is not None:
                 spinner.stop()
+            thinking.close()
             out.flush()
     text = "".join(parts)
     sys.stdout.write("\n" if not text.endswith("\n") else "")
@@ -373,6 +428,8 @@ REPL_HELP = """Available commands:
   /set parameter NAME VALUE   set a generation option (temperature, num_ctx, stop, ...)
   /set system TEXT            set the system message
   /set format json | /set noformat
+  /set think | /set nothink   ask a thinking model to think, or not (/set think high: an effort level)
+  /set hidethinking | /set showthinking
   /set verbose | /set quiet   show or hide timing stats after each answer
   /show [info|modelfile|parameters|system|template|license]
   /clear                      forget the conversation
@@ -506,6 +563,15 @@ class Repl:
         elif what in ("verbose", "quiet"):
             self.rs.verbose = what == "verbose"
             print(f"Set '{what}' mode.")
+        elif what == "think":
+            self.rs.think = parse_think(args[1]) if len(args) > 1 else True
+            print("Set 'think' mode." if self.rs.think is True else f"Set 'think' mode to '{self.rs.think}'.")
+        elif what == "nothink":
+            self.rs.think = False
+            print("Set 'nothink' mode.")
+        elif what in ("hidethinking", "showthinking"):
+            self.rs.hide_thinking = what == "hidethinking"
+            print(f"Set '{what}' mode.")
         else:
             raise CLIError(f"unknown /set {what!r}; type /? for help")
 
@@ -595,7 +661,8 @@ def cmd_run(args, client: DaemonClient) -> int:
             raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
         set_option(options, name, value)
     rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
-                     wordwrap=not args.nowordwrap)
+                     wordwrap=not args.nowordwrap, think=None if args.think is None else parse_think(args.think),
+                     hide_thinking=args.hidethinking)
     ensure_model(client, args.model)
     if prompt.strip() or images:
         msg: dict = {"role": "user", "content": prompt}
@@ -897,6 +964,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--option", action="append", metavar="NAME=VALUE",
                    help="a generation option, e.g. -o temperature=0 -o num_predict=64 (repeatable)")
     s.add_argument("--nowordwrap", action="store_true", help="don't break lines between words on a terminal")
+    s.add_argument("--think", nargs="?", const="true", metavar="true|false|low|medium|high",
+                   help="ask a thinking model to think (the default is its template's), or not (--think=false)")
+    s.add_argument("--hidethinking", action="store_true", help="don't print a thinking model's thoughts")
     s.add_argument("--plain", action="store_true",
                    help="chat in a plain line REPL instead of the TUI (with piped stdin: one message per line)")
     s.add_argument("--image", action="append", metavar="PATH",

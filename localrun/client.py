@@ -149,9 +149,9 @@ class _Requests:
 
     def chat(self, model: str, messages: list[dict], *, options: dict | None = None, stream: bool = True,
              keep_alive: str | int | float | None = None, format: str | dict | None = None,
-             tools: list[dict] | None = None) -> _Call:
+             tools: list[dict] | None = None, think: bool | str | None = None) -> _Call:
         body = _drop_none({"model": model, "messages": messages, "options": options or None, "stream": stream,
-                           "keep_alive": keep_alive, "format": format, "tools": tools})
+                           "keep_alive": keep_alive, "format": format, "tools": tools, "think": think})
         return _Call("POST", "/api/chat", body, stream=True)
 
     def generate(self, model: str, prompt: str, *, system: str | None = None, options: dict | None = None,

@@ -145,6 +145,38 @@ def test_models_live_where_localrun_models_says(tmp_path):
     assert "LOCALRUN_MODELS" in msg and "a-file" in msg, msg
 
 
+def test_run_shows_a_thinking_models_thoughts(tmp_path):
+    """As `ollama run` shows them: 'Thinking...', the thoughts, '...done thinking.', the answer;
+    --hidethinking leaves them out, --think=false asks the model not to think (its template closes
+    the block in the prompt), /set nothink and /set hidethinking in the REPL. The real daemon app and
+    library with a fake backend (a thinking model no package ships)."""
+    from fakes import FakeModel, InProcessDaemon, api_rules, library_home
+
+    home = library_home(tmp_path / "home")
+    fake = FakeModel(rules=api_rules())
+    d = InProcessDaemon(home, fake)
+    try:
+        env = make_env(home, d.port)
+        r = cli(env, "run", "thinker", "A puzzle: 2+2?")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "Thinking...\nTwo and two.\n...done thinking.\n\nFour.\n", r.stdout
+        r = cli(env, "run", "thinker", "A puzzle: 2+2?", "--hidethinking")
+        assert r.returncode == 0 and r.stdout == "Four.\n", (r.stdout, r.stderr)
+        r = cli(env, "run", "thinker", "A puzzle: 2+2?", "--think=false")
+        assert r.returncode == 0 and r.stdout == "Four.\n", (r.stdout, r.stderr)
+        assert "<think>\n\n</think>" in fake.requests[-1].prompt  # the model was asked not to think
+        assert "</think>" not in fake.requests[-2].prompt
+        r = cli(env, "run", "thinker", "hi", "--think=maybe")
+        assert "--think" in assert_clean_error(r, code=1)
+        r = cli(env, "run", "thinker", "--plain", input="A puzzle?\n/set hidethinking\nA puzzle again?\n/set nothink\n"
+                                                          "A puzzle, no thinking?\n")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.count("Thinking...") == 1 and r.stdout.count("Four.") == 3, r.stdout
+        assert "<think>\n\n</think>" in fake.requests[-1].prompt
+    finally:
+        d.stop()
+
+
 def test_bad_arguments_give_usage_errors(tmp_path):
     env = make_env(tmp_path, free_port())
     r = cli(env, "run")
