@@ -604,7 +604,7 @@ def ensure_model(client: DaemonClient, model: str) -> None:
         show_progress(client.pull(model))
 
 
-def _open_tui(model: str | None, base_url: str) -> int | None:
+def _open_tui(model: str | None, base_url: str, rs: RunSettings | None = None) -> int | None:
     """Run the chat TUI; None when it cannot open here (not installed, or not a terminal)."""
     import importlib.util
 
@@ -614,7 +614,7 @@ def _open_tui(model: str | None, base_url: str) -> int | None:
         from localrun.tui import run_chat
     except ImportError:
         return None
-    return run_chat(model, base_url=base_url)
+    return run_chat(model, base_url=base_url, options=rs.options if rs else None, think=rs.think if rs else None)
 
 
 def parse_format(value: str | None) -> str | dict | None:
@@ -675,7 +675,7 @@ def cmd_run(args, client: DaemonClient) -> int:
             pass
         return 0
     if not args.plain:
-        code = _open_tui(args.model, client.base_url)
+        code = _open_tui(args.model, client.base_url, rs)
         if code is not None:
             return code
     return Repl(client, args.model, rs, interactive=not piped).run()

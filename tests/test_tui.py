@@ -137,14 +137,17 @@ def test_parse_commands():
     assert parse_command("/model smollm2:135m").value == "smollm2:135m"
     assert parse_command("/unset seed").key == "seed"
     assert parse_command("/bye").name == "bye"
+    assert [parse_command(c).value for c in ("/set think", "/set think off", "/set think high", "/set nothink")] == [
+        True, False, "high", False]
+    assert parse_command("/unset think") == parse_command("/unset think").__class__("unset", "think")
     for bad in ("/set temperature hot", "/set top_p 1.5", "/set num_ctx 4", "/set nope 1", "/frobnicate",
-                "/set num_predict 0", "/set seed 1.5", "/model a b", "/set system"):
+                "/set num_predict 0", "/set seed 1.5", "/model a b", "/set system", "/set think maybe"):
         with pytest.raises(CommandError):
             parse_command(bad)
 
 
 def test_store_roundtrip_and_damaged_files(store):
-    conv = Conversation(model=MODEL, system="be brief", options={"temperature": 0.1},
+    conv = Conversation(model=MODEL, system="be brief", options={"temperature": 0.1}, think="low",
                         messages=[{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}])
     store.save(conv)
     (store.root / "broken.json").write_text("{not json")
@@ -153,6 +156,7 @@ def test_store_roundtrip_and_damaged_files(store):
     assert [c.id for c in listed] == [conv.id]
     back = store.load(conv.id)
     assert back.messages == conv.messages and back.options == conv.options and back.system == "be brief"
+    assert back.think == "low"
     assert back.display_title() == "hello there"
     with pytest.raises(ValueError):
         store.path("../etc/passwd")
@@ -241,6 +245,39 @@ async def test_thinking_is_shown_folded_and_kept_out_of_the_answer(store, tmp_pa
             # resumed later, the fold is still there
             loaded = store.load(app.conv.id)
             assert loaded.messages[-1]["thinking"] == "Two and two make four."
+    finally:
+        d.stop()
+
+
+async def test_thinking_turned_off_and_on(store, tmp_path):
+    """/set nothink asks the model not to think (the template closes the block in the prompt) and
+    /unset think leaves it to the template again; `localrun run MODEL --think=false` opens the app
+    that way (ChatApp's think). The real app and library, a fake backend."""
+    from fakes import FakeModel, InProcessDaemon, api_rules, library_home
+
+    home = library_home(tmp_path / "home")
+    fake = FakeModel(rules=api_rules())
+    d = InProcessDaemon(home, fake)
+    try:
+        app = ChatApp(model="thinker:latest", base_url=d.url, store=store)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot, "thinker:latest")
+            await type_and_send(pilot, "/set nothink")
+            await type_and_send(pilot, "A puzzle: 2+2?")
+            await reply_done(pilot)
+            assert "<think>\n\n</think>" in fake.requests[-1].prompt
+            assert replies(app)[-1].content == "Four." and not replies(app)[-1].thinking
+            await type_and_send(pilot, "/unset think")
+            await type_and_send(pilot, "Another puzzle: 3+3?")
+            await reply_done(pilot)
+            assert "</think>" not in fake.requests[-1].prompt.split("Another puzzle")[-1]
+            assert replies(app)[-1].thinking == "Two and two."
+        app = ChatApp(model="thinker:latest", base_url=d.url, store=store, think=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot, "thinker:latest")
+            await type_and_send(pilot, "A puzzle: 2+2?")
+            await reply_done(pilot)
+            assert "<think>\n\n</think>" in fake.requests[-1].prompt and not replies(app)[-1].thinking
     finally:
         d.stop()
 

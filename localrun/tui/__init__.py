@@ -5,13 +5,14 @@ costs nothing on machines that never open the TUI."""
 from __future__ import annotations
 
 
-def run_chat(model: str | None = None, base_url: str | None = None) -> int:
+def run_chat(model: str | None = None, base_url: str | None = None, options: dict | None = None,
+             think: bool | str | None = None) -> int:
     """Open the chat app against the daemon at `base_url` (default: settings().base_url).
 
     Returns the process exit code (0 on a normal quit)."""
     from localrun.tui.app import ChatApp
 
-    app = ChatApp(model=model, base_url=base_url)
+    app = ChatApp(model=model, base_url=base_url, options=options, think=think)
     result = app.run()
     if app.return_code not in (None, 0):
         return app.return_code

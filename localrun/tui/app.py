@@ -105,11 +105,13 @@ class ChatApp(App[int]):
     ]
     # Footer order: Send (from the input box) first, then these; Quit stays visible at 80 columns.
 
-    def __init__(self, model: str | None = None, base_url: str | None = None, store: ChatStore | None = None):
+    def __init__(self, model: str | None = None, base_url: str | None = None, store: ChatStore | None = None,
+                 options: dict | None = None, think: bool | str | None = None):
         super().__init__()
         self.client = AsyncDaemonClient(base_url=base_url)
         self.store = store or ChatStore()
-        self.conv = Conversation(model=model)
+        # `localrun run MODEL -o NAME=VALUE --think=...` opens the app with those settings
+        self.conv = Conversation(model=model, options=dict(options or {}), think=think)
         self.requested_model = model
         self.generating = False
         self.pulling: str | None = None
@@ -320,7 +322,7 @@ class ChatApp(App[int]):
         try:
             if self._stop_early:
                 raise asyncio.CancelledError  # stopped before this task's first step (see action_stop)
-            async for chunk in self.client.chat(model, messages, options=options):
+            async for chunk in self.client.chat(model, messages, options=options, think=conv.think):
                 message = chunk.get("message") or {}
                 thought = message.get("thinking") or ""
                 if thought:
@@ -413,6 +415,9 @@ class ChatApp(App[int]):
             if cmd.key == "system":
                 self.conv.system = cmd.value
                 await self.note(f"system prompt set ({len(cmd.value)} characters)")
+            elif cmd.key == "think":
+                self.conv.think = cmd.value
+                await self.note("thinking: " + {True: "on", False: "off"}.get(cmd.value, str(cmd.value)))
             else:
                 self.conv.options[cmd.key] = cmd.value
                 await self.note(f"{cmd.key} = {cmd.value}")
@@ -420,6 +425,8 @@ class ChatApp(App[int]):
         elif cmd.name == "unset":
             if cmd.key == "system":
                 self.conv.system = None
+            elif cmd.key == "think":
+                self.conv.think = None
             else:
                 self.conv.options.pop(cmd.key, None)
             await self.note(f"{cmd.key} back to the model's default")
@@ -499,7 +506,8 @@ class ChatApp(App[int]):
         if self.generating:
             self.action_stop()
         self.save()
-        self.conv = Conversation(model=self.conv.model, system=self.conv.system, options=dict(self.conv.options))
+        self.conv = Conversation(model=self.conv.model, system=self.conv.system, options=dict(self.conv.options),
+                                 think=self.conv.think)
         await self._reset_view()
         await self.note("new conversation" + (f" with {self.conv.model}" if self.conv.model else ""))
         self.input_box.focus()

@@ -67,6 +67,18 @@ def parse_param(name: str, text: str) -> int | float | None:
     return value
 
 
+def parse_think(text: str) -> bool | str:
+    """/set think's value: on (the default) / off, true / false, or an effort level."""
+    t = text.strip().lower()
+    if t in ("", "on", "true", "yes", "1"):
+        return True
+    if t in ("off", "false", "no", "0"):
+        return False
+    if t in ("low", "medium", "high"):
+        return t
+    raise CommandError("usage: /set think [on|off|low|medium|high] (or /set nothink, /unset think)")
+
+
 @dataclass(frozen=True)
 class Command:
     name: str  # set | unset | clear | new | model | models | chats | copy | help | bye | stop | image | detach
@@ -79,6 +91,7 @@ HELP = """\
 
 - `/set temperature 0.2` — also top_p, num_predict (max_tokens), num_ctx, seed
 - `/set system TEXT` — the system prompt; `/unset NAME` back to the model's default
+- `/set think` · `/set nothink` — ask a thinking model to think (or `/set think high`), or not
 - `/model NAME` — switch model (pulled first when not in the library); `/models` picker
 - `/new` · `/clear` — new conversation (the old one stays saved) · clear this one
 - `/chats` — resume a saved conversation · `/copy` the last reply · `/bye` quit
@@ -144,6 +157,10 @@ def parse_command(line: str) -> Command:
             if not value.strip():
                 raise CommandError("usage: /set system TEXT (or /unset system)")
             return Command("set", "system", value.strip())
+        if key.lower() == "think":
+            return Command("set", "think", parse_think(value))
+        if key.lower() == "nothink":
+            return Command("set", "think", False)
         name = canonical_param(key)
         if not value.strip():
             raise CommandError(f"usage: /set {name} VALUE ({PARAMS[name].help})")
@@ -151,7 +168,7 @@ def parse_command(line: str) -> Command:
     if head == "unset":
         if not rest:
             raise CommandError("usage: /unset NAME")
-        if rest.lower() == "system":
-            return Command("unset", "system")
+        if rest.lower() in ("system", "think"):
+            return Command("unset", rest.lower())
         return Command("unset", canonical_param(rest))
     raise CommandError(f"unknown command /{head}; /help lists them")

@@ -28,6 +28,7 @@ class Conversation:
     model: str | None = None
     system: str | None = None
     options: dict = field(default_factory=dict)
+    think: bool | str | None = None  # None: as the model's template does; False / True / low|medium|high
     messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "thinking", "images", "attachments"]}
     id: str = field(default_factory=_new_id)
     title: str = ""
@@ -65,6 +66,7 @@ class Conversation:
             model=data.get("model") or None,
             system=data.get("system") or None,
             options=options,
+            think=_think(data.get("think")),
             messages=[{"role": m["role"], "content": m["content"],
                        **({"thinking": m["thinking"]} if isinstance(m.get("thinking"), str) and m["thinking"] else {}),
                        **{k: m[k] for k in ("images", "attachments") if _strings(m.get(k))}}
@@ -74,6 +76,10 @@ class Conversation:
             created_at=float(data.get("created_at") or time.time()),
             updated_at=float(data.get("updated_at") or time.time()),
         )
+
+
+def _think(v):
+    return v if v is None or isinstance(v, bool) or v in ("low", "medium", "high") else None
 
 
 def _strings(v) -> bool:
