@@ -20,6 +20,7 @@ from typing import Iterable
 from localrun import __version__
 from localrun.attachments import Attachment, AttachmentError, read_images, split_image_paths
 from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for, normalize_name
+from localrun.client import parse_think as client_parse_think
 from localrun.config import ENV_VARS, parse_duration, settings
 from localrun.errors import LocalrunError
 
@@ -190,19 +191,11 @@ class RunSettings:
         self.hide_thinking = hide_thinking
 
 
-THINK_LEVELS = ("low", "medium", "high")
-
-
-def parse_think(value: str) -> bool | str:
-    """--think's value, as Ollama's: true/false (1/0, yes/no, on/off) or an effort level."""
-    v = value.strip().lower()
-    if v in ("", "true", "1", "yes", "on"):
-        return True
-    if v in ("false", "0", "no", "off"):
-        return False
-    if v in THINK_LEVELS:
-        return v
-    raise CLIError(f"--think wants true, false, low, medium or high, got {value!r}")
+def parse_think(value: str, what: str = "--think") -> bool | str:
+    try:
+        return client_parse_think(value)
+    except ValueError as exc:
+        raise CLIError(f"{what} {exc}") from None
 
 
 class ThinkingShown:
@@ -564,7 +557,7 @@ class Repl:
             self.rs.verbose = what == "verbose"
             print(f"Set '{what}' mode.")
         elif what == "think":
-            self.rs.think = parse_think(args[1]) if len(args) > 1 else True
+            self.rs.think = parse_think(args[1], "/set think") if len(args) > 1 else True
             print("Set 'think' mode." if self.rs.think is True else f"Set 'think' mode to '{self.rs.think}'.")
         elif what == "nothink":
             self.rs.think = False

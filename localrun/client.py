@@ -84,6 +84,22 @@ class _Call:
     pick: Callable[[Any], Any] | None = None  # turns the decoded body into the result
 
 
+THINK_LEVELS = ("low", "medium", "high")
+
+
+def parse_think(text: str) -> bool | str:
+    """A think setting as a user writes it (CLI --think, /set think): true/false (on/off, yes/no,
+    1/0; empty = true) or an effort level, as Ollama's `think` takes it. ValueError otherwise."""
+    t = text.strip().lower()
+    if t in ("", "true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    if t in THINK_LEVELS:
+        return t
+    raise ValueError(f"wants true, false, low, medium or high, got {text!r}")
+
+
 def _drop_none(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 

@@ -4,6 +4,7 @@ SmolLM2 GGUF; plus the client library (sync and async) against the same daemon."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -76,17 +77,15 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    """`localrun serve` in the foreground, with the model pulled once."""
-    home = tmp_path_factory.mktemp("cli-home")
-    port = free_port()
-    env = make_env(home, port)
+@contextlib.contextmanager
+def serving(env: dict, url: str):
+    """`localrun serve` in the foreground with `env` until the block ends (SIGINT, as Ctrl+C); the
+    process is yielded, its output readable from proc.stdout afterwards."""
     proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
     try:
-        wait_up(f"http://127.0.0.1:{port}", proc)
-        yield {"env": env, "url": f"http://127.0.0.1:{port}", "home": home}
+        wait_up(url, proc)
+        yield proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -94,6 +93,16 @@ def daemon(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """`localrun serve` in the foreground, with the model pulled once."""
+    home = tmp_path_factory.mktemp("cli-home")
+    port = free_port()
+    env = make_env(home, port)
+    with serving(env, f"http://127.0.0.1:{port}"):
+        yield {"env": env, "url": f"http://127.0.0.1:{port}", "home": home}
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +135,12 @@ def test_models_live_where_localrun_models_says(tmp_path):
     a place that cannot hold it stops `serve` at start with a message, not the first pull."""
     home, models, port = tmp_path / "home", tmp_path / "big-disk" / "models", free_port()
     env = make_env(home, port, LOCALRUN_MODELS=str(models))
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
-    try:
-        wait_up(f"http://127.0.0.1:{port}", proc)
+    with serving(env, f"http://127.0.0.1:{port}") as proc:
         r = cli(env, "pull", MODEL)
         assert r.returncode == 0, r.stderr
         shown = cli(env, "show", MODEL).stdout
         assert str(models) in shown, shown  # the weights' path
         assert any((models / "blobs").iterdir()) and not (home / "models").exists()
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
     assert f"LOCALRUN_MODELS={models}" in proc.stdout.read()
     (tmp_path / "a-file").write_text("not a folder")
     r = cli(make_env(home, free_port(), LOCALRUN_MODELS=str(tmp_path / "a-file")), "serve")
@@ -395,10 +398,7 @@ def test_create_against_a_daemon_on_another_machine_uploads_the_files(smollm2_gg
     daemon listens on 127.0.0.2, an address the CLI does not count as this machine."""
     home, port = tmp_path / "remote-home", free_port()
     env = make_env(home, port, LOCALRUN_HOST=f"127.0.0.2:{port}")
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
-    try:
-        wait_up(f"http://127.0.0.2:{port}", proc)
+    with serving(env, f"http://127.0.0.2:{port}") as proc:
         d = tmp_path / "proj"
         d.mkdir()
         os.symlink(smollm2_gguf, d / "weights.gguf")
@@ -420,13 +420,6 @@ def test_create_against_a_daemon_on_another_machine_uploads_the_files(smollm2_gg
         assert cli(env, "create", "child", "-f", str(d / "Modelfile.child")).returncode == 0
         (d / "Modelfile.bad").write_text("FROM ./missing.gguf\n")
         assert "missing.gguf" in assert_clean_error(cli(env, "create", "bad", "-f", str(d / "Modelfile.bad")), code=1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     log = proc.stdout.read()
     assert log.count("stored an uploaded file") == 1, log[-3000:]
 

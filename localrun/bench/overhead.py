@@ -79,20 +79,25 @@ def run_daemon(http, model: str, prompt: str, max_tokens: int) -> tuple[float, f
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    t_first = None
-    text, usage = [], None
     with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
-            if obj.get("usage"):
-                usage = obj["usage"]
-            for ch in obj["choices"]:
-                if t_first is None and ch["text"]:
-                    t_first = time.perf_counter()
-                text.append(ch["text"])
+        return _read_stream(t0, r.iter_lines())
+
+
+def _read_stream(t0: float, lines) -> tuple[float, float, int, str]:
+    """(TTFT, decode tok/s, tokens, text) of a streamed /v1/completions answer sent at t0."""
+    t_first = None
+    text, usage = [], None
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        obj = json.loads(line[6:])
+        if obj.get("usage"):
+            usage = obj["usage"]
+        for ch in obj["choices"]:
+            if t_first is None and ch["text"]:
+                t_first = time.perf_counter()
+            text.append(ch["text"])
     t_end = time.perf_counter()
     toks = usage["completion_tokens"]
     return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
@@ -130,22 +135,7 @@ def run_daemon_stdlib(client: StdlibClient, model: str, prompt: str, max_tokens:
     """run_daemon with StdlibClient."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    t_first = None
-    text, usage = [], None
-    for line in client.stream("/v1/completions", body):
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        obj = json.loads(line[6:])
-        if obj.get("usage"):
-            usage = obj["usage"]
-        for ch in obj["choices"]:
-            if t_first is None and ch["text"]:
-                t_first = time.perf_counter()
-            text.append(ch["text"])
-    t_end = time.perf_counter()
-    toks = usage["completion_tokens"]
-    return t_first - t0, (toks - 1) / (t_end - t_first) if toks > 1 else 0.0, toks, "".join(text)
+    return _read_stream(time.perf_counter(), client.stream("/v1/completions", body))
 
 
 class CpuTally:

@@ -69,14 +69,12 @@ def parse_param(name: str, text: str) -> int | float | None:
 
 def parse_think(text: str) -> bool | str:
     """/set think's value: on (the default) / off, true / false, or an effort level."""
-    t = text.strip().lower()
-    if t in ("", "on", "true", "yes", "1"):
-        return True
-    if t in ("off", "false", "no", "0"):
-        return False
-    if t in ("low", "medium", "high"):
-        return t
-    raise CommandError("usage: /set think [on|off|low|medium|high] (or /set nothink, /unset think)")
+    from localrun.client import parse_think as parse
+
+    try:
+        return parse(text)
+    except ValueError:
+        raise CommandError("usage: /set think [on|off|low|medium|high] (or /set nothink, /unset think)") from None
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ class Conversation:
 
 
 def _think(v):
-    return v if v is None or isinstance(v, bool) or v in ("low", "medium", "high") else None
+    from localrun.client import THINK_LEVELS
+
+    return v if v is None or isinstance(v, bool) or v in THINK_LEVELS else None
 
 
 def _strings(v) -> bool:
