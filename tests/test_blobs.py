@@ -207,3 +207,28 @@ def test_an_upload_cut_off_midway_leaves_nothing(daemon):
     assert daemon.http.get("/api/version").status_code == 200
     r = httpx.post(f"{daemon.url}/api/blobs/{digest}", content=data, timeout=60)
     assert r.status_code == 201
+
+
+def test_a_stalled_upload_is_dropped(tmp_path, monkeypatch):
+    """An upload that stops sending (a hung client) is answered 408 after BLOB_IDLE_S of silence and
+    leaves nothing: every piece of work a request starts has a bound. The real app in process (the
+    idle bound shortened), a fake backend."""
+    from fakes import FakeModel, InProcessDaemon
+
+    from localrun.server import routes_ollama
+
+    monkeypatch.setattr(routes_ollama, "BLOB_IDLE_S", 0.5)
+    home = tmp_path / "home"
+    d = InProcessDaemon(home, FakeModel())
+    try:
+        data = b"z" * 1000
+        with socket.create_connection(("127.0.0.1", d.port)) as s:
+            s.sendall(f"POST /api/blobs/{_digest(data)} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n"
+                      "\r\n".encode() + data[:100])
+            s.settimeout(10)
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer, answer
+        assert httpx.head(f"{d.url}/api/blobs/{_digest(data)}").status_code == 404
+        assert not any((home / "models" / "tmp").iterdir())
+    finally:
+        d.stop()

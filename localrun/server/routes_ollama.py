@@ -276,6 +276,7 @@ async def create(request: Request):
 
 BLOB_WRITE = 4 * 2**20  # bytes of an upload gathered per write (each on a thread: the loop never waits on the disk)
 BLOB_SPARE = 64 * 2**20  # free space an upload must leave on the library's disk
+BLOB_IDLE_S = 60.0  # an upload that sends nothing for this long is dropped (its temp file goes)
 
 
 @router.head("/blobs/{digest}")
@@ -305,7 +306,16 @@ async def blob_upload(request: Request, digest: str):
     try:
         pending: list[bytes] = []
         n = 0
-        async for piece in request.stream():
+        pieces = request.stream().__aiter__()
+        while True:
+            try:
+                piece = await asyncio.wait_for(pieces.__anext__(), BLOB_IDLE_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise LocalrunError(f"the upload stalled: nothing came for {BLOB_IDLE_S:g} s, so it was dropped "
+                                    "and nothing was stored; send the file again", status=408,
+                                    code="upload_stalled") from None
             pending.append(piece)
             n += len(piece)
             if n >= BLOB_WRITE:
