@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import overhead  # stdlib-only at import
 
     overhead.add_parser(sub)
+
+    from localrun.bench import mixed  # stdlib-only at import
+
+    mixed.add_parser(sub)
     sub.add_parser("build-llama-server", help="print llama.cpp's llama-server binary's path: LOCALRUN_LLAMA_SERVER, "
                    "else a cached build, else built once from the llama.cpp that llama-cpp-python vendors")
     return p
@@ -569,6 +573,12 @@ def _cmd_overhead(a: argparse.Namespace) -> int:
     return overhead.run(a)
 
 
+def _cmd_mixed(a: argparse.Namespace) -> int:
+    from localrun.bench import mixed
+
+    return mixed.run(a)
+
+
 def _cmd_build_llama_server(a: argparse.Namespace) -> int:
     from localrun.bench import llama_server_build
 
@@ -584,7 +594,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead,
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead, "mixed": _cmd_mixed,
             "build-llama-server": _cmd_build_llama_server}
 
 
