@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import time
 
@@ -228,6 +229,31 @@ def test_a_stalled_upload_is_dropped(tmp_path, monkeypatch):
             s.settimeout(10)
             answer = s.recv(65536)
         assert answer.startswith(b"HTTP/1.1 408") and b"stalled" in answer, answer
+        assert httpx.head(f"{d.url}/api/blobs/{_digest(data)}").status_code == 404
+        assert not any((home / "models" / "tmp").iterdir())
+    finally:
+        d.stop()
+
+
+def test_a_chunked_upload_stops_before_the_disk_is_full(tmp_path, monkeypatch):
+    """Without a Content-Length the size is not known up front: the free space is checked as the pieces
+    come (here the disk says 10 MiB are free), and the upload ends with a 507 before it fills the disk.
+    The real app in process, shutil.disk_usage's answer replaced."""
+    import collections
+
+    from fakes import FakeModel, InProcessDaemon
+
+    from localrun.server import routes_ollama
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(routes_ollama.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 10 << 20))
+    home = tmp_path / "home"
+    d = InProcessDaemon(home, FakeModel())
+    try:
+        data = os.urandom(6 << 20)
+        r = httpx.post(f"{d.url}/api/blobs/{_digest(data)}", timeout=60,
+                       content=(data[i:i + (1 << 20)] for i in range(0, len(data), 1 << 20)))
+        assert r.status_code == 507 and "free" in r.json()["error"], r.text
         assert httpx.head(f"{d.url}/api/blobs/{_digest(data)}").status_code == 404
         assert not any((home / "models" / "tmp").iterdir())
     finally:

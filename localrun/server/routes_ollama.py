@@ -297,11 +297,17 @@ async def blob_upload(request: Request, digest: str):
     store = st.library.store
     await asyncio.to_thread(store.ensure)
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit():
+    sized = length is not None and length.isdigit()
+
+    async def check_space(need: int) -> None:
         free = (await asyncio.to_thread(shutil.disk_usage, store.root)).free
-        if int(length) + BLOB_SPARE > free:
-            raise DiskFull(f"disk full: the upload is {int(length) / 2**30:.2f} GiB and the model library's disk has "
-                           f"{free / 2**30:.2f} GiB free; free some space (e.g. `localrun rm` unused models) and try again")
+        if need + BLOB_SPARE > free:
+            raise DiskFull(f"disk full: the upload {'is' if sized else 'has come to'} {need / 2**30:.2f} GiB and the "
+                           f"model library's disk has {free / 2**30:.2f} GiB free; free some space (e.g. `localrun rm` "
+                           "unused models) and try again")
+
+    if sized:
+        await check_space(int(length))
     up = await asyncio.to_thread(st.library.upload, digest)
     try:
         pending: list[bytes] = []
@@ -319,6 +325,8 @@ async def blob_upload(request: Request, digest: str):
             pending.append(piece)
             n += len(piece)
             if n >= BLOB_WRITE:
+                if not sized:  # a chunked body: stop before the disk is full, not when it is
+                    await check_space(n)
                 await asyncio.to_thread(up.write, b"".join(pending))
                 pending, n = [], 0
         if pending:
