@@ -203,7 +203,7 @@ async def _mix(url: str, seconds: float, clients: int, seed: int, models_dir: Pa
 
 
 def run(a: argparse.Namespace) -> int:
-    from localrun.bench.soak import OwnDaemon, SoakConfig, SoakError, _wait_ready, check_loopback
+    from localrun.bench.soak import OwnDaemon, SoakConfig, SoakError, check_loopback, wait_ready
 
     own = None
     try:
@@ -212,7 +212,7 @@ def run(a: argparse.Namespace) -> int:
         else:
             own = OwnDaemon(SoakConfig(num_parallel=4))
             url, models_dir = own.url, own.home / "models"
-        asyncio.run(_wait_ready(url, own, 120.0))
+        asyncio.run(wait_ready(url, own, 120.0))
         t0 = time.monotonic()
         tally = asyncio.run(_mix(url, a.seconds, a.clients, a.seed, models_dir))
         wall = time.monotonic() - t0

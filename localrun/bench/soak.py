@@ -353,7 +353,7 @@ async def _kv_settled(api: _Api, idle: int, timeout: float = 15.0) -> int | None
         await asyncio.sleep(0.5)
 
 
-async def _wait_ready(url: str, daemon: OwnDaemon | None, timeout: float) -> None:
+async def wait_ready(url: str, daemon: OwnDaemon | None, timeout: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -469,7 +469,7 @@ async def run_soak_async(cfg: SoakConfig, console) -> dict[str, Any]:
         t = now
 
     try:
-        await _wait_ready(url, daemon, cfg.startup_timeout)
+        await wait_ready(url, daemon, cfg.startup_timeout)
         daemon_pid = daemon.pid if daemon else _daemon_pid_by_port(url)
         phase("daemon_ready")
         await _ensure_model(api, console)
