@@ -20,8 +20,8 @@ from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
 from localrun.library.modelfile import Modelfile, local_source, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
 from localrun.library.paths import shown as shown_path, user_path_errors
-from localrun.library.pull import (SAFETENSORS_KEEP, Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector,
-                                   choose_safetensors)
+from localrun.library.pull import (Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors,
+                                   is_safetensors_model, kept_safetensors_file)
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
                                     MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
 
@@ -295,11 +295,13 @@ class Library:
         extra["source"] = cfg.get("source") or {}
         return layers, extra
 
-    def _create_from_files(self, files: Any, prog: Progress, pins: list[str]):
-        """Layers for Ollama's `files`: uploaded blobs by file name. GGUF files: one model, plus a
-        vision projector (a GGUF whose architecture is clip); or a safetensors model's files."""
+    def check_files(self, files: Any) -> dict[str, tuple[str, Path]]:
+        """Ollama's create `files` checked: {file name: (digest, blob path)}, each name a plain file name,
+        each digest one the store holds (uploaded first); InvalidRequest saying what is wrong otherwise.
+        The daemon calls it before it answers 200, and create again before it uses them."""
         if not isinstance(files, dict) or not files:
-            raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...)")
+            raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...), "
+                                 "each uploaded first with POST /api/blobs/<digest>")
         if len(files) > MAX_FILES:
             raise InvalidRequest(f"'files' names {len(files)} files: at most {MAX_FILES}")
         blobs: dict[str, tuple[str, Path]] = {}
@@ -311,14 +313,20 @@ class Library:
             if not self.store.has_blob(d):
                 raise InvalidRequest(f"'files': no blob {d} for {fn}: upload the file first "
                                      f"(POST /api/blobs/{d} with the file as the body)")
-            self._pin(pins, d)  # from here until the manifest names it, GC leaves it alone
             blobs[fn] = (d, self.store.blob_path(d))
+        return blobs
+
+    def _create_from_files(self, files: Any, prog: Progress, pins: list[str]):
+        """Layers for Ollama's `files`: uploaded blobs by file name. GGUF files: one model, plus a
+        vision projector (a GGUF whose architecture is clip); or a safetensors model's files."""
+        blobs = self.check_files(files)
+        for d, _ in blobs.values():
+            self._pin(pins, d)  # from here until the manifest names it, GC leaves it alone
         ggufs = [fn for fn in blobs if fn.lower().endswith(".gguf")]
         prog.emit("parsing files")
         if not ggufs:
-            keep = {fn: p for fn, (_, p) in blobs.items()
-                    if fn in SAFETENSORS_KEEP or fn.endswith((".safetensors", ".safetensors.index.json"))}
-            if "config.json" not in keep or not any(fn.endswith(".safetensors") for fn in keep):
+            keep = {fn: p for fn, (_, p) in blobs.items() if kept_safetensors_file(fn)}
+            if not is_safetensors_model(keep):
                 raise InvalidRequest("'files' holds no model: give a .gguf file, or a safetensors model's config.json "
                                      "and *.safetensors files")
             safetensors_description(keep)  # every header checked, config.json read

@@ -13,7 +13,7 @@ from typing import Any
 from localrun.errors import InvalidRequest
 from localrun.library.gguf_info import GGUFInfo, format_parameter_count, read_gguf_info
 from localrun.library.paths import check_regular, open_regular, user_path_errors
-from localrun.library.pull import SAFETENSORS_KEEP
+from localrun.library.pull import is_safetensors_model, kept_safetensors_file
 
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 MAX_DIR_ENTRIES = 10_000
@@ -136,10 +136,10 @@ def safetensors_dir_files(d: Path, shown: str) -> dict[str, Path]:
             entries.append(p)
     for p in sorted(entries):
         n = p.name
-        if n in SAFETENSORS_KEEP or n.endswith(".safetensors") or n.endswith(".safetensors.index.json"):
+        if kept_safetensors_file(n):
             check_regular(p, f"{shown}/{n}")
             files[n] = p
-    if "config.json" not in files or not any(n.endswith(".safetensors") for n in files):
+    if not is_safetensors_model(files):
         raise InvalidRequest(f"{shown} is not a safetensors model directory: it needs config.json and *.safetensors files")
     return files
 

@@ -372,15 +372,25 @@ def choose_projector(files: list[RemoteFile], model_file: str) -> RemoteFile | N
     return projs[0]
 
 
+def kept_safetensors_file(name: str) -> bool:
+    """A file localrun keeps of a safetensors model (the hub's, a directory's, uploaded ones): the
+    weights and their index, config.json, the tokenizer's and chat template's files."""
+    return name in SAFETENSORS_KEEP or name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def is_safetensors_model(names) -> bool:
+    """The kept file names make a model: config.json and at least one *.safetensors."""
+    names = set(names)
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
 def choose_safetensors(files: list[RemoteFile], repo: str) -> list[RemoteFile]:
     top = [f for f in files if "/" not in f.filename]
-    keep = [f for f in top if f.filename in SAFETENSORS_KEEP or f.filename.endswith(".safetensors")
-            or f.filename.endswith(".safetensors.index.json")]
-    names = {f.filename for f in keep}
-    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+    keep = [f for f in top if kept_safetensors_file(f.filename)]
+    if not is_safetensors_model(f.filename for f in keep):
         raise NotFound(f"{repo} has no safetensors model (config.json + *.safetensors) on the hub")
     return sorted(keep, key=lambda f: f.filename)
 
 
 __all__ = ["Hub", "HubUnreachable", "Progress", "RemoteFile", "choose_gguf", "choose_projector", "choose_safetensors",
-           "hub_endpoint", "hub_offline", "quant_of"]
+           "hub_endpoint", "hub_offline", "is_safetensors_model", "kept_safetensors_file", "quant_of"]

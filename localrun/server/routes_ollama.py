@@ -243,9 +243,8 @@ async def create(request: Request):
                              "silently run without them. Merge the adapter into the GGUF first (llama.cpp's "
                              "llama-export-lora) and create the model from the result")
     files = body.get("files")
-    if files is not None and (not isinstance(files, dict) or not files):
-        raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...), "
-                             "each uploaded first with POST /api/blobs/<digest>")
+    if files is not None:  # bad names or digests, and a file never uploaded, are a 400 before any 200 too
+        await asyncio.to_thread(st.library.check_files, files)
     modelfile = body.get("modelfile")
     if modelfile is None:
         modelfile = _modelfile_from_fields(body, files is not None)
@@ -255,10 +254,6 @@ async def create(request: Request):
     mf = parse_modelfile(modelfile, require_from=files is None)
     if files is not None and mf.from_ is not None:
         raise InvalidRequest("give the model as 'from' (or a Modelfile's FROM) or as 'files', not both")
-    for fn, digest in (files or {}).items():  # a file never uploaded is a 400 before any 200 too
-        if not isinstance(digest, str) or not st.library.has_blob(digest):
-            raise InvalidRequest(f"'files': no blob {str(digest)[:80]} for {str(fn)[:80]}: upload the file first "
-                                 "(POST /api/blobs/<its sha256 digest> with the file as the body)")
     base = c.get_str(body, "base_dir") or c.get_str(body, "path")
     base_dir = Path(base) if base else None
     try:
