@@ -843,10 +843,10 @@ def _files_to_upload(src: Path) -> dict[str, Path]:
 
 def _upload(client: DaemonClient, fn: str, path: Path) -> str:
     """sha256 of the file (a progress bar), then the upload unless the daemon has it (another bar)."""
-    import hashlib
-
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from localrun.library.store import sha256_file
 
     try:
         size = path.stat().st_size
@@ -854,12 +854,7 @@ def _upload(client: DaemonClient, fn: str, path: Path) -> str:
                         TimeRemainingColumn(), console=Console(stderr=True, highlight=False))
         with bars:
             task = bars.add_task(f"hashing {fn}", total=size)
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while piece := f.read(1 << 20):
-                    h.update(piece)
-                    bars.advance(task, len(piece))
-            digest = "sha256:" + h.hexdigest()
+            digest, _ = sha256_file(path, progress=lambda n: bars.update(task, completed=n))
             if client.has_blob(digest):
                 return digest
             task = bars.add_task(f"uploading {fn}", total=size)

@@ -51,6 +51,13 @@ class Tally:
     def problem(self, what: str) -> None:
         self.problems.append(what[:400])
 
+    def answered(self, kind: str, what: str, r, ok: tuple[int, ...] = (200,)) -> None:
+        """r answered `what` (a `kind` of request): counted, or a problem when its status is not in `ok`."""
+        if r.status_code in ok:
+            self.ok[kind] += 1
+        else:
+            self.problem(f"{what}: HTTP {r.status_code}: {r.text[:300]}")
+
 
 async def _stream(c, path: str, body: dict, walk_away: int | None = None):
     """POST a streaming request; the response (read), or None after walking away. Errors inside the
@@ -131,13 +138,13 @@ async def _client(c, wid: int, deadline: float, seed: int, tally: Tally) -> None
         except RuntimeError as exc:
             tally.problem(f"{kind} ({model}): {exc}")
             continue
-        if r is not None and r.status_code == 503:
+        if r is None:  # walked away
+            tally.ok[kind] += 1
+        elif r.status_code == 503:
             tally.busy += 1
             await asyncio.sleep(float(r.headers.get("retry-after") or 1))
-        elif r is not None and r.status_code >= 400:
-            tally.problem(f"{kind} ({model}): HTTP {r.status_code}: {r.text[:300]}")
         else:
-            tally.ok[kind] += 1
+            tally.answered(kind, f"{kind} ({model})", r, ok=tuple(range(200, 400)))
 
 
 async def _library_churn(c, deadline: float, tally: Tally) -> None:
@@ -148,36 +155,29 @@ async def _library_churn(c, deadline: float, tally: Tally) -> None:
         name = f"mixed-tmp{n % 3}"
         r = await c.post("/api/create", json={"model": name, "from": MODEL, "system": f"You are number {n}.",
                                               "stream": False})
-        if r.status_code != 200:
-            tally.problem(f"create {name}: HTTP {r.status_code}: {r.text[:300]}")
-        else:
-            tally.ok["create"] += 1
+        tally.answered("create", f"create {name}", r)
         data = os.urandom(200_000)
         r = await c.post(f"/api/blobs/sha256:{hashlib.sha256(data).hexdigest()}", content=data)
-        if r.status_code not in (200, 201):
-            tally.problem(f"upload: HTTP {r.status_code}: {r.text[:300]}")
-        else:
-            tally.ok["upload"] += 1
+        tally.answered("upload", "upload", r, ok=(200, 201))
         r = await c.request("DELETE", "/api/delete", json={"model": name})
-        if r.status_code != 200:
-            tally.problem(f"delete {name}: HTTP {r.status_code}: {r.text[:300]}")
-        else:
-            tally.ok["delete"] += 1
+        tally.answered("delete", f"delete {name}", r)
         await asyncio.sleep(1.0)
 
 
 async def _mix(url: str, seconds: float, clients: int, seed: int, models_dir: Path | None) -> Tally:
     import httpx
 
+    from localrun.bench.soak import SoakError
+
     tally = Tally()
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         r = await c.post("/api/pull", json={"model": MODEL, "stream": False})
         if r.status_code != 200:
-            raise SystemExit(f"pulling {MODEL} failed: HTTP {r.status_code}: {r.text[:300]}")
+            raise SoakError(f"pulling {MODEL} failed: HTTP {r.status_code}: {r.text[:300]}")
         r = await c.post("/api/create", json={"model": SECOND, "from": MODEL, "system": "You are a pirate.",
                                               "stream": False})
         if r.status_code != 200:
-            raise SystemExit(f"creating {SECOND} failed: HTTP {r.status_code}: {r.text[:300]}")
+            raise SoakError(f"creating {SECOND} failed: HTTP {r.status_code}: {r.text[:300]}")
         deadline = time.monotonic() + seconds
         await asyncio.gather(*(_client(c, w, deadline, seed, tally) for w in range(clients)),
                              _library_churn(c, deadline, tally))
@@ -216,15 +216,15 @@ def run(a: argparse.Namespace) -> int:
         t0 = time.monotonic()
         tally = asyncio.run(_mix(url, a.seconds, a.clients, a.seed, models_dir))
         wall = time.monotonic() - t0
+        if own is not None and (code := own.stop()) != 0:
+            tally.problem(f"the daemon exited with code {code} on SIGTERM:\n{own.log_tail()}")
     except SoakError as exc:
         print(f"error: {exc}")
         return 2
     finally:
-        code = own.stop() if own is not None else 0
-    if own is not None:
-        if code != 0:
-            tally.problem(f"the daemon exited with code {code} on SIGTERM:\n{own.log_tail()}")
-        own.cleanup()
+        if own is not None:
+            own.stop()  # (again: a no-op once it has exited)
+            own.cleanup()
     print(f"mixed workload: {a.clients} clients + library churn for {a.seconds:g} s ({wall:.0f} s with setup), "
           f"{sum(tally.ok.values())} requests answered, {tally.busy} queue-full (503, retried)")
     for kind, n in tally.ok.items():
