@@ -52,6 +52,7 @@ class FakeMachine:
 def test_the_governor_drops_threads_at_once_and_takes_them_back_after_two_quiet_windows():
     m = FakeMachine(cpus=2)
     g = m.governor(2)
+    assert g.poll() is None  # the first step begins a spell of steps
     m.run(0.2, others=0.0, ours=2.0)
     assert g.poll() is None  # not a whole window yet
     m.run(0.4, others=0.05, ours=1.95)
@@ -68,12 +69,42 @@ def test_the_governor_drops_threads_at_once_and_takes_them_back_after_two_quiet_
     assert g.poll() is None
     m.run(0.5, others=0.0, ours=1.0)
     assert g.poll() == 2 and g.current == 2 and g.changes == 2
-    # idle (no step polls) while another program computes on every CPU, then steps again: the idle
-    # spell is no window; the next whole window of steps decides
+    # idle while another program computes on every CPU, then steps again: the idle spell is no part
+    # of any window; the next whole window of steps decides
+    g.idle()
     m.run(3.0, others=2.0, ours=0.0)
     assert g.poll() is None and g.current == 2
     m.run(0.5, others=0.1, ours=1.9)
     assert g.poll() is None and g.current == 2 and g.others == pytest.approx(0.1, abs=0.05)
+
+
+def short_requests(m: FakeMachine, g: ThreadGovernor, n: int, *, during: float, between: float) -> None:
+    """`n` requests of 0.1 s (a poll per 10 ms step), each followed by 0.15 s idle: `during` and
+    `between`, the CPUs other programs take while the steps run and while the loop is idle."""
+    for _ in range(n):
+        for _ in range(10):
+            n_threads = g.poll()
+            assert n_threads is None or n_threads == g.current
+            m.run(0.01, others=during, ours=g.current * (2 - during) / 2)
+        g.idle()
+        m.run(0.15, others=between, ours=0.0)
+
+
+def test_other_programs_between_short_requests_take_no_threads():
+    """An agent's tool runs its tests between two requests, or a benchmark's other side computes
+    between the daemon's: that load is gone when the next request comes. A window counted across
+    the idle spells dropped a thread (halving the next prefill): only the steps count."""
+    m = FakeMachine(cpus=2)
+    g = m.governor(2)
+    short_requests(m, g, 20, during=0.02, between=2.0)
+    assert g.current == 2 and g.changes == 0 and g.others < SLACK
+    # a window gathers the steps of several short requests: a compile job that runs while they
+    # compute is still seen
+    short_requests(m, g, 10, during=1.0, between=1.0)
+    assert g.current == 1 and g.others > 0.5
+    # and once it is gone, the threads come back across short requests too
+    short_requests(m, g, 20, during=0.02, between=0.0)
+    assert g.current == 2 and g.changes == 2
 
 
 def test_the_governor_reads_this_machine():
@@ -83,6 +114,7 @@ def test_the_governor_reads_this_machine():
     assert sample is not None and 0 <= sample[0] <= sample[1]
     g = ThreadGovernor(len(cpus), interval=0.05)
     assert g.enabled and g.logical == len(cpus)
+    assert g.poll() is None  # a spell begins
     time.sleep(0.1)
     g.poll()
     assert g.others >= 0.0

@@ -345,6 +345,8 @@ class BatchedLlama:
     def _run(self) -> None:
         try:
             while True:
+                if self.governor is not None and not (self._running or self._waiting):
+                    self.governor.idle()  # until the next step, other programs' load is none of its business
                 with self._cv:
                     while not (self._closing or self._inbox or self._running or self._waiting):
                         self._cv.wait()
