@@ -17,12 +17,13 @@ def test_the_overhead_benchmark_runs(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
     r = subprocess.run([sys.executable, "-m", "localrun.bench", "overhead", "--prompts", "2", "--max-tokens", "8",
-                        "--max-overhead", "1000", "--max-ttft", "100000"], env={**env, "TMPDIR": str(tmp_path)},
+                        "--ttft-prompts", "2", "--max-overhead", "1000", "--max-ttft", "100000"], env={**env, "TMPDIR": str(tmp_path)},
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("text same") == 4, r.stdout  # 2 prompts x (direct beside stdlib, direct beside httpx)
     for client in ("stdlib", "httpx"):
         assert f"daemon overhead ({client} client): tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout
+        assert "TTFT alone (2 prompts x 2 tokens, order alternating)" in r.stdout, r.stdout
         # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
         # token on any CPU), and so are the daemon's and the client's
         m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +
