@@ -791,7 +791,7 @@ def cmd_create(args, client: DaemonClient) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise CLIError(f"cannot read {path}: {exc}") from None
     base = path.resolve().parent
-    if client._is_local():  # the daemon reads the files FROM names itself (one copy, no upload)
+    if client.sees_my_files():  # the daemon reads the files FROM names itself (one copy, no upload)
         last = show_progress(client.create(args.name, text, base_dir=str(base)))
     else:
         last = _create_remote(args.name, text, base, client)
@@ -799,7 +799,7 @@ def cmd_create(args, client: DaemonClient) -> int:
 
 
 def _create_remote(name: str, text: str, base: Path, client: DaemonClient) -> dict | None:
-    """A daemon on another machine cannot read this one's files: as `ollama create` does, the files
+    """A daemon on another machine (or in a container) cannot read this one's files: as `ollama create` does, the files
     FROM names are uploaded (POST /api/blobs/<sha256>, skipped when the daemon has them) and the
     create names them in `files`; a FROM that names a model goes as it is."""
     from localrun.errors import InvalidRequest
@@ -812,7 +812,7 @@ def _create_remote(name: str, text: str, base: Path, client: DaemonClient) -> di
         raise CLIError(str(exc)) from None
     if sources[0] is None:
         if any(sources[1:]):
-            raise CLIError(f"the daemon at {client.base_url} is on another machine: a projector file can only go "
+            raise CLIError(f"the daemon at {client.base_url} does not see this machine's files: a projector file can only go "
                            "with the model as a file too (FROM ./model.gguf, then FROM ./mmproj.gguf)")
         return show_progress(client.create(name, text))
     files: dict[str, Path] = {}

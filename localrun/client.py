@@ -339,6 +339,21 @@ class DaemonClient(_Base):
             return False
         return r.status_code in (200, 401)
 
+    def sees_my_files(self) -> bool:
+        """Whether the daemon reads this machine's files at the paths this process sees: it listens on
+        this machine's loopback and reports the same view of the file system (/api/version's
+        files_view). A daemon in a container behind a published 127.0.0.1 port has its own."""
+        if not self._is_local():
+            return False
+        from localrun.library.paths import files_view
+
+        try:
+            r = self._http.get("/api/version", timeout=10.0)
+            theirs = r.json().get("files_view") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            theirs = None
+        return theirs is None or theirs == files_view()  # None: a daemon too old to say (as before)
+
     def ensure_running(self, autostart: bool = True, wait_s: float = 30) -> None:
         if self.is_up():
             return

@@ -10,6 +10,7 @@ import os
 import re
 import select
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,10 +79,11 @@ def _sigint_default() -> None:
 
 
 @contextlib.contextmanager
-def serving(env: dict, url: str):
+def serving(env: dict, url: str, prefix: tuple[str, ...] = ()):
     """`localrun serve` in the foreground with `env` until the block ends (SIGINT, as Ctrl+C); the
-    process is yielded, its output readable from proc.stdout afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
+    process is yielded, its output readable from proc.stdout afterwards. `prefix`: a command that
+    execs it (``unshare -m``)."""
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "localrun", "serve"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, preexec_fn=_sigint_default)
     try:
         wait_up(url, proc)
@@ -383,7 +385,7 @@ def test_create_resolves_paths_next_to_the_modelfile(pulled, smollm2_gguf, tmp_p
     elsewhere.mkdir()
     r = cli(env, "create", "pirate", "-f", str(Path("..") / "proj" / "Modelfile"), cwd=elsewhere)
     assert r.returncode == 0, r.stderr
-    assert "success" in r.stderr
+    assert "success" in r.stderr and "uploading" not in r.stderr  # a daemon that sees the file reads it itself
     assert "pirate" in cli(env, "show", "pirate", "--system").stdout
     assert "0.25" in cli(env, "show", "pirate", "--parameters").stdout
     r = cli(env, "run", "pirate", "Hello", *FAST)
@@ -420,6 +422,28 @@ def test_create_against_a_daemon_on_another_machine_uploads_the_files(smollm2_gg
         assert cli(env, "create", "child", "-f", str(d / "Modelfile.child")).returncode == 0
         (d / "Modelfile.bad").write_text("FROM ./missing.gguf\n")
         assert "missing.gguf" in assert_clean_error(cli(env, "create", "bad", "-f", str(d / "Modelfile.bad")), code=1)
+    log = proc.stdout.read()
+    assert log.count("stored an uploaded file") == 1, log[-3000:]
+
+
+def test_create_against_a_daemon_with_its_own_files_uploads_them(smollm2_gguf, tmp_path):
+    """A daemon in a container, reached through a port published on 127.0.0.1, is on this machine's
+    loopback but does not see its files (or sees others at the same paths): the CLI uploads them, as
+    to another machine. Here the daemon runs in a mount namespace of its own (`unshare -m`, as a
+    container's), on 127.0.0.1."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("`unshare -m` is not allowed here (it needs root or user namespaces)")
+    home, port = tmp_path / "boxed-home", free_port()
+    env = make_env(home, port)
+    with serving(env, f"http://127.0.0.1:{port}", prefix=("unshare", "-m")) as proc:
+        d = tmp_path / "proj"
+        d.mkdir()
+        os.symlink(smollm2_gguf, d / "weights.gguf")
+        (d / "Modelfile").write_text("FROM ./weights.gguf\nSYSTEM be brief\n")
+        r = cli(env, "create", "boxed", "-f", str(d / "Modelfile"))
+        assert r.returncode == 0, r.stderr
+        assert "uploading weights.gguf" in r.stderr and "success" in r.stderr
+        assert "be brief" in cli(env, "show", "boxed", "--system").stdout
     log = proc.stdout.read()
     assert log.count("stored an uploaded file") == 1, log[-3000:]
 

@@ -83,4 +83,22 @@ def open_regular(path: Path, what: str) -> tuple[BinaryIO, int]:
         raise
 
 
-__all__ = ["shown", "reason", "user_path_errors", "check_regular", "open_regular"]
+def files_view() -> str:
+    """Which view of the file system this process has, as a short opaque tag: two processes with
+    the same tag see the same files at the same paths. On Linux: the boot and the mount namespace
+    (a container has its own, though it may share the host's loopback through a published port);
+    elsewhere the host's name. `localrun create` sends a daemon paths only when its tag is the CLI's,
+    and uploads the files otherwise."""
+    import hashlib
+    import socket
+
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(str(os.stat("/proc/self/ns/mnt").st_ino))
+    except OSError:
+        pass
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+__all__ = ["shown", "reason", "user_path_errors", "check_regular", "open_regular", "files_view"]

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from localrun.library.modelfile import parse_modelfile
 from localrun.library.names import parse_name
+from localrun.library.paths import files_view
 from localrun.library.store import DiskFull
 
 import localrun
@@ -51,9 +52,13 @@ def _iso(dt: datetime) -> str:
 OLLAMA_API_VERSION = "0.12.6"
 
 
+FILES_VIEW = files_view()
+
+
 @router.get("/version")
 async def version():
-    return {"version": OLLAMA_API_VERSION, "localrun_version": localrun.__version__}
+    # files_view: the CLI's `create` sends paths only to a daemon that sees this machine's files
+    return {"version": OLLAMA_API_VERSION, "localrun_version": localrun.__version__, "files_view": FILES_VIEW}
 
 
 @router.get("/tags")
