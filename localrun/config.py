@@ -24,6 +24,7 @@ DEFAULT_HOST = f"127.0.0.1:{DEFAULT_PORT}"
 ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_HOME": ("(platform user data dir)/localrun", "where the model library, logs, chats and stored responses live"),
     "LOCALRUN_MODELS": ("$LOCALRUN_HOME/models", "where the model library lives (blobs and manifests), like OLLAMA_MODELS: e.g. a larger disk; chats, logs and stored responses stay under LOCALRUN_HOME"),
+    "LOCALRUN_NOPRUNE": ("0", "1 = keep blobs no model uses when the daemon starts; 0 = remove those older than an hour (an upload no create named, what a killed create left), as Ollama does"),
     "LOCALRUN_HOST": (DEFAULT_HOST, "host:port the daemon binds and the CLI/TUI talk to"),
     "LOCALRUN_KEEP_ALIVE": ("5m", "how long an idle model stays loaded (duration, seconds, -1 = forever, 0 = unload at once)"),
     "LOCALRUN_NUM_PARALLEL": ("auto", "requests a loaded llama.cpp model decodes at once, in one batched context of NUM_PARALLEL x num_ctx KV cells (auto: up to 4, fewer when their KV cache would not fit the free memory; the native engine batches up to max(NUM_PARALLEL, 64))"),
@@ -248,6 +249,7 @@ class Settings:
     faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
     native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
     models: Path | None = None  # LOCALRUN_MODELS: the model library (None: LOCALRUN_HOME/models)
+    noprune: bool = False  # LOCALRUN_NOPRUNE: keep unused blobs at start
 
     @property
     def models_dir(self) -> Path:
@@ -279,6 +281,7 @@ class Settings:
         values = {
             "LOCALRUN_HOME": str(self.home),
             "LOCALRUN_MODELS": str(self.models_dir),
+            "LOCALRUN_NOPRUNE": "1" if self.noprune else "0",
             "LOCALRUN_HOST": f"{self.host}:{self.port}",
             "LOCALRUN_KEEP_ALIVE": "forever" if self.keep_alive is None else f"{self.keep_alive:g}s",
             "LOCALRUN_NUM_PARALLEL": str(self.num_parallel or "auto"),
@@ -500,6 +503,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
         native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
         models=models,
+        noprune=_flag("LOCALRUN_NOPRUNE", e.get("LOCALRUN_NOPRUNE")),
     )
 
 

@@ -127,6 +127,37 @@ def test_gc_keeps_a_fresh_upload_until_its_create(tmp_path):
 
 # ----------------------------------------------------------------------------- the daemon's half
 
+def _blob_path(lib: Library, digest: str):
+    return lib.store.blobs / digest.replace(":", "-")
+
+
+@pytest.mark.parametrize("noprune", ["0", "1"])
+def test_the_daemon_prunes_blobs_no_model_uses_when_it_starts(tmp_path, noprune):
+    """As Ollama at start (OLLAMA_NOPRUNE): blobs no manifest names and older than an hour (an upload
+    whose create never came, what a killed create left) go when the daemon starts; a model's blobs
+    and a fresh upload stay. LOCALRUN_NOPRUNE=1 keeps them all."""
+    home = tmp_path / "home"
+    lib = Library(home / "models")
+    used = make_gguf(tmp_path / "a.gguf", template="A").read_bytes()
+    lib.create("used", "", files={"a.gguf": _upload(lib, used)})
+    old = _upload(lib, make_gguf(tmp_path / "b.gguf", template="B").read_bytes())
+    fresh = _upload(lib, make_gguf(tmp_path / "c.gguf", template="C").read_bytes())
+    two_hours_ago = time.time() - 7200
+    for digest in (_digest(used), old):
+        os.utime(_blob_path(lib, digest), (two_hours_ago, two_hours_ago))
+    d = Daemon(home, LOCALRUN_NOPRUNE=noprune)
+    try:
+        log = d.log.read_text(errors="replace")
+        assert lib.has_blob(_digest(used)) and lib.has_blob(fresh)
+        if noprune == "1":
+            assert lib.has_blob(old) and "blobs no model uses" not in log
+        else:
+            assert not lib.has_blob(old) and "of blobs no model uses" in log, log[-2000:]
+        assert [m["name"] for m in d.http.get("/api/tags").json()["models"]] == ["used:latest"]
+    finally:
+        d.stop()
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("blobs-home"))

@@ -648,6 +648,14 @@ class Library:
         at startup); live writers' temps and partial downloads stay. Returns the count."""
         return self.store.clean_temp()
 
+    def prune(self) -> int:
+        """Blobs no model uses, left by a create that never came (an upload before a restart) or
+        by a process killed mid-create: removed when the daemon starts, as Ollama does, unless
+        written in the last hour (UPLOAD_KEEP_S). Returns the bytes freed."""
+        from localrun.library.store import UPLOAD_KEEP_S
+
+        return self.store.gc(keep_newer_than=UPLOAD_KEEP_S)
+
     def remove(self, name: str) -> None:
         mn = parse_name(name)
         found = self._find(mn)

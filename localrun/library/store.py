@@ -492,9 +492,10 @@ class Store:
                 blobs.add(layer["digest"])
         return blobs, mdigests
 
-    def gc(self) -> int:
-        """Remove blobs and views no manifest references (and stale temp files).
-        Returns the number of bytes freed."""
+    def gc(self, keep_newer_than: float | None = None) -> int:
+        """Remove blobs and views no manifest references (and stale temp files); with
+        `keep_newer_than` (seconds), an unreferenced blob written that recently stays (an upload a
+        create may still name, from before a restart). Returns the number of bytes freed."""
         freed = 0
         with self.lock("gc"):
             refs, mdigests = self.referenced()
@@ -513,7 +514,10 @@ class Store:
                     if digest in refs or digest in pinned:
                         continue
                     with contextlib.suppress(OSError):
-                        size = p.stat().st_size
+                        st = p.stat()
+                        if keep_newer_than is not None and time.time() - st.st_mtime < keep_newer_than:
+                            continue
+                        size = st.st_size
                         p.unlink()
                         freed += size
             if self.views.is_dir():

@@ -211,6 +211,14 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
                     log.info("removed %d leftover temp file(s) from the store", removed)
             except OSError as exc:
                 log.warning("could not clean the store's temp area: %s", exc)
+        prune = getattr(state.library, "prune", None)
+        if prune is not None and not s.noprune:  # blobs no model uses (LOCALRUN_NOPRUNE=1 keeps them)
+            try:
+                freed = await asyncio.to_thread(prune)
+                if freed:
+                    log.info("removed %.1f MB of blobs no model uses (LOCALRUN_NOPRUNE=1 keeps them)", freed / 1e6)
+            except (OSError, LocalrunError) as exc:
+                log.warning("could not prune unused blobs: %s", exc)
         state.manager.start()
         probe = asyncio.get_running_loop().create_task(_report_llamacpp_build())
         try:
