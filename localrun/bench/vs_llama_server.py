@@ -67,6 +67,7 @@ class Config:
     rounds: int = 2
     workloads: tuple[str, ...] = WORKLOADS
     extra_buffers: bool = True
+    auto_threads: bool = False  # localrun picks its threads as a user's daemon does (the governor on)
 
 
 # -- prompts ------------------------------------------------------------------------------------
@@ -214,10 +215,13 @@ async def start(server: Server, cfg: Config) -> None:
     server.start()
     await _ready(server)
     if server.name == "localrun":  # the GGUF, under the name the requests use, with the same threads
+        # num_thread pins the count (and turns the thread governor off); --auto-threads leaves it to the
+        # daemon, as a user's: the physical cores, fewer while other processes take CPUs
+        body = {"model": server.model, "from": str(cfg.gguf), "stream": False}
+        if not cfg.auto_threads:
+            body["parameters"] = {"num_thread": cfg.threads}
         async with httpx.AsyncClient(timeout=300.0) as h:
-            r = await h.post(server.url + "/api/create", json={"model": server.model, "from": str(cfg.gguf),
-                                                               "stream": False,
-                                                               "parameters": {"num_thread": cfg.threads}})
+            r = await h.post(server.url + "/api/create", json=body)
         if r.status_code != 200:
             raise VsError(f"localrun could not import {cfg.gguf}: HTTP {r.status_code}: {r.text[:300]}")
 
@@ -263,6 +267,16 @@ async def warm(server: Server, vocab: Vocab, seed: int) -> None:
     await run_phase(server, distinct_prompts(vocab, 1, 16, 900_000 + seed), 4, 1)
 
 
+def thread_changes(server: Server) -> list[str]:
+    """'N of M' for each time localrun's thread governor changed llama.cpp's threads (its log)."""
+    try:
+        text = server.log_path.read_text(errors="replace") if server.log_path else ""
+    except OSError:
+        return []
+    return [line.split("computes with ", 1)[1].split(" threads", 1)[0] for line in text.splitlines()
+            if "llama.cpp computes with " in line]
+
+
 # -- the run ------------------------------------------------------------------------------------
 async def run(cfg: Config, progress=print) -> dict[str, Any]:
     vocab = Vocab(cfg.gguf)
@@ -293,11 +307,16 @@ async def run(cfg: Config, progress=print) -> dict[str, Any]:
                     out_len, conc = cfg.output_len, cfg.parallel
                 for name in order:
                     await asyncio.sleep(0.5)  # let the other server's threads settle
+                    before = thread_changes(servers[name])
                     res = await run_phase(servers[name], prompts, out_len, conc)
                     res.update(server=name, workload=w, round=rnd)
+                    changes = thread_changes(servers[name])[len(before):]
+                    if name == "localrun" and cfg.auto_threads:  # what the thread governor did meanwhile
+                        res["thread_changes"] = changes
                     phases.append(res)
                     progress(f"round {rnd + 1} {w:8} {name:12} {res['output_tok_s']:8.1f} out tok/s  "
-                             f"TTFT p50 {res['ttft_ms_p50']} ms  ITL p50 {res['itl_ms_p50']} ms")
+                             f"TTFT p50 {res['ttft_ms_p50']} ms  ITL p50 {res['itl_ms_p50']} ms"
+                             + (f"  threads: {', '.join(changes) or 'unchanged'}" if "thread_changes" in res else ""))
     return {"bench": "vs-llama-server", "config": {k: str(v) if isinstance(v, Path) else v
                                                   for k, v in cfg.__dict__.items()},
             "phases": phases, "summary": summarize(phases)}
@@ -341,6 +360,9 @@ def add_parser(sub) -> None:
     v.add_argument("--llama-server", type=Path, help="a llama-server binary built from the vendored llama.cpp "
                        "(default: LOCALRUN_LLAMA_SERVER, else the build cached by `localrun bench build-llama-server`)")
     v.add_argument("--threads", dest="llama_threads", type=int, help="threads for both (default: the physical cores)")
+    v.add_argument("--auto-threads", action="store_true",
+                   help="localrun chooses its own threads, as a user's daemon does (the physical cores, fewer "
+                        "while other processes take CPUs: the thread governor), instead of num_thread = --threads")
     v.add_argument("--parallel", type=int, default=8, help="parallel sequences of both servers and concurrent streams")
     v.add_argument("--ctx", type=int, default=2048, help="context per sequence")
     v.add_argument("--input-len", type=int, default=256)
@@ -375,7 +397,7 @@ def main(args) -> int:
                      single_requests=args.single_requests, parallel_requests=args.parallel_requests,
                      shared_len=args.shared_len, shared_requests=args.shared_requests,
                      shared_output_len=args.shared_output_len, rounds=args.rounds, workloads=workloads,
-                     extra_buffers=extra_buffers("auto")[0])
+                     extra_buffers=extra_buffers("auto")[0], auto_threads=args.auto_threads)
         res = asyncio.run(run(cfg))
     except (asyncio.CancelledError, KeyboardInterrupt):
         print("localrun bench llama-server: stopped; both servers were stopped", file=sys.stderr)
@@ -389,7 +411,8 @@ def main(args) -> int:
             m = per[name]
             rows.append([w, name, f"{m['output_tok_s']:.1f}", m["ttft_ms_p50"], m["itl_ms_p50"],
                          f"{per['ratio']:.2f}x" if name == "localrun" else ""])
-    print_table(f"localrun vs llama-server: {cfg.gguf.name}, {cfg.threads} threads, {cfg.parallel} parallel, "
+    threads = f"{cfg.threads} threads" + (" (localrun: its own choice)" if cfg.auto_threads else "")
+    print_table(f"localrun vs llama-server: {cfg.gguf.name}, {threads}, {cfg.parallel} parallel, "
                 f"{cfg.rounds} rounds", ["workload", "server", "out tok/s", "TTFT p50 ms", "ITL p50 ms",
                                          "localrun / llama-server"], rows)
     if args.out:
