@@ -64,3 +64,24 @@ def test_sigterm_stops_both_servers(bench, llama_server_bin, smollm2_gguf, tmp_p
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_a_short_run_with_the_daemons_own_threads(llama_server_bin, smollm2_gguf, tmp_path):
+    """A whole run at smoke length with --auto-threads: localrun keeps its own thread choice (the governor
+    on, as a user's daemon) and each localrun phase says what the governor did; the JSON has the ratio."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, "-m", "localrun.bench", "llama-server", "--llama-server", str(llama_server_bin),
+                        "--gguf", str(smollm2_gguf), "--rounds", "1", "--workloads", "single", "--single-requests",
+                        "2", "--input-len", "32", "--output-len", "8", "--parallel", "1", "--ctx", "512",
+                        "--auto-threads", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("round 1 single   localrun"))
+    assert "threads: " in line, r.stdout
+    res = json.loads(out.read_text())
+    assert res["config"]["auto_threads"] is True
+    (phase,) = [p for p in res["phases"] if p["server"] == "localrun"]
+    assert isinstance(phase["thread_changes"], list) and res["summary"]["single"]["ratio"] > 0
