@@ -157,6 +157,13 @@ INLINE_TOKENIZE_CHARS = 2048
 CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for it (SDKs and LangChain look for it)
 
 
+def check_token_ids(ids: list[int], n_vocab: int) -> None:
+    """Token ids a client sent (detokenize): each one of the model's `n_vocab`; else InvalidRequest."""
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < n_vocab)), None)
+    if bad is not None:
+        raise InvalidRequest(f"token {bad!r} is not in this model's vocabulary of {n_vocab} tokens (0 to {n_vocab - 1})")
+
+
 def fit_window(n_prompt: int, window: int, max_tokens: int | None) -> int:
     """The max_tokens a prompt of `n_prompt` tokens gets in a `window`-token context (the room left,
     or less if asked); InvalidRequest when it is empty or does not fit. The one window check, made
@@ -241,7 +248,10 @@ class Backend(Protocol):
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]: ...
 
-    async def detokenize(self, token_ids: list[int]) -> str: ...
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens written out (as llama-server's and vLLM's /detokenize);
+        an id outside the vocabulary is an InvalidRequest (check_token_ids)."""
+        ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Async generator of chunks; closing it early aborts the request."""

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator
 from localrun.backends.base import (
     CONTEXT_EXCEEDED,
     BackendInfo,
+    check_token_ids,
     Chunk,
     GenerationRequest,
     INFILL_BATCH,
@@ -450,7 +451,8 @@ class LlamaCppBackend:
         return list(buf[:n])
 
     def _detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(token_piece(self._lib, self._vocab, t) for t in token_ids).decode("utf-8", "replace")
+        return b"".join(token_piece(self._lib, self._vocab, t, special=True)
+                        for t in token_ids).decode("utf-8", "replace")
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per runner process
     def _preserved_ids(self, texts: tuple[str, ...]) -> frozenset:
@@ -471,6 +473,9 @@ class LlamaCppBackend:
         return await asyncio.to_thread(self._tokenize, text, add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:
+        check_token_ids(token_ids, self._n_vocab)  # an id outside it: llama.cpp throws std::out_of_range, the runner dies
+        if len(token_ids) > 4096:  # about a microsecond each: a long list off the event loop
+            return await asyncio.to_thread(self._detokenize, token_ids)
         return self._detokenize(token_ids)
 
     # -- generation ----------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch
 
 from localrun.backends.base import (
     BackendInfo,
+    check_token_ids,
     Chunk,
     GenerationRequest,
     INLINE_TOKENIZE_CHARS,
@@ -249,7 +250,8 @@ class NativeBackend:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special=add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(list(token_ids))
+        check_token_ids(token_ids, self.tokenizer.vocab_size)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     async def _grammar(self, o: SamplingOptions):
         """The compiled grammar of a structured request (None otherwise): the llama.cpp backend's

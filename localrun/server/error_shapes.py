@@ -36,7 +36,7 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
     {"error": "..."} elsewhere."""
     if path.startswith("/v1/messages"):
         return anthropic_error(status, message, code)
-    if path == "/infill":
+    if path in ("/infill", "/tokenize", "/detokenize"):
         return llama_server_error(status, message)
     if path.startswith("/v1"):
         etype = "invalid_request_error" if 400 <= status < 500 else "server_error"

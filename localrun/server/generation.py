@@ -376,13 +376,29 @@ class GenerationService:
                 return gen.prompt_tokens
             finally:
                 await gen.release()
+        return len((await self.tokenize(job))[0])
+
+    async def tokenize(self, job: Job) -> tuple[list[int], int]:
+        """The token ids of the prompt `job` renders to (its model's template and tokenizer; images
+        are not laid out here: count_tokens does that) and the window (num_ctx) they would run in.
+        Nothing is generated; the model is loaded, or kept, for its tokenizer."""
+        self._admit()
+        if job.images:
+            raise InvalidRequest("images are not tokenized here: /v1/messages/count_tokens counts a prompt with "
+                                 "images")
         prompt, _ = await self._render(job)
         lease, release = await self._lease(job)
         try:
             self._check_length(prompt, lease)  # bounded work: a prompt that cannot fit is not tokenized
-            return len(await lease.backend.tokenize(prompt, add_special=job.add_special))
+            return await lease.backend.tokenize(prompt, add_special=job.add_special), lease.num_ctx
         finally:
             await release()
+
+    async def detokenize(self, resolved: Any, ids: list[int], *, keep_alive: Any = DEFAULT) -> str:
+        """The text token ids stand for, by the model's own vocabulary (an id outside it is a 400)."""
+        self._admit()
+        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
+            return await lease.backend.detokenize(ids)
 
     async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
                     dimensions: int | None = None, truncate: bool = False) -> tuple[list[list[float]], int]:

@@ -1,4 +1,5 @@
-"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it).
+"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it), and
+``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes.
 
 A translator only: the body becomes a :class:`Job` with an :class:`Infill` (the backend lays the prompt out
 with the model's FIM tokens exactly as llama-server's format_prompt_infill does), the events become
@@ -21,6 +22,7 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
+from localrun.server.images import take_images
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
@@ -226,3 +228,62 @@ async def infill(request: Request):
         return [data(error_shape(exc.status, exc.public_message))]
 
     return generation_response(gen, produce, failed)
+
+
+# -- tokens ---------------------------------------------------------------------------------------
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    """llama-server's ``{"content", "add_special"}`` and vLLM's ``{"prompt", "add_special_tokens"}`` or
+    ``{"messages", "tools"}`` (rendered by the model's chat template, as a chat completion's prompt is):
+    ``{"tokens", "count", "max_model_len"}``, the ids the model would see and the window they run in."""
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    given = [k for k in ("content", "prompt", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise InvalidRequest("send one of 'content' (llama-server), 'prompt' or 'messages' (vLLM): the text or chat "
+                             "to tokenize" if not given else f"send one of 'content', 'prompt' and 'messages', not "
+                             f"{' and '.join(repr(k) for k in given)}")
+    if p.get_bool(body, "with_pieces"):
+        raise InvalidRequest("'with_pieces' is not supported: detokenize the ids with /detokenize")
+    resolved = await _model(st, body)
+    opts, num_ctx = p.base_options(resolved)
+    key = given[0]
+    if key == "messages":
+        messages = p.normalize_messages(body["messages"])
+        tools = p.check_tools(body.get("tools"), resolved.template)
+        if body.get("add_generation_prompt") is False:
+            raise InvalidRequest("'add_generation_prompt': false is not supported: the prompt is rendered as a chat "
+                                 "completion's, with the assistant's turn opened")
+        job = Job(resolved, opts, messages=messages, tools=tools, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
+                  api="tokenize", images=take_images(messages))
+        if body.get("add_special_tokens") is not None:
+            job.add_special = p.get_bool(body, "add_special_tokens")
+    else:
+        text = body[key]
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'{key}' must be a string")
+        # llama-server adds no BOS unless asked (add_special); vLLM adds it unless told not to
+        special = p.get_bool(body, "add_special") if key == "content" else p.get_bool(body, "add_special_tokens", True)
+        job = Job(resolved, opts, prompt=text, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
+                  api="tokenize", add_special=special)
+    ids, window = await until_disconnected(request, st.generation.tokenize(job))
+    return {"tokens": ids, "count": len(ids), "max_model_len": window, "model": resolved.name}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    """llama-server's and vLLM's ``{"tokens": [ids]}``: ``{"content"}`` (llama-server) and ``{"prompt"}``
+    (vLLM), the same text."""
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequest("'tokens' must be an array of token ids (integers)")
+    if len(ids) > MAX_DETOKENIZE_IDS:
+        raise InvalidRequest(f"'tokens' has {len(ids)} ids; at most {MAX_DETOKENIZE_IDS}")
+    resolved = await _model(st, body)
+    text = await until_disconnected(request, st.generation.detokenize(resolved, ids, keep_alive=st.keep_alive(body)))
+    return {"content": text, "prompt": text, "model": resolved.name}

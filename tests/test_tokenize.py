@@ -1,0 +1,93 @@
+"""POST /tokenize and /detokenize, in llama-server's shape ({"content"} -> {"tokens"}; {"tokens"} ->
+{"content"}) and vLLM's ({"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}; {"tokens"} ->
+{"prompt"}): the real daemon over HTTP, the real llama.cpp and SmolLM2, checked against llama.cpp's own
+tokenizer called directly and against the prompt a chat completion reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon import MODEL, Daemon
+
+pytest.importorskip("llama_cpp")
+
+TEXT = "Hello world! Tokenizers split <|im_start|> text like this: naïve café, 1234."
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("tokenize-home"), LOCALRUN_CONTEXT_LENGTH="1024", LOCALRUN_NUM_PARALLEL="1")
+    d.pull()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def vocab(smollm2_gguf):
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(smollm2_gguf), vocab_only=True, verbose=False)
+
+
+def test_tokenize_matches_llama_cpp_and_detokenize_round_trips(daemon, vocab):
+    r = daemon.http.post("/tokenize", json={"model": MODEL, "content": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # llama-server: no BOS unless add_special, special tokens parsed
+    assert body["tokens"] == vocab.tokenize(TEXT.encode(), add_bos=False, special=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024 and body["model"] == MODEL
+    # vLLM's prompt: add_special_tokens as asked
+    for special in (True, False):
+        r = daemon.http.post("/tokenize", json={"model": MODEL, "prompt": TEXT, "add_special_tokens": special})
+        assert r.json()["tokens"] == vocab.tokenize(TEXT.encode(), add_bos=special, special=True), r.text
+    d = daemon.http.post("/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert d.status_code == 200, d.text
+    assert d.json()["content"] == d.json()["prompt"] == TEXT
+
+
+def test_tokenize_messages_counts_what_a_chat_completion_reports(daemon):
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "What colour is the sky on a clear day?"}]
+    t = daemon.http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert t.status_code == 200, t.text
+    c = daemon.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    assert c.status_code == 200, c.text
+    assert t.json()["count"] == c.json()["usage"]["prompt_tokens"] > 10
+    # the same text through the chat template, tokenized as a raw prompt, gives the same ids
+    im_start = daemon.http.post("/tokenize", json={"model": MODEL, "content": "<|im_start|>"}).json()["tokens"]
+    assert len(im_start) == 1 and t.json()["tokens"].count(im_start[0]) == 3  # system, user, the assistant's turn
+
+
+def test_without_a_model_the_one_loaded_is_used(daemon):
+    daemon.http.post("/tokenize", json={"model": MODEL, "content": "warm"})
+    r = daemon.http.post("/tokenize", json={"content": "no model named"})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/tokenize", {}, "send one of 'content'"),
+    ("/tokenize", {"content": "a", "prompt": "b"}, "not 'content' and 'prompt'"),
+    ("/tokenize", {"prompt": 12}, "'prompt' must be a string"),
+    ("/tokenize", {"content": "a", "with_pieces": True}, "with_pieces"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("/tokenize", {"messages": "hi"}, "messages"),
+    ("/tokenize", {"content": "x" * 200_000}, "context window"),
+    ("/detokenize", {"tokens": "1 2 3"}, "array of token ids"),
+    ("/detokenize", {"tokens": [1, True]}, "array of token ids"),
+    ("/detokenize", {"tokens": [1, 10_000_000]}, "not in this model's vocabulary of 49152"),
+    ("/detokenize", {"tokens": [-1]}, "not in this model's vocabulary"),
+])
+def test_bad_input_is_a_400_and_the_runner_lives_on(daemon, path, body, words):
+    r = daemon.http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error", err
+    # the runner that refused it still answers (an id outside the vocabulary would have killed it)
+    ok = daemon.http.post("/detokenize", json={"model": MODEL, "tokens": [28, 29]})
+    assert ok.status_code == 200 and ok.json()["content"], ok.text
+
+
+def test_an_unknown_model_is_a_404(daemon):
+    r = daemon.http.post("/detokenize", json={"model": "no-such-model", "tokens": [1]})
+    assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"], r.text
