@@ -4,8 +4,8 @@ Where `bench soak` holds one kind of request steady (and checks each answer agai
 this one mixes what a real machine sees: streamed chat through the OpenAI, Ollama and Anthropic
 APIs, streams the client walks away from after a few tokens, text completions, embeddings (some
 past the window: Ollama truncates them), a long Ollama chat that has to drop turns, token counts,
-`ps` and `show`, unloads (`keep_alive: 0`) of a model other requests are using, a second model with
-its own runner, and beside them a loop that creates and deletes models and uploads blobs.
+/tokenize and /detokenize (now and then an id outside the vocabulary: a 400), `ps` and `show`,
+unloads (`keep_alive: 0`) of a model other requests are using, a second model with its own runner, and beside them a loop that creates and deletes models and uploads blobs.
 
 It passes when, for the whole run: no 5xx, no transport error (a dropped connection, a reset), no
 error inside a stream, no 4xx except a full queue (503 is not counted either); and afterwards the
@@ -29,7 +29,7 @@ from pathlib import Path
 MODEL = "smollm2:135m"
 SECOND = "mixed-pirate:latest"  # a second model (same weights, its own runner)
 KINDS = ("openai", "openai_walk_away", "ollama", "ollama_long_chat", "anthropic", "completions", "embeddings",
-         "ollama_embed_truncated", "count_tokens", "ps", "show", "unload", "second_model")
+         "ollama_embed_truncated", "count_tokens", "tokenize", "ps", "show", "unload", "second_model")
 
 
 def add_parser(sub) -> None:
@@ -112,6 +112,16 @@ async def _one(c, kind: str, model: str, rng: random.Random, i: int):
         return await c.post("/api/embed", json={"model": MODEL, "input": "word " * rng.randint(1, 3000)})
     if kind == "count_tokens":
         return await c.post("/v1/messages/count_tokens", json={"model": model, "messages": _messages(rng, i)})
+    if kind == "tokenize":  # there and back; now and then an id outside the vocabulary: a 400, the runner lives on
+        r = await c.post("/tokenize", json={"model": model, "messages": _messages(rng, i)})
+        if r.status_code != 200:
+            return r
+        ids = r.json()["tokens"]
+        if rng.random() < 0.2:
+            bad = await c.post("/detokenize", json={"model": model, "tokens": [*ids, 10_000_000]})
+            if bad.status_code not in (400, 503):
+                raise RuntimeError(f"an id outside the vocabulary got HTTP {bad.status_code}: {bad.text[:200]}")
+        return await c.post("/detokenize", json={"model": model, "tokens": ids})
     if kind == "ps":
         return await c.get("/api/ps")
     if kind == "show":
