@@ -5,7 +5,8 @@ this one mixes what a real machine sees: streamed chat through the OpenAI, Ollam
 APIs, streams the client walks away from after a few tokens, text completions, embeddings (some
 past the window: Ollama truncates them), a long Ollama chat that has to drop turns, token counts,
 /tokenize and /detokenize (now and then an id outside the vocabulary: a 400), `ps` and `show`,
-unloads (`keep_alive: 0`) of a model other requests are using, a second model with its own runner, and beside them a loop that creates and deletes models and uploads blobs.
+unloads (`keep_alive: 0`) of a model other requests are using, a second model with its own runner,
+and beside them a loop that creates and deletes models and uploads blobs.
 
 It passes when, for the whole run: no 5xx, no transport error (a dropped connection, a reset), no
 error inside a stream, no 4xx except a full queue (503 is not counted either); and afterwards the
