@@ -161,3 +161,33 @@ def test_a_stream_keeps_its_pace_while_other_processes_take_every_cpu(tmp_path):
             h.kill()
             h.wait()
         d.stop()
+
+
+@pytest.mark.timeout(300)
+def test_other_programs_between_requests_cost_the_next_request_no_thread(tmp_path):
+    """The real daemon: busy processes on every CPU while the model is idle (an agent's tool running
+    its tests between two requests), gone when the next request comes. The runner keeps every
+    thread: a window of the clock that spanned the idle spell counted their load and dropped one."""
+    pytest.importorskip("llama_cpp")
+    from daemon import MODEL, Daemon
+
+    d = Daemon(tmp_path / "home", LOCALRUN_NUM_PARALLEL="1", LOCALRUN_CONTEXT_LENGTH="1024",
+               LOCALRUN_LOG_LEVEL="info")
+    try:
+        d.pull()
+        body = {"model": MODEL, "prompt": "The history of tea begins", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        assert d.http.post("/v1/completions", json=body).status_code == 200  # loaded, warm
+        for _ in range(6):
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in usable_cpus() or [0, 1]]
+            time.sleep(0.6)
+            for h in hogs:
+                h.kill()
+                h.wait()
+            assert d.http.post("/v1/completions", json=body).status_code == 200
+        log = d.log.read_text(errors="replace")
+        assert "llama.cpp computes with" not in log, [x for x in log.splitlines() if "computes with" in x]
+        stats = d.http.get("/metrics").text
+        assert "localrun_" in stats  # the daemon is fine
+    finally:
+        d.stop()
