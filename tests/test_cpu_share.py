@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from fakes import metric_samples
 from localrun.backends.cpu_share import SLACK, ThreadGovernor, busy_seconds, threads_for, usable_cpus
 
 
@@ -145,6 +146,9 @@ def test_a_stream_keeps_its_pace_while_other_processes_take_every_cpu(tmp_path):
         log = d.log.read_text(errors="replace")
         assert "llama.cpp computes with 1 of" in log, log[-2000:]
         assert took < 20, f"48 tokens took {took:.1f} s beside {len(hogs)} busy processes"
+        m = metric_samples(d.http.get("/metrics").text)
+        assert m[("localrun_compute_threads", (("model", MODEL),))] == 1, m
+        assert m[("localrun_compute_thread_changes_total", (("model", MODEL),))] >= 1, m
         for h in hogs:
             h.kill()
             h.wait()
@@ -178,6 +182,8 @@ def test_other_programs_between_requests_cost_the_next_request_no_thread(tmp_pat
         body = {"model": MODEL, "prompt": "The history of tea begins", "max_tokens": 24, "temperature": 0,
                 "ignore_eos": True}
         assert d.http.post("/v1/completions", json=body).status_code == 200  # loaded, warm
+        threads = metric_samples(d.http.get("/metrics").text)[("localrun_compute_threads", (("model", MODEL),))]
+        assert threads >= 1
         for _ in range(6):
             hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in usable_cpus() or [0, 1]]
             time.sleep(0.6)
@@ -187,7 +193,8 @@ def test_other_programs_between_requests_cost_the_next_request_no_thread(tmp_pat
             assert d.http.post("/v1/completions", json=body).status_code == 200
         log = d.log.read_text(errors="replace")
         assert "llama.cpp computes with" not in log, [x for x in log.splitlines() if "computes with" in x]
-        stats = d.http.get("/metrics").text
-        assert "localrun_" in stats  # the daemon is fine
+        m = metric_samples(d.http.get("/metrics").text)
+        assert m[("localrun_compute_thread_changes_total", (("model", MODEL),))] == 0, m
+        assert m[("localrun_compute_threads", (("model", MODEL),))] == threads, m
     finally:
         d.stop()

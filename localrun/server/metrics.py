@@ -157,6 +157,11 @@ class _Live:
                                     labels=["model"])
         decoded = CounterMetricFamily("localrun_decode_tokens", "Tokens sampled by decode steps since load "
                                       "(decode tokens / engine steps = the mean decode batch)", labels=["model"])
+        threads = GaugeMetricFamily("localrun_compute_threads", "llama.cpp: the threads it computes with now "
+                                    "(fewer while other programs keep the CPUs busy; not shown when a Modelfile's "
+                                    "num_thread fixes them)", labels=["model"])
+        thread_changes = CounterMetricFamily("localrun_compute_thread_changes",
+                                             "llama.cpp: times its thread count changed since load", labels=["model"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
             running.add_metric([r.name], r.active)
@@ -178,6 +183,9 @@ class _Live:
                     seqs.add_metric([r.name, state], st[key])
                 steps.add_metric([r.name], st["steps"])
                 decoded.add_metric([r.name], st["decode_tokens"])
+                if st.get("threads") is not None:  # the thread governor's (an automatic thread count)
+                    threads.add_metric([r.name], st["threads"])
+                    thread_changes.add_metric([r.name], st["thread_changes"])
             if "host_pages_total" in st:
                 host_used.add_metric([r.name], st["host_pages_used"])
                 host_total.add_metric([r.name], st["host_pages_total"])
@@ -191,7 +199,7 @@ class _Live:
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
         yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, prefill, forked, spec_tokens,
-                    spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded)
+                    spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded, threads, thread_changes)
 
 
 class MetricsMiddleware:
