@@ -473,6 +473,31 @@ def test_ollama_sdk_and_langchain_against_the_real_model(daemon_a):
     assert lc_openai.invoke("What is the capital of France?").content == r.message.content
 
 
+def test_ollama_generate_continues_from_an_earlier_answers_context(daemon_a):
+    """Ollama's /api/generate `context` (deprecated there, still sent by older clients and the SDK's
+    generate(context=...)): the earlier prompt and answer come before the new prompt, token for token,
+    as the returned context shows; before, it was silently dropped."""
+    import ollama
+
+    client = ollama.Client(host=daemon_a.url, headers={"Authorization": f"Bearer {KEY}"})
+    opts = {"num_predict": 6, "temperature": 0}
+    first = client.generate(model=MODEL, prompt="My name is Ada.", options=opts)
+    assert first.context and len(first.context) == first.prompt_eval_count + first.eval_count
+    alone = client.generate(model=MODEL, prompt="What is my name?", options=opts)
+    after = client.generate(model=MODEL, prompt="What is my name?", context=first.context, options=opts)
+    assert after.context[:len(first.context)] == first.context  # the earlier turn, then this one
+    assert after.prompt_eval_count == len(first.context) + alone.prompt_eval_count, (after, alone)
+    assert after.context[len(first.context):after.prompt_eval_count] == alone.context[:alone.prompt_eval_count]
+    streamed = list(client.generate(model=MODEL, prompt="What is my name?", context=first.context, options=opts,
+                                    stream=True))
+    assert "".join(s.response for s in streamed) == after.response and streamed[-1].context == after.context
+    for bad, words in (([1, "2"], "array of token ids"), ("1 2", "array of token ids"), ([1, True], "array of token ids"),
+                       ([10_000_000], "not in this model's vocabulary"), ([1], "cannot be combined")):
+        body = {"model": MODEL, "prompt": "hi", "context": bad, "stream": False, "options": opts}
+        r = daemon_a.http.post("/api/generate", json={**body, **({"suffix": "x"} if bad == [1] else {})})
+        assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
 def test_ollama_embed_truncates_long_inputs_as_ollama_does(daemon_b):
     """Ollama's /api/embed (and /api/embeddings) cut an input to the model's embedding window unless
     truncate is false (RAG clients send long chunks); OpenAI's route refuses it, with OpenAI's code."""

@@ -78,6 +78,9 @@ class Job:
     # a chat longer than the window drops its oldest turns (Ollama's /api/chat `truncate`, on by default
     # there): system messages and the last user turn stay; see GenerationService._fit_messages
     truncate: bool = False
+    # Ollama's /api/generate `context` (an earlier answer's token ids), as text: it goes before the prompt,
+    # as Ollama puts it (render_prompt)
+    context_text: str | None = None
 
 
 @dataclass
@@ -661,14 +664,15 @@ def render_prompt(job: Job) -> str:
             learn_tool_format(r.template)  # learned here, off the event loop (cached per template)
         return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=tools, **extra)
     assert job.prompt is not None
+    before = job.context_text or ""
     if job.raw:
-        return job.prompt
+        return before + job.prompt
     msgs = []
     system = job.system if job.system is not None else r.system
     if system:
         msgs.append({"role": "system", "content": system})
     msgs.append({"role": "user", "content": job.prompt})
-    return render_chat(job.template or r.template, msgs, add_generation_prompt=True, **extra)
+    return before + render_chat(job.template or r.template, msgs, add_generation_prompt=True, **extra)
 
 
 class ClientGone(LocalrunError):

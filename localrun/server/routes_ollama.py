@@ -53,6 +53,7 @@ OLLAMA_API_VERSION = "0.12.6"
 
 
 FILES_VIEW = files_view()
+MAX_CONTEXT_IDS = 1 << 20  # token ids one /api/generate `context` may carry (the window bounds the prompt after)
 
 
 @router.get("/version")
@@ -506,6 +507,15 @@ async def generate(request: Request):
         raise InvalidRequest("'suffix' must be a string")
     if images and suffix:
         raise InvalidRequest("'images' and 'suffix' cannot be combined: fill in the middle takes text only")
+    context = body.get("context")
+    if context is not None:
+        if not isinstance(context, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
+            raise InvalidRequest("'context' must be an array of token ids: the 'context' of an earlier /api/generate "
+                                 "answer")
+        if len(context) > MAX_CONTEXT_IDS:
+            raise InvalidRequest(f"'context' has {len(context)} token ids; at most {MAX_CONTEXT_IDS}")
+        if suffix:
+            raise InvalidRequest("'context' and 'suffix' cannot be combined: fill in the middle starts afresh")
     if not prompt and not images and not suffix:
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
@@ -523,6 +533,12 @@ async def generate(request: Request):
               system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=_think(body),
               num_ctx=num_ctx, keep_alive=st.keep_alive(body), api="ollama.generate", infill=infill,
               prompt_ids=not images)  # Ollama's `context`: token ids (an image's positions have none)
+    if context:
+        # as Ollama does: the earlier prompt and answer as text (special tokens written out), then this
+        # prompt; the ids already begin with the model's BOS if it has one, so none is added again
+        job.context_text = await until_disconnected(request, st.generation.detokenize(
+            resolved, context, keep_alive=st.keep_alive(body)))
+        job.add_special = False
     return await _run(request, st, body, job, chat=False)
 
 
