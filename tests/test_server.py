@@ -11,6 +11,7 @@ mid-stream frees the slot, queue overflow answers 503 + Retry-After, a second mo
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -496,6 +497,37 @@ def test_ollama_generate_continues_from_an_earlier_answers_context(daemon_a):
         body = {"model": MODEL, "prompt": "hi", "context": bad, "stream": False, "options": opts}
         r = daemon_a.http.post("/api/generate", json={**body, **({"suffix": "x"} if bad == [1] else {})})
         assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
+def test_ollama_load_options_in_a_request_reload_the_model(daemon_b):
+    """Ollama's per-request num_thread / num_gpu (Open WebUI's advanced parameters send them) decide how
+    the model is loaded: other values than the loaded model's reload it, as Ollama does; the same
+    values again do not; leaving them out goes back to the daemon's own choice. Before, they were
+    silently ignored."""
+    def generate(**options):
+        r = daemon_b.http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
+                                                      "options": {"num_predict": 2, **options}})
+        assert r.status_code == 200, r.text
+        (m,) = daemon_b.ps()
+        return m["reason"]
+
+    def reloads() -> int:
+        return daemon_b.log.read_text(errors="replace").count(f"reloading {MODEL}")
+
+    def threads(reason: str) -> str:
+        return re.search(r"(\d+) threads", reason).group(1)
+
+    auto = threads(generate())
+    n = reloads()
+    assert threads(generate(num_thread=3)) == "3" and reloads() == n + 1
+    assert threads(generate(num_thread=3)) == "3" and reloads() == n + 1  # the same: no reload
+    assert threads(generate()) == auto and reloads() == n + 2
+    assert "load options {'num_thread': 3} -> none" in daemon_b.log.read_text(errors="replace")
+    for bad in ({"num_thread": "2"}, {"num_thread": -3}, {"num_gpu": 5000}, {"num_thread": True}):
+        r = daemon_b.http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
+                                                      "options": {"num_predict": 2, **bad}})
+        assert r.status_code == 400 and next(iter(bad)) in r.json()["error"], r.text
+    assert reloads() == n + 2
 
 
 def test_ollama_embed_truncates_long_inputs_as_ollama_does(daemon_b):

@@ -8,7 +8,9 @@
 - Per model at most ``info.slots`` generations run at once; up to LOCALRUN_MAX_QUEUE
   more wait; beyond that ``Busy`` (503 + Retry-After) at once.
 - A request asking for a larger num_ctx than the loaded one reloads the model when it
-  is idle; a smaller one runs in the loaded context with the smaller limit enforced.
+  is idle; a smaller one runs in the loaded context with the smaller limit enforced. So does one
+  whose load options (``LOAD_OPTIONS``: Ollama's per-request num_thread, num_gpu) differ from the
+  loaded model's, as Ollama reloads for them.
 - Each loaded model lives in a runner process of its own (``localrun.backends.process``),
   started by the ``loader`` (a parameter, so tests can hand in an in-process fake). A
   runner that dies is forgotten at once: its requests got their errors from the runner's
@@ -37,6 +39,36 @@ from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunEr
 from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
 
 log = logging.getLogger("localrun.manager")
+
+# Ollama's request options that decide how a model is loaded, not how it samples: a request that asks
+# for other values than the loaded model's reloads it (once idle), as Ollama does
+LOAD_OPTIONS = ("num_thread", "num_gpu")
+
+
+def load_options(resolved: Any) -> dict[str, Any]:
+    """The load options (LOAD_OPTIONS) among a resolved model's parameters: its Modelfile's, or a
+    request's over them (with_load_options)."""
+    params = getattr(resolved, "parameters", None) or {}
+    return {k: params[k] for k in LOAD_OPTIONS if k in params}
+
+
+def with_load_options(resolved: Any, options: Any) -> Any:
+    """`resolved` with a request's load options (Ollama's `options`: num_thread, num_gpu) over its
+    Modelfile's; itself when the request names none. InvalidRequest for a value that is not a
+    whole number in range."""
+    if not isinstance(options, dict) or not any(k in options for k in LOAD_OPTIONS):
+        return resolved
+    params = dict(resolved.parameters or {})
+    for k, auto in (("num_thread", 0), ("num_gpu", -1)):
+        if k in options and options[k] is not None:
+            v = options[k]
+            if not isinstance(v, int) or isinstance(v, bool) or not auto <= v <= 4096:
+                raise InvalidRequest(f"'{k}' must be a whole number from {auto} ({auto}: automatic) to 4096")
+            if v == auto:  # the daemon's own choice (threads: the physical cores; layers: what fits), as if unset
+                params.pop(k, None)
+            else:
+                params[k] = v
+    return dataclasses.replace(resolved, parameters=params)
 
 DEFAULT = object()  # "keep_alive not given": use LOCALRUN_KEEP_ALIVE
 
@@ -347,15 +379,21 @@ class ModelManager:
     async def _ensure(self, resolved: Any, num_ctx: int | None) -> tuple[Runner, bool]:
         key = resolved.name
         want = self._cap_ctx(resolved, num_ctx) if num_ctx else None
+
+        def fits(r: Runner | None) -> bool:
+            return (r is not None and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx)
+                    and load_options(r.resolved) == load_options(resolved))
+
         r = self.runners.get(key)
-        if r and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx):
+        if fits(r):
             return r, False
         async with self._load_lock:
             r = self.runners.get(key)
-            if r and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx):
+            if fits(r):
                 return r, False
-            if r is not None:  # changed model or a bigger context: reload once idle
-                log.info("reloading %s (num_ctx %s -> %s)", key, r.num_ctx, want)
+            if r is not None:  # changed model, a bigger context or other load options: reload once idle
+                log.info("reloading %s (num_ctx %s -> %s, load options %s -> %s)", key, r.num_ctx, want,
+                         load_options(r.resolved) or "none", load_options(resolved) or "none")
                 await self.unload(key)
             return await self._load(resolved, want or self.default_num_ctx(resolved)), True
 

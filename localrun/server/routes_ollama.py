@@ -25,6 +25,7 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
 from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
 from localrun.server.images import from_base64, take_images
+from localrun.server.manager import with_load_options
 from localrun.server.routes_openai import token_logprobs
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 
@@ -483,7 +484,8 @@ def _think(body: dict) -> bool | None:
 async def _resolve_with_options(st: State, body: dict):
     """The model, its sampling options (Modelfile PARAMETERs, then the request's `options`)
     and the context window for a /api/generate or /api/chat request."""
-    resolved = await st.resolve(_name(body))
+    # num_thread / num_gpu in the request's options: how the model is loaded (a reload when they differ)
+    resolved = with_load_options(await st.resolve(_name(body)), body.get("options"))
     opts, num_ctx = c.base_options(resolved)
     req_ctx = c.apply_ollama_options(opts, body.get("options"))
     c.apply_logprobs(opts, body)  # top level, not in options
