@@ -146,6 +146,50 @@ def test_ollama_sdk_chat_tools_and_thinking(daemon):
     assert "does not support thinking" in str(e.value)
 
 
+# gpt-oss's way, cut down: the effort goes into the system message; the answer comes on channels
+OSS_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+                "<|message|>{{ m.content }}<|end|>{% endfor %}<|start|>assistant")
+
+
+def test_reasoning_effort_reaches_a_gpt_oss_template_from_every_api(tmp_path):
+    """Ollama's think levels (the CLI's --think=high), OpenAI chat's reasoning_effort and the Responses
+    API's reasoning.effort reach a template that takes one (gpt-oss: "Reasoning: high"); think true
+    on such a model is no 400 (it thinks on channels, not in <think> blocks); "none" asks a <think>
+    model not to think; a templated /api/generate on such a model is parsed by channel too. The level
+    was dropped before, think true was refused, and /api/generate gave the channels' text run together."""
+    import ollama
+    from openai import OpenAI
+
+    oss = "<|channel|>analysis<|message|>Deep thought.<|end|><|start|>assistant<|channel|>final<|message|>Done."
+    fake = FakeModel(rules={**api_rules(), "Reasoning: high": oss, "Reasoning: ": "<|channel|>final<|message|>Ok."})
+    home = library_home(tmp_path / "home", {"oss": f'FROM {MODEL}\nTEMPLATE """{OSS_TEMPLATE}"""\n'})
+    d = InProcessDaemon(home, fake, LOCALRUN_NUM_PARALLEL="1")
+    try:
+        client = ollama.Client(host=d.url)
+        r = client.chat(model="oss", messages=[{"role": "user", "content": "Think hard"}], think="high")
+        assert "Reasoning: high" in fake.requests[-1].prompt
+        assert r.message.thinking == "Deep thought." and r.message.content == "Done."
+        r = client.generate(model="oss", prompt="Think a little", think="low")
+        assert "Reasoning: low" in fake.requests[-1].prompt and r.response == "Ok."
+        client.chat(model="oss", messages=[{"role": "user", "content": "Think"}], think=True)  # no 400
+        assert "Reasoning: medium" in fake.requests[-1].prompt
+        oai = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+        c = oai.chat.completions.create(model="oss", messages=[{"role": "user", "content": "Hm"}],
+                                        reasoning_effort="high")
+        assert "Reasoning: high" in fake.requests[-1].prompt and c.choices[0].message.content == "Done."
+        oai.responses.create(model="oss", input="Hm", reasoning={"effort": "minimal"})
+        assert "Reasoning: low" in fake.requests[-1].prompt
+        # "none" on a <think> model: the template closes the block (enable_thinking false)
+        oai.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "A puzzle"}],
+                                    reasoning_effort="none")
+        assert fake.requests[-1].prompt.endswith("<think>\n\n</think>\n\n")
+        r = httpx.post(d.url + "/v1/chat/completions", json={"model": "oss", "messages": MSGS, "reasoning_effort": 3})
+        assert r.status_code == 400 and "reasoning_effort" in r.json()["error"]["message"]
+    finally:
+        d.stop()
+
+
 def test_ollama_pull_and_create_not_streamed_and_bad_names(daemon):
     r = httpx.post(daemon.url + "/api/pull", json={"model": MODEL, "stream": False}, timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "success"}

@@ -60,6 +60,9 @@ class Job:
     template: str | None = None  # text jobs: a template over the model's
     tools: list[dict] | None = None  # OpenAI-style tool definitions rendered into the prompt
     think: bool | None = None  # None: as the template does; False: ask it not to think; True: must think
+    # how hard to think ("low", "medium", "high"): gpt-oss's reasoning_effort, for templates that take it
+    # (the rest ignore it); Ollama's think levels, OpenAI's reasoning_effort, the Responses API's effort
+    effort: str | None = None
     num_ctx: int | None = None
     keep_alive: Any = DEFAULT
     n: int = 1
@@ -211,7 +214,7 @@ class Generation:
                     self._open.append(stream)
                 names = {t["function"]["name"] for t in self.job.tools or []} or None
                 generic = self.job.tool_format == generic_tools.NAME
-                parser = HarmonyParser(names) if is_harmony(self.job.resolved.template) and self.job.messages is not None \
+                parser = HarmonyParser(names) if _harmony(self.job) \
                     else OutputParser(self.reasoning, names, tool_format=learn_tool_format(self.job.resolved.template)
                                       if self.job.tools and not generic else None, tools=self.job.tools, generic=generic)
                 hide_reasoning = self.job.think is False
@@ -431,7 +434,7 @@ class GenerationService:
         # a template runs on a worker thread (a slow one must not stall the loop); a raw prompt has none
         prompt = render_prompt(job) if job.raw and job.messages is None else await asyncio.to_thread(render_prompt, job)
         reasoning = reasoning_for(job.template or job.resolved.template, prompt)
-        if job.think is True and reasoning is None:
+        if job.think is True and reasoning is None and not is_harmony(job.template or job.resolved.template):
             raise InvalidRequest(f"{job.resolved.name} does not support thinking (its template has no "
                                  "<think> block); leave thinking unset or turn it off")
         return prompt, reasoning
@@ -616,10 +619,16 @@ def infill_refusal(model: str, backend: str) -> str:
             "with FIM tokens such as Qwen2.5-Coder, or send the prompt without a suffix")
 
 
+def _harmony(job: Job) -> bool:
+    """The prompt was rendered by a harmony template (gpt-oss): a chat, or a templated /api/generate
+    (not a raw prompt, whose output goes back as the model wrote it)."""
+    return (job.messages is not None or not job.raw) and is_harmony(job.template or job.resolved.template)
+
+
 def _preserve(job: Job) -> list[str] | None:
     """The tool-call markers of the model's template, kept as text in the output (tools only), and
     a harmony template's message framing (its channels are parsed from the text)."""
-    if job.messages is not None and is_harmony(job.resolved.template):
+    if _harmony(job):
         return list(HARMONY_TOKENS)
     fmt = learn_tool_format(job.resolved.template) if job.tools and job.tool_format != generic_tools.NAME \
         else None
@@ -654,6 +663,8 @@ def render_prompt(job: Job) -> str:
     extra: dict[str, Any] = {}
     if job.think is not None:
         extra["enable_thinking"] = job.think  # Qwen3's switch; templates that lack it ignore it
+    if job.effort is not None:
+        extra["reasoning_effort"] = job.effort  # gpt-oss's "Reasoning: high"
     if job.messages is not None:
         msgs = list(job.messages)
         history = [dict(m) for m in (r.messages or [])]

@@ -180,6 +180,24 @@ def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | No
     return get_int(params, "num_ctx", 16, 1 << 20)
 
 
+_EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+
+
+def reasoning_effort(value: Any, what: str) -> tuple[bool | None, str | None]:
+    """(Job.think, Job.effort) for an OpenAI-style reasoning effort (chat's `reasoning_effort`, the
+    Responses API's `reasoning.effort`): "none" asks the template not to think; minimal, low, medium,
+    high (xhigh) go to templates that take an effort (gpt-oss: low, medium, high), thinking otherwise
+    left to the template: clients such as Codex always send one, and a model that cannot think still
+    answers them. An effort this daemon does not know is passed over the same way."""
+    if value is None:
+        return None, None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"'{what}' must be a string (none, minimal, low, medium, high)")
+    if value == "none":
+        return False, None
+    return None, _EFFORTS.get(value)
+
+
 def apply_logprobs(opts: SamplingOptions, body: dict) -> None:
     """The top-level `logprobs` / `top_logprobs` of OpenAI's chat and Ollama's chat and generate: each
     token's log-probability, and that many alternatives (0-20; above 0 only with logprobs true)."""

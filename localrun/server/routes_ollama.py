@@ -472,12 +472,14 @@ def _loads(s: str):
         return s
 
 
-def _think(body: dict) -> bool | None:
+def _think(body: dict) -> tuple[bool | None, str | None]:
+    """(Job.think, Job.effort): true, false, or a level (gpt-oss's low, medium, high: thinking on, with
+    that reasoning effort)."""
     v = body.get("think")
     if v is None or isinstance(v, bool):
-        return v
-    if v in ("low", "medium", "high"):  # gpt-oss effort levels: thinking on
-        return True
+        return v, None
+    if v in ("low", "medium", "high"):
+        return True, v
     raise InvalidRequest("'think' must be true, false, or one of low, medium, high")
 
 
@@ -531,8 +533,9 @@ async def generate(request: Request):
     # a suffix asks for the code between prompt and suffix (fill in the middle), laid out with the model's
     # FIM tokens as Ollama's insert templates do; the model's chat template is not used then
     infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
+    think, effort = _think(body)
     job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=raw or infill is not None, images=images,
-              system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=_think(body),
+              system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=think, effort=effort,
               num_ctx=num_ctx, keep_alive=st.keep_alive(body), api="ollama.generate", infill=infill,
               prompt_ids=not images)  # Ollama's `context`: token ids (an image's positions have none)
     if context:
@@ -555,7 +558,8 @@ async def chat(request: Request):
     messages = c.normalize_messages(messages, ollama_images=True)
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
-    job = Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
+    think, effort = _think(body)
+    job = Job(resolved, opts, messages=messages, tools=tools, think=think, effort=effort, num_ctx=num_ctx,
               keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=_truncate(body))
     return await _run(request, st, body, job, chat=True)
 

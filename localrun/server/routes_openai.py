@@ -210,7 +210,10 @@ async def chat_completions(request: Request):
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:
             opts.json_schema = forced
-    job = Job(resolved, opts, messages=messages, tools=tools, think=thinking_switch(body), num_ctx=num_ctx,
+    think, effort = p.reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
+    if (switch := thinking_switch(body)) is not None:  # chat_template_kwargs.enable_thinking says it outright
+        think = switch
+    job = Job(resolved, opts, messages=messages, tools=tools, think=think, effort=effort, num_ctx=num_ctx,
               keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages),
               cache_key=p.cache_key(body))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

@@ -368,18 +368,15 @@ def _text_format(value: Any, opts) -> dict:
     return out
 
 
-def _reasoning(value: Any) -> tuple[bool | None, dict]:
-    """(Job.think, the `reasoning` to echo): effort "none" asks the template not to think; any
-    other effort leaves thinking to the template (clients such as Codex always send an effort,
-    and a model that cannot think should still answer them)."""
+def _reasoning(value: Any) -> tuple[bool | None, str | None, dict]:
+    """(Job.think, Job.effort, the `reasoning` to echo): p.reasoning_effort reads the effort."""
     if value is None:
-        return None, {"effort": None, "summary": None}
+        return None, None, {"effort": None, "summary": None}
     if not isinstance(value, dict):
         raise InvalidRequest("'reasoning' must be an object")
     effort = value.get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise InvalidRequest("'reasoning.effort' must be a string (none, minimal, low, medium, high)")
-    return (False if effort == "none" else None), {"effort": effort, "summary": value.get("summary")}
+    think, level = p.reasoning_effort(effort, "reasoning.effort")
+    return think, level, {"effort": effort, "summary": value.get("summary")}
 
 
 def _metadata(value: Any) -> dict:
@@ -559,7 +556,7 @@ async def create_response(request: Request):
     previous = p.get_str(body, "previous_response_id")
     items = input_items(body.get("input"))
     metadata = _metadata(body.get("metadata"))
-    think, reasoning = _reasoning(body.get("reasoning"))
+    think, effort, reasoning = _reasoning(body.get("reasoning"))
     context: list[dict] = []
     if previous is not None:
         check_id(previous, "previous_response_id")
@@ -582,7 +579,7 @@ async def create_response(request: Request):
         if forced is not None:
             opts.json_schema = forced
     messages = chat_messages(context, instructions, len(context) - len(items))
-    job = Job(resolved, opts, messages=messages, tools=tools, think=think,
+    job = Job(resolved, opts, messages=messages, tools=tools, think=think, effort=effort,
               num_ctx=p.get_int(body, "num_ctx", 16, 1 << 20) or num_ctx, keep_alive=st.keep_alive(body),
               api="openai.responses", images=take_images(messages), cache_key=p.cache_key(body))
     response = {
