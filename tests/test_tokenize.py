@@ -91,3 +91,32 @@ def test_bad_input_is_a_400_and_the_runner_lives_on(daemon, path, body, words):
 def test_an_unknown_model_is_a_404(daemon):
     r = daemon.http.post("/detokenize", json={"model": "no-such-model", "tokens": [1]})
     assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"], r.text
+
+
+def test_a_prompt_of_token_ids_answers_as_its_text_does(daemon):
+    """OpenAI completions' other prompt form (an array of token ids; vLLM takes it, /tokenize gives it):
+    greedy, the same answer as the text; an id outside the vocabulary is a 400 and the runner lives on."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    text = "The capital of France is"
+    ids = daemon.http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text and by_text.choices[0].text.strip()
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=[ids], max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == by_text.choices[0].text
+    for bad, words in (([1, 10_000_000], "not in this model's vocabulary"), ([], "array of token ids"),
+                       ([1, "2"], "array of token ids")):
+        with pytest.raises(BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=bad, max_tokens=4)
+        assert words in str(e.value), e.value
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True)
+    assert "send the prompt as text" in str(e.value)
+    with pytest.raises(BadRequestError) as e:  # longer than the window
+        client.completions.create(model=MODEL, prompt=[28] * 2000, max_tokens=4)
+    assert "context window" in str(e.value)
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=2).choices[0].text  # still serving

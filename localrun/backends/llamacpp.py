@@ -568,8 +568,12 @@ class LlamaCppBackend:
             elif request.infill is not None:
                 # llama-server lays it out with its own n_predict (-1 unless started with -n), not the request's
                 tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window, None)
+            elif request.prompt_token_ids is not None:  # the daemon's, or a client's (a prompt of token ids)
+                tokens = list(request.prompt_token_ids)
+                if tokens and (min(tokens) < 0 or max(tokens) >= self._n_vocab):  # llama_decode refuses the step: a 500
+                    check_token_ids(tokens, self._n_vocab)
             else:
-                tokens = list(request.prompt_token_ids or await self.tokenize(request.prompt, request.add_special))
+                tokens = await self.tokenize(request.prompt, request.add_special)
             if (request.images or request.infill is not None) and request.window is not None:
                 o.max_tokens = fit_window(len(tokens), request.window, o.max_tokens)  # the runner left it to us
             if not tokens:

@@ -276,6 +276,8 @@ class NativeBackend:
         ids = request.prompt_token_ids
         if ids is None:
             ids = await self.tokenize(request.prompt, add_special=request.add_special)
+        elif ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):  # a client's prompt of token ids
+            check_token_ids(ids, self.tokenizer.vocab_size)
         if not ids:
             raise InvalidRequest("the prompt is empty")
         params = _params(request.options, len(ids), self.engine.config.max_model_len, await self._grammar(request.options))

@@ -81,6 +81,9 @@ class Job:
     # a chat longer than the window drops its oldest turns (Ollama's /api/chat `truncate`, on by default
     # there): system messages and the last user turn stay; see GenerationService._fit_messages
     truncate: bool = False
+    # the prompt as token ids (OpenAI completions' other form): neither rendered nor tokenized; the
+    # backend checks them against its vocabulary
+    token_prompt: list[int] | None = None
     # Ollama's /api/generate `context` (an earlier answer's token ids), as text: it goes before the prompt,
     # as Ollama puts it (render_prompt)
     context_text: str | None = None
@@ -343,7 +346,9 @@ class GenerationService:
             if job.truncate and job.messages and len(job.messages) > 1:
                 job, prompt, reasoning, images = await self._fit_messages(job, lease, prompt, reasoning, images)
             self._check_length(prompt, lease)
-            if job.infill is not None:  # the backend lays the prompt out (and checks the window)
+            if job.token_prompt is not None:
+                requests = self._requests(job, lease, prompt, list(job.token_prompt))
+            elif job.infill is not None:  # the backend lays the prompt out (and checks the window)
                 requests = self._requests(job, lease, prompt, None)
             elif images or (job.n == 1 and getattr(lease.backend, "tokenizes_in_generate", False)):
                 # the runner tokenizes (a prompt with images only it can: image tokens come from the projector)

@@ -265,15 +265,22 @@ async def completions(request: Request):
     body = await json_body(request)
     model = p.get_str(body, "model", required=True)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    token_prompt = None
+    if isinstance(prompt, list):  # token ids (OpenAI's and vLLM's other prompt form; /tokenize gives them)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
+        token_prompt, prompt = prompt, ""
     if not isinstance(prompt, str):
-        raise InvalidRequest("'prompt' must be a string")
+        raise InvalidRequest("'prompt' must be a string (or an array of token ids)")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("'suffix' must be a string")
-    if not prompt.strip() and not suffix:
+    if token_prompt is None and not prompt.strip() and not suffix:
         raise InvalidRequest("'prompt' must not be empty")
+    if token_prompt is not None and (suffix or p.get_bool(body, "echo")):
+        raise InvalidRequest("a prompt of token ids cannot be used with 'suffix' or 'echo': send the prompt as text")
     stream = p.get_bool(body, "stream")
     resolved = await st.resolve(model)
     opts, num_ctx, n = openai_options(body, resolved, chat=False)
@@ -288,7 +295,7 @@ async def completions(request: Request):
     if infill is not None and echo:
         raise InvalidRequest("'echo' cannot be used with 'suffix'")
     job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=True, num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill)
+              keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill, token_prompt=token_prompt)
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
