@@ -55,10 +55,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 # -- OpenAI SDK ------------------------------------------------------------------------------
-def test_models_list_and_get(oai):
+def test_models_list_and_get(oai, daemon_a):
     ids = [m.id for m in oai.models.list().data]
     assert MODEL in ids
     assert oai.models.retrieve(MODEL).id == MODEL
+    # vLLM's max_model_len: the context a request gets by default (LOCALRUN_CONTEXT_LENGTH=2048 here)
+    listed = {m["id"]: m for m in daemon_a.http.get("/v1/models").json()["data"]}
+    assert listed[MODEL]["max_model_len"] == 2048
+    assert daemon_a.http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == 2048
 
 
 def test_chat_completion(oai):

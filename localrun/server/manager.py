@@ -243,10 +243,20 @@ class ModelManager:
         n = int(n or self.settings.context_length)
         return self._cap_ctx(resolved, n)
 
-    def _cap_ctx(self, resolved: Any, n: int) -> int:
+    def window(self, resolved: Any) -> int:
+        """The context a request that names no num_ctx gets: the loaded model's, else the one a load
+        would make (what /v1/models reports as max_model_len)."""
+        r = self.runners.get(resolved.name)
+        if r is not None and not r.closing and r.digest == resolved.digest:
+            return r.num_ctx
+        n = int((resolved.parameters or {}).get("num_ctx") or self.settings.context_length)
+        return self._cap_ctx(resolved, n, quiet=True)
+
+    def _cap_ctx(self, resolved: Any, n: int, quiet: bool = False) -> int:
         train = getattr(getattr(resolved, "info", None), "context_length", None)
         if train and n > train:
-            log.info("%s: num_ctx %d capped at the model's trained context %d", resolved.name, n, train)
+            if not quiet:
+                log.info("%s: num_ctx %d capped at the model's trained context %d", resolved.name, n, train)
             n = int(train)
         return n
 

@@ -28,22 +28,30 @@ def usage_body(prompt: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _model_obj(name: str, created: float) -> dict:
-    return {"id": name, "object": "model", "created": int(created), "owned_by": "localrun"}
+def _model_obj(st: State, r: Any) -> dict:
+    """OpenAI's model object, with vLLM's max_model_len: the context a request gets by default (clients
+    such as LiteLLM size prompts by it)."""
+    return {"id": r.name, "object": "model", "created": int(r.modified_at.timestamp()), "owned_by": "localrun",
+            "max_model_len": st.manager.window(r)}
 
 
 @router.get("/models")
 async def list_models(request: Request):
     st: State = request.app.state.lr
-    models = await st.list_models()
-    return {"object": "list", "data": [_model_obj(m.name, m.modified_at.timestamp()) for m in models]}
+    data = []
+    for m in await st.list_models():
+        try:
+            data.append(_model_obj(st, await st.resolve(m.name)))
+        except LocalrunError:  # removed meanwhile, or unreadable: listed as the library lists it
+            data.append({"id": m.name, "object": "model", "created": int(m.modified_at.timestamp()),
+                         "owned_by": "localrun"})
+    return {"object": "list", "data": data}
 
 
 @router.get("/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
     st: State = request.app.state.lr
-    r = await st.resolve(model_id)
-    return _model_obj(r.name, r.modified_at.timestamp())
+    return _model_obj(st, await st.resolve(model_id))
 
 
 def openai_options(body: dict, resolved: Any, chat: bool):
