@@ -261,6 +261,23 @@ def test_thinking_blocks(daemon, fake):
     assert "does not support thinking" in e.value.body["error"]["message"]
 
 
+def test_a_final_assistant_turn_is_continued(daemon, fake):
+    """Anthropic's prefill: the prompt ends with the assistant's text, not with a new turn, and the
+    answer is what comes after it; count_tokens counts that same prompt."""
+    client = _client(daemon)
+    msgs = [*HI, {"role": "assistant", "content": "The answer is"}]
+    r = client.messages.create(model=MODEL, max_tokens=30, messages=msgs)
+    prompt = _prompt(fake)
+    assert prompt.endswith("<|im_start|>assistant\nThe answer is"), prompt[-80:]
+    assert r.content[0].text == DEFAULT_REPLY and r.stop_reason == "end_turn"
+    n = client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+    assert n == len(prompt)  # the fake's tokens are characters
+    # and as vLLM asks for it on the OpenAI API
+    r = httpx.post(daemon.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "continue_final_message": True, "add_generation_prompt": False})
+    assert r.status_code == 200 and _prompt(fake) == prompt, r.text
+
+
 def test_count_tokens(daemon, fake):
     client = _client(daemon)
     plain = client.messages.count_tokens(model="toolsmol", messages=HI).input_tokens
@@ -342,7 +359,7 @@ def test_output_config_format(home, daemon, fake):
      "document content blocks are not supported"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]},
      "\"tool_use\" are not supported"),
-    ({"max_tokens": 5, "messages": [*HI, {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ({"max_tokens": 5, "messages": [*HI, {"role": "assistant", "content": "  "}]}, "to continue is empty"),
     ({"max_tokens": 5, "messages": HI, "thinking": {"type": "sometimes"}}, "'thinking' must be"),
     ({"max_tokens": 5, "messages": HI, "tool_choice": {"type": "whatever"}, "tools": []}, "'tool_choice' must be"),
     ({"max_tokens": 5, "messages": HI, "system": [{"type": "image"}]}, "system[0]"),

@@ -534,6 +534,25 @@ def test_ollama_load_options_in_a_request_reload_the_model(daemon_b):
     assert reloads() == n + 2
 
 
+def test_an_anthropic_prefill_is_continued_by_the_real_model(daemon_a, smollm2_gguf):
+    """The anthropic SDK with a final assistant turn: SmolLM2 goes on from its text, exactly as a raw
+    completion of the chat's prompt (a new assistant turn opened) followed by that text does."""
+    import anthropic
+
+    from localrun.chat_template import render_chat
+    from localrun.library import read_gguf_info
+
+    prefix = "The capital of France is"
+    client = anthropic.Anthropic(base_url=daemon_a.url, api_key=KEY, max_retries=0)
+    r = client.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=[
+        *CHAT, {"role": "assistant", "content": prefix}])
+    prompt = render_chat(read_gguf_info(smollm2_gguf).chat_template, CHAT) + prefix
+    raw = daemon_a.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                                     "temperature": 0}).json()
+    assert r.content[0].text == raw["choices"][0]["text"] and r.content[0].text.strip(), (r, raw)
+    assert r.usage.input_tokens == raw["usage"]["prompt_tokens"]
+
+
 def test_ollama_embed_truncates_long_inputs_as_ollama_does(daemon_b):
     """Ollama's /api/embed (and /api/embeddings) cut an input to the model's embedding window unless
     truncate is false (RAG clients send long chunks); OpenAI's route refuses it, with OpenAI's code."""

@@ -190,6 +190,30 @@ def test_reasoning_effort_reaches_a_gpt_oss_template_from_every_api(tmp_path):
         d.stop()
 
 
+def test_parallel_tool_calls_false_keeps_one_call(home):
+    """OpenAI chat's parallel_tool_calls: false: at most one call comes back (streamed or not); by
+    default both calls the model wrote do."""
+    from openai import OpenAI
+
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    fake = FakeModel(rules={"Two cities": two})
+    d = InProcessDaemon(home, fake, LOCALRUN_NUM_PARALLEL="1")
+    try:
+        client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+        ask = {"model": "toolsmol", "messages": [{"role": "user", "content": "Two cities"}], "tools": [WEATHER]}
+        r = client.chat.completions.create(**ask)
+        assert [c.function.arguments for c in r.choices[0].message.tool_calls] == ['{"city": "Paris"}',
+                                                                                  '{"city": "Rome"}']
+        r = client.chat.completions.create(**ask, parallel_tool_calls=False)
+        assert [c.function.arguments for c in r.choices[0].message.tool_calls] == ['{"city": "Paris"}']
+        streamed = [tc for ch in client.chat.completions.create(**ask, parallel_tool_calls=False, stream=True)
+                    for tc in ((ch.choices[0].delta.tool_calls or []) if ch.choices else [])]
+        assert len(streamed) == 1 and streamed[0].function.arguments == '{"city": "Paris"}'
+    finally:
+        d.stop()
+
+
 def test_ollama_pull_and_create_not_streamed_and_bad_names(daemon):
     r = httpx.post(daemon.url + "/api/pull", json={"model": MODEL, "stream": False}, timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "success"}

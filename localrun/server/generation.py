@@ -81,6 +81,9 @@ class Job:
     # a chat longer than the window drops its oldest turns (Ollama's /api/chat `truncate`, on by default
     # there): system messages and the last user turn stay; see GenerationService._fit_messages
     truncate: bool = False
+    # the last message is the assistant's and the model continues it (Anthropic's prefill, vLLM's
+    # continue_final_message): the chat is rendered without a new turn and cut after that message's text
+    continue_final: bool = False
     # the prompt as token ids (OpenAI completions' other form): neither rendered nor tokenized; the
     # backend checks them against its vocabulary
     token_prompt: list[int] | None = None
@@ -678,6 +681,9 @@ def render_prompt(job: Job) -> str:
         tools = None if job.tool_format == generic_tools.NAME else (job.tools or None)
         if tools:
             learn_tool_format(r.template)  # learned here, off the event loop (cached per template)
+        if job.continue_final:
+            rendered = render_chat(r.template, history + msgs, add_generation_prompt=False, tools=tools, **extra)
+            return _cut_after_final(rendered, msgs[-1])
         return render_chat(r.template, history + msgs, add_generation_prompt=True, tools=tools, **extra)
     assert job.prompt is not None
     before = job.context_text or ""
@@ -689,6 +695,25 @@ def render_prompt(job: Job) -> str:
         msgs.append({"role": "system", "content": system})
     msgs.append({"role": "user", "content": job.prompt})
     return before + render_chat(job.template or r.template, msgs, add_generation_prompt=True, **extra)
+
+
+def _cut_after_final(rendered: str, final: dict) -> str:
+    """The rendered chat up to the end of its last (assistant) message's text, so that the model goes
+    on writing it (transformers' continue_final_message does the same): the text as given, else as
+    the template trimmed it; a 400 when the template does not write it at all."""
+    if final.get("role") != "assistant":
+        raise InvalidRequest("only an assistant message can be continued: the last message is the "
+                             f"{final.get('role')}'s")
+    text = final.get("content") or ""
+    if not text.strip():
+        raise InvalidRequest("the last (assistant) message to continue is empty: drop it, or give it the "
+                             "text the answer should start with")
+    for cut in (text, text.strip(), text.rstrip()):
+        i = rendered.rfind(cut)
+        if i >= 0:
+            return rendered[:i + len(cut)]
+    raise InvalidRequest("this model's chat template does not write the last assistant message as it was "
+                         "given, so the answer cannot continue it; end with a user message instead")
 
 
 class ClientGone(LocalrunError):

@@ -9,7 +9,7 @@ the generation service's events -> Anthropic's SSE events or one message object.
   results are marked "Error: "), ``thinking`` blocks of earlier turns are dropped (chat
   templates drop old reasoning too); ``image`` blocks (``base64`` or ``url`` source, also inside a
   tool_result) go where they stand (server/images.py); documents are a 400. A final assistant turn
-  (prefill, which Anthropic continues) is a 400 on /v1/messages: localrun cannot continue a turn.
+  (a prefill) is continued, as Anthropic does: the answer goes on from its text.
 - ``tools`` ({name, description, input_schema}) -> function tools; ``tool_choice`` auto / any /
   tool / none -> auto / required / that tool / none.
 - ``thinking`` enabled / disabled / adaptive -> think on / off / as the template does; the
@@ -439,8 +439,10 @@ def _job(st: State, body: dict, resolved: Any, opts: SamplingOptions, num_ctx: i
             raise InvalidRequest("a forced tool call ('tool_choice' any or tool) and 'output_config.format' "
                                  "cannot be asked for together")
         opts.json_schema = forced
+    # a final assistant turn is a prefill: the answer continues it (its text is not repeated)
     return Job(resolved, opts, messages=messages, tools=tools, think=_think(body), num_ctx=num_ctx,
-               keep_alive=st.keep_alive(body), api=api, images=take_images(messages))
+               keep_alive=st.keep_alive(body), api=api, images=take_images(messages),
+               continue_final=messages[-1]["role"] == "assistant")
 
 
 @router.post("/messages")
@@ -451,9 +453,6 @@ async def messages(request: Request):
     resolved = await st.resolve(p.get_str(body, "model", required=True))
     opts, num_ctx, stops = _options(body, resolved)
     job = _job(st, body, resolved, opts, num_ctx, "anthropic.messages")
-    if body["messages"][-1].get("role") == "assistant":
-        raise InvalidRequest("the last message is the assistant's: localrun cannot continue an assistant turn "
-                             "(prefill); end with a user message")
     max_tokens = opts.max_tokens
 
     if not stream:

@@ -218,10 +218,16 @@ async def chat_completions(request: Request):
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:
             opts.json_schema = forced
+    most = None if p.get_bool(body, "parallel_tool_calls", default=True) else 1  # false: one call at most
     think, effort = p.reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
     if (switch := thinking_switch(body)) is not None:  # chat_template_kwargs.enable_thinking says it outright
         think = switch
+    # vLLM's continue_final_message: the answer goes on from the last (assistant) message's text
+    cont = p.get_bool(body, "continue_final_message")
+    if cont and p.get_bool(body, "add_generation_prompt", default=False):
+        raise InvalidRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true")
     job = Job(resolved, opts, messages=messages, tools=tools, think=think, effort=effort, num_ctx=num_ctx,
+              continue_final=cont,
               keep_alive=st.keep_alive(body), n=n, api="openai.chat", images=take_images(messages),
               cache_key=p.cache_key(body))
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -235,7 +241,7 @@ async def chat_completions(request: Request):
             if ch.reasoning:
                 msg["reasoning_content"] = ch.reasoning
             if ch.tool_calls:
-                msg["tool_calls"] = _tool_calls(ch.tool_calls)
+                msg["tool_calls"] = _tool_calls(ch.tool_calls[:most])
             choices.append({"index": ch.index, "message": msg, "finish_reason": _finish(ch.finish_reason),
                             "logprobs": _chat_logprobs(ch.logprobs) if opts.logprobs else None})
         return _body("chat.completion", cid, created, gen, choices)
@@ -257,7 +263,7 @@ async def chat_completions(request: Request):
             yield chunk([{"index": ev.index, "delta": delta, "finish_reason": None,
                           "logprobs": _chat_logprobs(ev.logprobs) if ev.logprobs else None}])
         elif isinstance(ev, ToolCalls):
-            calls = [{"index": k, **tc} for k, tc in enumerate(_tool_calls(ev.calls))]
+            calls = [{"index": k, **tc} for k, tc in enumerate(_tool_calls(ev.calls[:most]))]
             yield chunk([{"index": ev.index, "delta": {"tool_calls": calls}, "finish_reason": None, "logprobs": None}])
         elif isinstance(ev, Done):
             yield chunk([{"index": ev.index, "delta": {}, "finish_reason": _finish(ev.finish_reason), "logprobs": None}])
