@@ -272,10 +272,15 @@ def test_a_final_assistant_turn_is_continued(daemon, fake):
     assert r.content[0].text == DEFAULT_REPLY and r.stop_reason == "end_turn"
     n = client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
     assert n == len(prompt)  # the fake's tokens are characters
-    # and as vLLM asks for it on the OpenAI API
+    # and as vLLM asks for it on the OpenAI API, and as Ollama's chat does with a final assistant message
     r = httpx.post(daemon.url + "/v1/chat/completions", json={
         "model": MODEL, "messages": msgs, "continue_final_message": True, "add_generation_prompt": False})
     assert r.status_code == 200 and _prompt(fake) == prompt, r.text
+    r = httpx.post(daemon.url + "/api/chat", json={"model": MODEL, "messages": msgs, "stream": False})
+    assert r.status_code == 200 and _prompt(fake) == prompt, r.text
+    # without the switch the OpenAI API opens a new turn after it (vLLM's default)
+    httpx.post(daemon.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs})
+    assert _prompt(fake).endswith("The answer is<|im_end|>\n<|im_start|>assistant\n"), _prompt(fake)[-80:]
 
 
 def test_count_tokens(daemon, fake):

@@ -559,8 +559,12 @@ async def chat(request: Request):
     _format(opts, body.get("format"))
     tools = c.check_tools(body.get("tools"), resolved.template)
     think, effort = _think(body)
+    # a final assistant message with text is continued, as Ollama's templates do (`$last`): a prefill
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and bool(last["content"].strip()) and not last.get("tool_calls")
     job = Job(resolved, opts, messages=messages, tools=tools, think=think, effort=effort, num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=_truncate(body))
+              keep_alive=st.keep_alive(body), api="ollama.chat", images=take_images(messages), truncate=_truncate(body),
+              continue_final=prefill)
     return await _run(request, st, body, job, chat=True)
 
 
