@@ -53,7 +53,10 @@ def llama_srv(llama_server_bin, fim_gguf):
     from localrun.backends.llamacpp import physical_cores
 
     with running_llama_server(llama_server_bin, fim_gguf, N_CTX, physical_cores()) as url:
-        with httpx.Client(base_url=url, timeout=120) as h:
+        # a connection per request: llama-server (cpp-httplib) drops a kept-alive connection after 5 s
+        # idle, and a request sent as it does so got "Server disconnected without sending a response"
+        # (CI, once, while the daemon's routes took their turn between two llama-server requests)
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
             yield h
 
 
