@@ -120,3 +120,14 @@ def test_a_prompt_of_token_ids_answers_as_its_text_does(daemon):
         client.completions.create(model=MODEL, prompt=[28] * 2000, max_tokens=4)
     assert "context window" in str(e.value)
     assert client.completions.create(model=MODEL, prompt=ids, max_tokens=2).choices[0].text  # still serving
+
+
+def test_without_a_model_and_no_single_choice_the_400_says_to_name_one(daemon):
+    assert daemon.http.post("/api/copy", json={"source": MODEL, "destination": "other-tok"}).status_code == 200
+    try:
+        daemon.http.post("/api/generate", json={"model": MODEL, "keep_alive": 0})  # nothing loaded now
+        daemon.wait_ps(lambda ms: not ms)
+        r = daemon.http.post("/tokenize", json={"content": "hi"})
+        assert r.status_code == 400 and "name one, the one whose tokens you want" in r.json()["error"]["message"], r.text
+    finally:
+        daemon.http.request("DELETE", "/api/delete", json={"model": "other-tok"})

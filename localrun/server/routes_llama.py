@@ -48,7 +48,7 @@ def _extra(value: Any) -> list[dict]:
     return out
 
 
-async def _model(st: State, body: dict):
+async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens"):
     """The model named in the body; without one (llama-server serves a single model, so its clients
     often send none) the one model loaded, else the one model in the library."""
     name = body.get("model")
@@ -61,7 +61,7 @@ async def _model(st: State, body: dict):
     if len(models) == 1:
         return await st.resolve(models[0].name)
     raise InvalidRequest(f"'model' is required: {len(loaded)} models are loaded and {len(models)} are in the library "
-                         "(name one, e.g. a code model with fill-in-the-middle tokens)")
+                         f"(name one, {hint})")
 
 
 def _options(body: dict, resolved: Any):
@@ -248,7 +248,7 @@ async def tokenize(request: Request):
                              f"{' and '.join(repr(k) for k in given)}")
     if p.get_bool(body, "with_pieces"):
         raise InvalidRequest("'with_pieces' is not supported: detokenize the ids with /detokenize")
-    resolved = await _model(st, body)
+    resolved = await _model(st, body, "the one whose tokens you want")
     opts, num_ctx = p.base_options(resolved)
     key = given[0]
     if key == "messages":
@@ -284,6 +284,6 @@ async def detokenize(request: Request):
         raise InvalidRequest("'tokens' must be an array of token ids (integers)")
     if len(ids) > MAX_DETOKENIZE_IDS:
         raise InvalidRequest(f"'tokens' has {len(ids)} ids; at most {MAX_DETOKENIZE_IDS}")
-    resolved = await _model(st, body)
+    resolved = await _model(st, body, "the one whose tokens these are")
     text = await until_disconnected(request, st.generation.detokenize(resolved, ids, keep_alive=st.keep_alive(body)))
     return {"content": text, "prompt": text, "model": resolved.name}
