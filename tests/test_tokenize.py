@@ -131,3 +131,40 @@ def test_without_a_model_and_no_single_choice_the_400_says_to_name_one(daemon):
         assert r.status_code == 400 and "name one, the one whose tokens you want" in r.json()["error"]["message"], r.text
     finally:
         daemon.http.request("DELETE", "/api/delete", json={"model": "other-tok"})
+
+
+def test_counting_tokens_does_not_wait_behind_a_running_stream(daemon):
+    """One generation slot (NUM_PARALLEL=1), taken by a long stream: /tokenize, /detokenize and
+    Anthropic's count_tokens answer at once, while the stream goes on (an agent counts its context while
+    another request of its runs); they took a generation slot and waited for the stream to end."""
+    import threading
+    import time
+
+    import httpx
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    started, finished = threading.Event(), threading.Event()
+
+    def stream():
+        with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 3:
+                    started.set()
+        finished.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(60)
+        t0 = time.monotonic()
+        assert daemon.http.post("/tokenize", json={"model": MODEL, "content": "hello"}).status_code == 200
+        assert daemon.http.post("/detokenize", json={"model": MODEL, "tokens": [28, 29]}).status_code == 200
+        r = daemon.http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "hello"}]})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0, r.text
+        took = time.monotonic() - t0
+        assert not finished.is_set(), "the stream ended first: nothing was measured"
+        assert took < 3.0, f"token counts took {took:.1f} s beside a running stream"
+    finally:
+        t.join(120)

@@ -401,7 +401,7 @@ class GenerationService:
             raise InvalidRequest("images are not tokenized here: /v1/messages/count_tokens counts a prompt with "
                                  "images")
         prompt, _ = await self._render(job)
-        lease, release = await self._lease(job)
+        lease, release = await self._lease(job, slot=False)  # no generation slot: never behind a stream
         try:
             self._check_length(prompt, lease)  # bounded work: a prompt that cannot fit is not tokenized
             return await lease.backend.tokenize(prompt, add_special=job.add_special), lease.num_ctx
@@ -411,7 +411,7 @@ class GenerationService:
     async def detokenize(self, resolved: Any, ids: list[int], *, keep_alive: Any = DEFAULT) -> str:
         """The text token ids stand for, by the model's own vocabulary (an id outside it is a 400)."""
         self._admit()
-        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
+        async with self.manager.use(resolved, keep_alive=keep_alive, slot=False) as lease:
             return await lease.backend.detokenize(ids)
 
     async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
@@ -524,8 +524,8 @@ class GenerationService:
                                  f"text {MEDIA_MARKER} is reserved for images, and the model's template must keep "
                                  "every message that carries one")
 
-    async def _lease(self, job: Job) -> tuple[Lease, Callable[[], Awaitable[None]]]:
-        cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive)
+    async def _lease(self, job: Job, slot: bool = True) -> tuple[Lease, Callable[[], Awaitable[None]]]:
+        cm = self.manager.use(job.resolved, num_ctx=job.num_ctx, keep_alive=job.keep_alive, slot=slot)
         lease = await cm.__aenter__()
         done = False
 

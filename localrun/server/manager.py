@@ -302,8 +302,12 @@ class ModelManager:
         return await asyncio.to_thread(search)
 
     @asynccontextmanager
-    async def use(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> AsyncIterator["Lease"]:
-        """Hold one generation slot of `resolved`'s model (loading it first if needed)."""
+    async def use(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT,
+                  slot: bool = True) -> AsyncIterator["Lease"]:
+        """Hold one generation slot of `resolved`'s model (loading it first if needed). `slot` False:
+        the loaded model without a slot, for work that generates nothing (tokenize, detokenize, count
+        tokens): it must not wait behind running generations (an agent counts its context while a
+        stream runs); the model is still kept loaded while it is in use."""
         ka = self.keep_alive_seconds(keep_alive)
         key = resolved.name
         queued = self._queued.get(key, 0)
@@ -318,6 +322,10 @@ class ModelManager:
             while True:
                 runner, did_load = await self._ensure(resolved, num_ctx)
                 loaded_now = loaded_now or did_load
+                if not slot:
+                    if runner.closing:
+                        continue
+                    break
                 runner.waiting += 1
                 runner.expires_at = None
                 try:
@@ -340,7 +348,8 @@ class ModelManager:
             yield lease
         finally:
             runner.active -= 1
-            runner.sem.release()
+            if slot:
+                runner.sem.release()
             self._set_expiry(runner, ka)
             self._notify()
             if ka == 0 and runner.active == 0 and runner.waiting == 0:
