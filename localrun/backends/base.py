@@ -158,7 +158,14 @@ CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for it (SDKs
 
 
 def check_token_ids(ids: list[int], n_vocab: int) -> None:
-    """Token ids a client sent (detokenize): each one of the model's `n_vocab`; else InvalidRequest."""
+    """Token ids a client sent (detokenize, a prompt of token ids): each one of the model's `n_vocab`;
+    else InvalidRequest. Checked by the backend, which knows the vocabulary: llama.cpp throws
+    std::out_of_range for an id outside it (the runner dies) and llama_decode refuses the whole step."""
+    try:
+        if not ids or (min(ids) >= 0 and max(ids) < n_vocab):  # the common case, at C speed
+            return
+    except TypeError:  # not all numbers: named below
+        pass
     bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < n_vocab)), None)
     if bad is not None:
         raise InvalidRequest(f"token {bad!r} is not in this model's vocabulary of {n_vocab} tokens (0 to {n_vocab - 1})")

@@ -473,7 +473,7 @@ class LlamaCppBackend:
         return await asyncio.to_thread(self._tokenize, text, add_special)
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        check_token_ids(token_ids, self._n_vocab)  # an id outside it: llama.cpp throws std::out_of_range, the runner dies
+        check_token_ids(token_ids, self._n_vocab)
         if len(token_ids) > 4096:  # about a microsecond each: a long list off the event loop
             return await asyncio.to_thread(self._detokenize, token_ids)
         return self._detokenize(token_ids)
@@ -570,8 +570,7 @@ class LlamaCppBackend:
                 tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window, None)
             elif request.prompt_token_ids is not None:  # the daemon's, or a client's (a prompt of token ids)
                 tokens = list(request.prompt_token_ids)
-                if tokens and (min(tokens) < 0 or max(tokens) >= self._n_vocab):  # llama_decode refuses the step: a 500
-                    check_token_ids(tokens, self._n_vocab)
+                check_token_ids(tokens, self._n_vocab)
             else:
                 tokens = await self.tokenize(request.prompt, request.add_special)
             if (request.images or request.infill is not None) and request.window is not None:

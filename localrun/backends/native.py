@@ -276,7 +276,7 @@ class NativeBackend:
         ids = request.prompt_token_ids
         if ids is None:
             ids = await self.tokenize(request.prompt, add_special=request.add_special)
-        elif ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):  # a client's prompt of token ids
+        else:  # the daemon's, or a client's (a prompt of token ids)
             check_token_ids(ids, self.tokenizer.vocab_size)
         if not ids:
             raise InvalidRequest("the prompt is empty")

@@ -40,9 +40,10 @@ from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
 
 log = logging.getLogger("localrun.manager")
 
-# Ollama's request options that decide how a model is loaded, not how it samples: a request that asks
-# for other values than the loaded model's reloads it (once idle), as Ollama does
-LOAD_OPTIONS = ("num_thread", "num_gpu")
+# Ollama's request options that decide how a model is loaded, not how it samples, with the value that
+# leaves them to the daemon: a request that asks for other values than the loaded model's reloads it
+# (once idle), as Ollama does
+LOAD_OPTIONS = {"num_thread": 0, "num_gpu": -1}
 
 
 def load_options(resolved: Any) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def with_load_options(resolved: Any, options: Any) -> Any:
     if not isinstance(options, dict) or not any(k in options for k in LOAD_OPTIONS):
         return resolved
     params = dict(resolved.parameters or {})
-    for k, auto in (("num_thread", 0), ("num_gpu", -1)):
+    for k, auto in LOAD_OPTIONS.items():
         if k in options and options[k] is not None:
             v = options[k]
             if not isinstance(v, int) or isinstance(v, bool) or not auto <= v <= 4096:
@@ -238,10 +239,10 @@ class ModelManager:
             r.expires_at = time.time() + keep_alive
 
     # -- using a model -------------------------------------------------------------------
-    def default_num_ctx(self, resolved: Any) -> int:
+    def default_num_ctx(self, resolved: Any, quiet: bool = False) -> int:
         n = resolved.parameters.get("num_ctx") if resolved.parameters else None
         n = int(n or self.settings.context_length)
-        return self._cap_ctx(resolved, n)
+        return self._cap_ctx(resolved, n, quiet)
 
     def window(self, resolved: Any) -> int:
         """The context a request that names no num_ctx gets: the loaded model's, else the one a load
@@ -249,8 +250,7 @@ class ModelManager:
         r = self.runners.get(resolved.name)
         if r is not None and not r.closing and r.digest == resolved.digest:
             return r.num_ctx
-        n = int((resolved.parameters or {}).get("num_ctx") or self.settings.context_length)
-        return self._cap_ctx(resolved, n, quiet=True)
+        return self.default_num_ctx(resolved, quiet=True)
 
     def _cap_ctx(self, resolved: Any, n: int, quiet: bool = False) -> int:
         train = getattr(getattr(resolved, "info", None), "context_length", None)
@@ -322,9 +322,7 @@ class ModelManager:
             while True:
                 runner, did_load = await self._ensure(resolved, num_ctx)
                 loaded_now = loaded_now or did_load
-                if not slot:
-                    if runner.closing:
-                        continue
+                if not slot:  # (_ensure gives a runner that is not closing, and nothing awaited since)
                     break
                 runner.waiting += 1
                 runner.expires_at = None

@@ -180,6 +180,19 @@ def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | No
     return get_int(params, "num_ctx", 16, 1 << 20)
 
 
+MAX_TOKEN_IDS = 1 << 20  # token ids one request may carry (detokenize, a context, a prompt of ids)
+
+
+def token_ids(value: Any, what: str, hint: str = "") -> list[int]:
+    """A request's array of token ids (integers, not booleans; at most MAX_TOKEN_IDS), else
+    InvalidRequest naming `what`. Whether each is in the model's vocabulary the backend checks."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequest(f"'{what}' must be an array of token ids (integers){hint}")
+    if len(value) > MAX_TOKEN_IDS:
+        raise InvalidRequest(f"'{what}' has {len(value)} token ids; at most {MAX_TOKEN_IDS}")
+    return value
+
+
 _EFFORTS = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
 

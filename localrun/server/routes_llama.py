@@ -231,9 +231,6 @@ async def infill(request: Request):
 
 
 # -- tokens ---------------------------------------------------------------------------------------
-MAX_DETOKENIZE_IDS = 1 << 20
-
-
 @router.post("/tokenize")
 async def tokenize(request: Request):
     """llama-server's ``{"content", "add_special"}`` and vLLM's ``{"prompt", "add_special_tokens"}`` or
@@ -279,11 +276,7 @@ async def detokenize(request: Request):
     (vLLM), the same text."""
     st: State = request.app.state.lr
     body = await json_body(request)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise InvalidRequest("'tokens' must be an array of token ids (integers)")
-    if len(ids) > MAX_DETOKENIZE_IDS:
-        raise InvalidRequest(f"'tokens' has {len(ids)} ids; at most {MAX_DETOKENIZE_IDS}")
+    ids = p.token_ids(body.get("tokens"), "tokens")
     resolved = await _model(st, body, "the one whose tokens these are")
     text = await until_disconnected(request, st.generation.detokenize(resolved, ids, keep_alive=st.keep_alive(body)))
     return {"content": text, "prompt": text, "model": resolved.name}

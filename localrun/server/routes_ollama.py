@@ -54,7 +54,6 @@ OLLAMA_API_VERSION = "0.12.6"
 
 
 FILES_VIEW = files_view()
-MAX_CONTEXT_IDS = 1 << 20  # token ids one /api/generate `context` may carry (the window bounds the prompt after)
 
 
 @router.get("/version")
@@ -513,11 +512,7 @@ async def generate(request: Request):
         raise InvalidRequest("'images' and 'suffix' cannot be combined: fill in the middle takes text only")
     context = body.get("context")
     if context is not None:
-        if not isinstance(context, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
-            raise InvalidRequest("'context' must be an array of token ids: the 'context' of an earlier /api/generate "
-                                 "answer")
-        if len(context) > MAX_CONTEXT_IDS:
-            raise InvalidRequest(f"'context' has {len(context)} token ids; at most {MAX_CONTEXT_IDS}")
+        c.token_ids(context, "context", ": the 'context' of an earlier /api/generate answer")
         if suffix:
             raise InvalidRequest("'context' and 'suffix' cannot be combined: fill in the middle starts afresh")
     if not prompt and not images and not suffix:

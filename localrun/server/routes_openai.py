@@ -283,9 +283,9 @@ async def completions(request: Request):
         prompt = prompt[0]  # a batch of one
     token_prompt = None
     if isinstance(prompt, list):  # token ids (OpenAI's and vLLM's other prompt form; /tokenize gives them)
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
             raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
-        token_prompt, prompt = prompt, ""
+        token_prompt, prompt = p.token_ids(prompt, "prompt", ", or a string"), ""
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string (or an array of token ids)")
     suffix = body.get("suffix")
