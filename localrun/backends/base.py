@@ -44,6 +44,11 @@ class SamplingOptions:
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
+    # each prompt token's logprob (given the tokens before it) and this many alternatives; None: off.
+    # A backend with info.supports_prompt_logprobs computes the whole prompt (no cached prefix: the
+    # cache keeps no logits) and puts them on the first chunk (Chunk.prompt_logprobs). With it,
+    # max_tokens 0 scores the prompt and generates nothing (OpenAI's echo, lm-eval's loglikelihood)
+    prompt_logprobs: int | None = None
     # Structured output: a JSON schema (dict) constrains generation; json_mode alone
     # means "any valid JSON object". Backends that cannot constrain raise BackendError.
     json_schema: dict[str, Any] | None = None
@@ -103,7 +108,7 @@ class GenerationRequest:
 @dataclass
 class TokenLogprob:
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it from)
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
@@ -135,6 +140,9 @@ class Chunk:
     # on the last chunk: its text's last cut_chars characters are the bytes after the output's last whole character
     # (llama-server's streams never send them: the chunks before held them back while the bytes ended inside one)
     cut_chars: int = 0
+    # on the first chunk when options.prompt_logprobs is set: one per prompt token, in order (the first's
+    # logprob None)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
@@ -145,7 +153,8 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
                  finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence,
                  prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens,
                  prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
-                 cut_chars=b.cut_chars)
+                 cut_chars=b.cut_chars,
+                 prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 # Texts up to this many characters are tokenized on the caller's event loop (llama.cpp takes about
@@ -219,6 +228,11 @@ class BackendInfo:
     kv_cache_type: str = ""
     # the most tokens one embeddings input may have (0: not reported)
     embed_window: int = 0
+    # options.prompt_logprobs (and max_tokens 0: the prompt scored, nothing generated)
+    supports_prompt_logprobs: bool = False
+    # the vocabulary's begin- and end-of-text tokens as text ("": none); vLLM's /tokenizer_info reports them
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 @dataclass

@@ -50,6 +50,9 @@ FIRST_CHUNK_WAIT = 0.05  # seconds the loop waits for a request's first chunk to
 MIN_RECOMPUTE = 2  # prompt tokens evaluated even when all are cached (a batch of one differs: see _start)
 SHARE_WAIT_TOKENS = 32  # a request waits for a running prefill when that would spare it this many tokens
 MAX_NGRAM = 3  # prompt lookup: the longest n-gram matched
+# prompt tokens a step computes for a request that wants their logprobs: each is an output row
+# (n_vocab logits: 25 MB at 128 rows of a 49k vocabulary, 78 MB of a 152k one)
+PROMPT_LOGPROBS_CHUNK = 128
 
 
 def token_piece(lib, vocab, token: int, special: bool = False) -> bytes:
@@ -229,6 +232,9 @@ class Request:
     cache_key: str | None = None  # the client's prompt_cache_key (see _start)
     argmax: bool = False  # plain greedy (plain_greedy): an argmax over its logits row, not the chain
     sink: Any = None  # instead of loop/queue: put(item) and outbox.flush() on the loop's thread
+    # options.prompt_logprobs set: each prompt token's TokenLogprob, filled as its prefill runs (no
+    # cached prefix: its logits are computed again), handed on with the first chunk; else None
+    prompt_lps: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         o = self.options
@@ -237,6 +243,8 @@ class Request:
         self.stop_ids = set(o.stop_token_ids)
         room = self.window - len(self.prompt)
         self.limit = room if o.max_tokens is None else min(room, o.max_tokens)
+        if o.prompt_logprobs is not None:
+            self.prompt_lps = []
 
 
 class BatchedLlama:
@@ -479,7 +487,7 @@ class BatchedLlama:
     def _wait_for_shared_prefill(self, r: Request) -> bool:
         """True when a running prefill will soon hold more of r's prompt than the cache does now:
         r waits for it and shares it, instead of computing the same tokens alongside."""
-        if not self.share_prefixes:
+        if not self.share_prefixes or r.prompt_lps is not None:
             return False
         have = max(_common(sl.tokens, r.prompt) for sl in self.slots)
         for s in self._running:
@@ -499,7 +507,9 @@ class BatchedLlama:
         # llama.cpp computes a batch of one token with other kernels than a longer batch, so a
         # prompt evaluated from its last token alone gets slightly different logits (and a greedy
         # answer that depends on what ran before); batches of two or more agree exactly.
-        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
+        # (a request for its prompt's logprobs computes the whole prompt: the cache keeps no logits)
+        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes and r.prompt_lps is None \
+            else []
         # a cache key (prompt_cache_key): on a tie the slot the key last used wins, and a new slot is
         # taken from those no other key last used while there are such (keyless: nothing changes)
         mine = self._keyed.get(r.cache_key) if r.cache_key else None
@@ -576,7 +586,8 @@ class BatchedLlama:
         for r in prefills:
             if budget <= 0:
                 break
-            chunk = r.pending[:min(budget, self._text_ahead(r))]
+            chunk = r.pending[:min(budget, self._text_ahead(r),
+                                   PROMPT_LOGPROBS_CHUNK if r.prompt_lps is not None else budget)]
             rows.append((r, chunk, False))
             budget -= len(chunk)
         if not rows:
@@ -676,9 +687,9 @@ class BatchedLlama:
             self._tok[i:i + k] = toks
             self._pos[i:i + k] = np.arange(r.computed, r.computed + k, dtype=np.int32)
             self._seq[i:i + k] = r.sid
-            # logits for every token a decoding sequence feeds (its drafts are checked), and for a
-            # prompt's last token
-            self._out[i:i + k] = 1 if decoding else 0
+            # logits for every token a decoding sequence feeds (its drafts are checked), every prompt
+            # token of a request for their logprobs, and a prompt's last token
+            self._out[i:i + k] = 1 if decoding or r.prompt_lps is not None else 0
             if not decoding and r.computed + k == len(r.prompt):
                 self._out[i + k - 1] = 1
             i += k
@@ -703,7 +714,8 @@ class BatchedLlama:
         lib, ctx = self.lib, self.ctx
         firsts: list[Request] = []
         logits = out_row = None
-        if any(r.argmax for r, _, _ in rows):  # the step's output rows, in batch order (one ctypes call)
+        if any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
+            # the step's output rows, in batch order (one ctypes call)
             out_row = np.cumsum(self._out[:self._batch.n_tokens], dtype=np.int64) - 1  # batch row -> output row
             if out_row[-1] >= 0:  # (a step of prompt chunks only has none)
                 logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(int(out_row[-1]) + 1, self.n_vocab))
@@ -713,11 +725,17 @@ class BatchedLlama:
             first_row = i
             i += k
             self.slots[r.sid].tokens += toks
+            if not decoding and r.prompt_lps is not None:
+                o0 = int(out_row[first_row])
+                self._score_prompt(r, r.computed, logits[o0:o0 + k])
             r.computed += k
             if not decoding:
                 r.pending = r.pending[k:]
                 self.counters["prefill_tokens"] += k
                 if r.computed < len(r.prompt):
+                    continue
+                if r.limit <= 0:  # max_tokens 0: the prompt scored, nothing generated
+                    self._emit(r, [])
                     continue
             sampled: list[tuple[int, TokenLogprob | None]] = []
             for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
@@ -760,7 +778,8 @@ class BatchedLlama:
         """Feed sampled tokens through r's stop handling and hand on what they give as one chunk."""
         lib, o = self.lib, r.options
         now = time.perf_counter()
-        if r.t_first is None:
+        first = r.t_first is None
+        if first:
             r.t_first = now
         text_parts: list[str] = []
         ids: list[int] = []
@@ -785,15 +804,18 @@ class BatchedLlama:
                 finish = "length"
                 text_parts.append(r.decoder.decode(b"", final=True) + r.stops.flush())
                 break
-        if finish is None:
+        if not sampled:  # max_tokens 0
+            finish = "length"
+        elif finish is None:
             r.pending = [sampled[-1][0]]
-        chunk = Chunk(text="".join(text_parts), token_ids=ids, logprobs=lps or None)
+        chunk = Chunk(text="".join(text_parts), token_ids=ids, logprobs=lps or None,
+                      prompt_logprobs=r.prompt_lps if first else None)
         if finish is not None:
             r.finished = True
             chunk.finish_reason, chunk.stop_sequence = finish, r.stops.matched
             chunk.usage = Usage(prompt_tokens=len(r.prompt), completion_tokens=r.n_out, cached_tokens=r.n_cached,
                                 prompt_eval_seconds=r.t_first - r.t0, eval_seconds=now - r.t_first)
-        if chunk.text or chunk.token_ids or chunk.finish_reason:
+        if chunk.text or chunk.token_ids or chunk.finish_reason or chunk.prompt_logprobs is not None:
             self._outbox.append((r, chunk))
 
     def _end(self, r: Request) -> None:
@@ -878,6 +900,37 @@ class BatchedLlama:
         self.lib.llama_sampler_accept(r.grammar, tok)
         self.lib.llama_sampler_accept(r.sampler, tok)
         return tok
+
+    def _score_prompt(self, r: Request, start: int, block: np.ndarray) -> None:
+        """r.prompt_lps gets the logprobs of the prompt tokens that the logits rows in `block` (those of
+        prompt positions start, start+1, ...) predict: row j, prompt[start + j + 1] and its top
+        alternatives (options.prompt_logprobs of them), as _logprob computes them for output tokens."""
+        prompt, top_n = r.prompt, r.options.prompt_logprobs or 0
+        if start == 0:
+            r.prompt_lps.append(TokenLogprob(token=self._prompt_text(prompt[0]), logprob=None))
+        rows = block[:max(0, min(len(block), len(prompt) - 1 - start))]  # (a view of llama.cpp's logits)
+        if not len(rows):
+            return
+        m = rows.max(axis=1)
+        lse = m.astype(np.float64) + np.log(np.exp(rows - m[:, None]).sum(axis=1, dtype=np.float64))
+        nxt = np.asarray(prompt[start + 1:start + 1 + len(rows)], dtype=np.int64)
+        chosen = rows[np.arange(len(rows)), nxt] - lse
+        if top_n == 1:  # (lm-eval asks for one: is the prompt's token the greedy one)
+            tops = rows.argmax(axis=1)[:, None]
+        elif top_n > 1:  # row by row: a whole block's argpartition holds an int64 per logit
+            tops = np.empty((len(rows), top_n), dtype=np.int64)
+            for j, row in enumerate(rows):
+                idx = np.argpartition(row, len(row) - top_n)[-top_n:]
+                tops[j] = idx[np.argsort(-row[idx], kind="stable")]
+        for j, tok in enumerate(nxt.tolist()):
+            top = [] if top_n <= 0 else [(self._prompt_text(int(t)), float(rows[j, t] - lse[j])) for t in tops[j]]
+            r.prompt_lps.append(TokenLogprob(token=self._prompt_text(tok), logprob=float(chosen[j]), top=top))
+
+    def _prompt_text(self, tok: int) -> str:
+        """A prompt token's text: control tokens written out, as the prompt was tokenized (parse_special)."""
+        if tok < 0:  # an image's stand-in (prompt logprobs are refused with images)
+            return ""
+        return token_piece(self.lib, self.vocab, tok, special=True).decode("utf-8", "replace")
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
         """Log-probabilities of the raw model distribution at a batch row."""

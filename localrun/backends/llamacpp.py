@@ -404,13 +404,15 @@ class LlamaCppBackend:
             max_token_bytes=max((len(token_piece(lib, self._vocab, t, special=True)) for t in range(self._n_vocab)),
                                 default=0),
             supports_groups=True,
-            supports_logit_bias=True,
+            supports_logit_bias=True, supports_prompt_logprobs=True,
             supports_images=self._mtmd is not None,
             supports_infill=self._fim_tokens() is not None,
             placement=placement(device, self.n_gpu_layers, self._n_layer),
             fallbacks=[self.kv_note] if self.kv_note else [],
             kv_cache_type=self.kv_type,
             embed_window=min(spec.num_ctx, _EMBED_MAX_CTX),
+            bos_token=self._special_text(lib.llama_vocab_bos(self._vocab)),
+            eos_token=self._special_text(lib.llama_vocab_eos(self._vocab)),
         )
 
     @property
@@ -449,6 +451,12 @@ class LlamaCppBackend:
             if n < 0:
                 raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
         return list(buf[:n])
+
+    def _special_text(self, token: int) -> str:
+        """A special token's text ("" for none: llama.cpp's LLAMA_TOKEN_NULL is -1)."""
+        if not 0 <= token < self._n_vocab:
+            return ""
+        return token_piece(self._lib, self._vocab, token, special=True).decode("utf-8", "replace")
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return b"".join(token_piece(self._lib, self._vocab, t, special=True)
@@ -563,6 +571,8 @@ class LlamaCppBackend:
             return item
 
         try:
+            if request.images and o.prompt_logprobs is not None:
+                raise InvalidRequest("prompt logprobs cannot be computed for a prompt with images")
             if request.images:  # llama.cpp's multimodal library tokenizes text and images together
                 tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
             elif request.infill is not None:

@@ -226,6 +226,7 @@ class NativeBackend:
             fallbacks=list(engine.fallbacks),
             kv_cache_type=kv_dtype_name(pool.dtype),
             embed_window=engine.config.max_model_len,
+            bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
         )
         self.on_info: Callable[[], None] | None = None  # the runner sends self.info to the daemon (any thread)
         engine.on_fallback = self._fallbacks_changed

@@ -166,7 +166,7 @@ def request_from_wire(d: dict) -> GenerationRequest:
 def chunk_to_wire(c: Chunk) -> dict:
     d: dict[str, Any] = {"x": c.text, "i": c.token_ids}
     if c.logprobs:
-        d["lp"] = [[lp.token, lp.logprob, lp.top] for lp in c.logprobs]
+        d["lp"] = _lps_to_wire(c.logprobs)
     if c.finish_reason is not None:
         d["f"] = c.finish_reason
     if c.usage is not None:
@@ -179,14 +179,24 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["pi"] = c.prompt_token_ids
     if c.cut_chars:
         d["cc"] = c.cut_chars
+    if c.prompt_logprobs is not None:
+        d["pl"] = _lps_to_wire(c.prompt_logprobs)
     return d
 
 
+def _lps_to_wire(lps: list[TokenLogprob]) -> list:
+    return [[lp.token, lp.logprob, lp.top] for lp in lps]
+
+
+def _lps_from_wire(items: list) -> list[TokenLogprob]:
+    return [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in items]
+
+
 def chunk_from_wire(d: dict) -> Chunk:
-    lps = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in d["lp"]] if "lp" in d else None
-    return Chunk(text=d["x"], token_ids=d["i"], logprobs=lps, finish_reason=d.get("f"),
-                 usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"), prompt_tokens=d.get("p"),
-                 prompt_token_ids=d.get("pi"), cut_chars=int(d.get("cc") or 0))
+    return Chunk(text=d["x"], token_ids=d["i"], logprobs=_lps_from_wire(d["lp"]) if "lp" in d else None,
+                 finish_reason=d.get("f"), usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"),
+                 prompt_tokens=d.get("p"), prompt_token_ids=d.get("pi"), cut_chars=int(d.get("cc") or 0),
+                 prompt_logprobs=_lps_from_wire(d["pl"]) if "pl" in d else None)
 
 
 # -- load spec and info -----------------------------------------------------------------------

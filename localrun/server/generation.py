@@ -100,6 +100,7 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     token_ids: list[int] = field(default_factory=list)
     cut_chars: int = 0  # the last chunk's Chunk.cut_chars: content's last characters a llama-server stream leaves out
+    prompt_logprobs: list[TokenLogprob] | None = None  # on a choice's first Delta when options.prompt_logprobs is set
 
 
 @dataclass
@@ -132,6 +133,7 @@ class Choice:
     usage: Usage = field(default_factory=Usage)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # options.prompt_logprobs: one per prompt token
 
 
 class Generation:
@@ -249,9 +251,10 @@ class Generation:
                         reasoning, content = parser.feed(chunk.text) if chunk.text else ("", "")
                         if hide_reasoning:
                             reasoning = ""
-                        if reasoning or content or chunk.logprobs:
+                        if reasoning or content or chunk.logprobs or chunk.prompt_logprobs is not None:
                             yield Delta(i, content, reasoning, chunk.logprobs, list(chunk.token_ids),
-                                        chunk.cut_chars if chunk.finish_reason is not None else 0)
+                                        chunk.cut_chars if chunk.finish_reason is not None else 0,
+                                        chunk.prompt_logprobs)
                         if chunk.finish_reason is not None:
                             reasoning, content, calls = parser.finish()
                             if hide_reasoning:
@@ -292,6 +295,8 @@ class Generation:
                 parts[ev.index][1].append(ev.reasoning)
                 if ev.logprobs:
                     ch.logprobs.extend(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    ch.prompt_logprobs = ev.prompt_logprobs
                 ch.token_ids.extend(ev.token_ids)
             elif isinstance(ev, ToolCalls):
                 ch.tool_calls.extend(ev.calls)
@@ -413,6 +418,13 @@ class GenerationService:
         self._admit()
         async with self.manager.use(resolved, keep_alive=keep_alive, slot=False) as lease:
             return await lease.backend.detokenize(ids)
+
+    async def tokenizer(self, resolved: Any, *, keep_alive: Any = DEFAULT) -> tuple[str, str, int]:
+        """The model's (begin-of-text token, end-of-text token, window): its vocabulary's, loaded (or kept)."""
+        self._admit()
+        async with self.manager.use(resolved, keep_alive=keep_alive, slot=False) as lease:
+            info = lease.backend.info
+            return info.bos_token, info.eos_token, lease.num_ctx
 
     async def embed(self, resolved: Any, texts: list[str], *, keep_alive: Any = DEFAULT,
                     dimensions: int | None = None, truncate: bool = False) -> tuple[list[list[float]], int]:
@@ -546,6 +558,11 @@ class GenerationService:
                                  "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
+        if (o.prompt_logprobs is not None or o.max_tokens == 0) and not info.supports_prompt_logprobs:
+            raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which does not score prompts "
+                                 "(the prompt's logprobs, max_tokens 0); use LOCALRUN_BACKEND=llamacpp for them")
+        if o.prompt_logprobs is not None and job.images:
+            raise InvalidRequest("prompt logprobs cannot be computed for a prompt with images")
         if job.images and not info.supports_images:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot take images yet; "
                                  "run it with LOCALRUN_BACKEND=llamacpp (or auto) to send it images")

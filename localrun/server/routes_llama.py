@@ -270,6 +270,18 @@ async def tokenize(request: Request):
     return {"tokens": ids, "count": len(ids), "max_model_len": window, "model": resolved.name}
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """vLLM's tokenizer facts (lm-eval's remote tokenizer reads them, then tokenizes with /tokenize): the
+    begin- and end-of-text tokens as text, the chat template, the window. ``?model=`` names the model
+    (without it: the one loaded, else the one in the library)."""
+    st: State = request.app.state.lr
+    resolved = await _model(st, {"model": request.query_params.get("model")}, "with ?model=")
+    bos, eos, window = await until_disconnected(request, st.generation.tokenizer(resolved))
+    return {"model": resolved.name, "bos_token": bos or None, "eos_token": eos or None, "pad_token": None,
+            "chat_template": resolved.template, "model_max_length": window}
+
+
 @router.post("/detokenize")
 async def detokenize(request: Request):
     """llama-server's and vLLM's ``{"tokens": [ids]}``: ``{"content"}`` (llama-server) and ``{"prompt"}``

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import struct
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from localrun.backends.base import Infill
+from localrun.backends.base import Infill, Usage
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.images import take_images
@@ -129,12 +131,14 @@ def _chat_logprobs(lps: list) -> dict:
 
 
 def _completion_logprobs(lps: list, offset0: int = 0) -> dict:
+    """OpenAI's legacy logprobs object; a prompt's first token (echo) has null logprob and top_logprobs."""
     offsets, pos = [], offset0
     for x in lps:
         offsets.append(pos)
         pos += len(x.token)
     return {"tokens": [x.token for x in lps], "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{t: lp for t, lp in x.top} for x in lps], "text_offset": offsets}
+            "top_logprobs": [None if x.logprob is None else {t: lp for t, lp in x.top} for x in lps],
+            "text_offset": offsets}
 
 
 def _tool_calls(calls: list[dict]) -> list[dict]:
@@ -273,60 +277,119 @@ async def chat_completions(request: Request):
     return _sse_response("chat.completion.chunk", cid, created, gen, include_usage, render, cut)
 
 
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch: lm-eval's batch_size, scoring scripts)
+BATCH_CONCURRENCY = 16  # of a batch's prompts, this many are started at once (the rest wait their turn)
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """/v1/completions' `prompt`: a string, an array of token ids, or a batch (an array of either)."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("'prompt' must be a string, an array of token ids, or an array of those (a batch)")
+    if all(isinstance(x, (str, list)) for x in value):
+        if len(value) > MAX_PROMPTS:
+            raise InvalidRequest(f"'prompt' is a batch of {len(value)} prompts; at most {MAX_PROMPTS}")
+        return [x if isinstance(x, str) else p.token_ids(x, "prompt", ", or a string") if x else
+                _empty_ids() for x in value]
+    return [p.token_ids(value, "prompt", ", or a string")]
+
+
+def _empty_ids():
+    raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
+
+
 @router.post("/completions")
 async def completions(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     model = p.get_str(body, "model", required=True)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    token_prompt = None
-    if isinstance(prompt, list):  # token ids (OpenAI's and vLLM's other prompt form; /tokenize gives them)
-        if not prompt:
-            raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
-        token_prompt, prompt = p.token_ids(prompt, "prompt", ", or a string"), ""
-    if not isinstance(prompt, str):
-        raise InvalidRequest("'prompt' must be a string (or an array of token ids)")
+    prompts = _prompts(body.get("prompt"))
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("'suffix' must be a string")
-    if token_prompt is None and not prompt.strip() and not suffix:
-        raise InvalidRequest("'prompt' must not be empty")
-    if token_prompt is not None and (suffix or p.get_bool(body, "echo")):
-        raise InvalidRequest("a prompt of token ids cannot be used with 'suffix' or 'echo': send the prompt as text")
+    echo = p.get_bool(body, "echo")
+    if suffix and (echo or len(prompts) > 1 or not isinstance(prompts[0], str)):
+        raise InvalidRequest("'suffix' takes one prompt, as text, and no 'echo'")
+    for x in prompts:
+        if isinstance(x, str) and not x.strip() and not suffix:
+            raise InvalidRequest("'prompt' must not be empty")
     stream = p.get_bool(body, "stream")
+    if stream and len(prompts) > 1:
+        raise InvalidRequest(f"a stream takes one prompt; this batch has {len(prompts)}: send them without "
+                             "'stream', or as separate requests")
+    max_tokens = body.get("max_tokens")
+    if max_tokens == 0 and not isinstance(max_tokens, bool):  # the prompt scored, nothing generated
+        if not echo:
+            raise InvalidRequest("'max_tokens' must be at least 1 (0 only with 'echo': the prompt, scored with "
+                                 "'logprobs', and nothing generated)")
+        body = {**body, "max_tokens": None}
     resolved = await st.resolve(model)
     opts, num_ctx, n = openai_options(body, resolved, chat=False)
-    if opts.max_tokens is None and body.get("max_tokens") is None:
+    if max_tokens == 0 and not isinstance(max_tokens, bool):
+        opts.max_tokens = 0
+    elif opts.max_tokens is None and max_tokens is None:
         opts.max_tokens = 16 if not resolved.parameters.get("num_predict") else opts.max_tokens  # OpenAI's default
     lp = p.get_int(body, "logprobs", 0, 5)
     if lp is not None:
         opts.logprobs, opts.top_logprobs = True, lp
-    echo = p.get_bool(body, "echo")
+        if echo:  # each prompt token's logprob too (lm-eval's loglikelihood: echo, logprobs, max_tokens 1)
+            opts.prompt_logprobs = lp
     # a suffix: fill in the middle between prompt and suffix (the model's FIM tokens; 400 without them)
-    infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
-    if infill is not None and echo:
-        raise InvalidRequest("'echo' cannot be used with 'suffix'")
-    job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=True, num_ctx=num_ctx,
-              keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill, token_prompt=token_prompt)
+    infill = Infill(prefix=prompts[0], suffix=suffix) if suffix else None
+
+    def job_for(x: str | list[int]) -> Job:
+        ids = x if isinstance(x, list) else None
+        return Job(resolved, replace(opts), prompt="" if ids is not None or infill is not None else x, raw=True,
+                   num_ctx=num_ctx, keep_alive=st.keep_alive(body), n=n, api="openai.completions", infill=infill,
+                   token_prompt=ids)
+
+    async def echoed(x: str | list[int]) -> str:
+        """The text echoed for a prompt: token ids as detokenizing writes them (special tokens too)."""
+        if not echo:
+            return ""
+        return x if isinstance(x, str) else await st.generation.detokenize(resolved, x, keep_alive=st.keep_alive(body))
+
+    def logprobs_of(ch) -> dict | None:
+        if not opts.logprobs:
+            return None
+        return _completion_logprobs(((ch.prompt_logprobs or []) if echo else []) + ch.logprobs)
+
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
     if not stream:
-        gen, results = await _collect(request, st, job)
-        choices = [{"index": ch.index, "text": (prompt if echo else "") + ch.content,
-                    "finish_reason": _finish(ch.finish_reason),
-                    "logprobs": _completion_logprobs(ch.logprobs) if opts.logprobs else None} for ch in results]
-        return _body("text_completion", cid, created, gen, choices)
+        if len(prompts) == 1:
+            gen, results = await _collect(request, st, job_for(prompts[0]))
+            text = await echoed(prompts[0])
+            choices = [{"index": ch.index, "text": text + ch.content, "finish_reason": _finish(ch.finish_reason),
+                        "logprobs": logprobs_of(ch)} for ch in results]
+            return _body("text_completion", cid, created, gen, choices)
+        runs = await until_disconnected(request, _collect_batch(st, [job_for(x) for x in prompts]))
+        choices, usage = [], Usage()
+        for k, (x, (gen, results)) in enumerate(zip(prompts, runs)):
+            text = await echoed(x)
+            for ch in results:
+                choices.append({"index": k * n + ch.index, "text": text + ch.content,
+                                "finish_reason": _finish(ch.finish_reason), "logprobs": logprobs_of(ch)})
+            usage.prompt_tokens += gen.usage.prompt_tokens
+            usage.completion_tokens += gen.usage.completion_tokens
+            usage.cached_tokens += gen.usage.cached_tokens
+        return {"id": cid, "object": "text_completion", "created": created, "model": runs[0][0].model,
+                "choices": choices, "usage": usage_body(usage.prompt_tokens, usage.completion_tokens,
+                                                        usage.cached_tokens),
+                "system_fingerprint": "localrun"}
 
-    gen = await until_disconnected(request, st.generation.start(job))  # stale IDE completions
-    echoed: set[int] = set()
+    text0 = await echoed(prompts[0])
+    gen = await until_disconnected(request, st.generation.start(job_for(prompts[0])))  # stale IDE completions
+    sent: set[int] = set()
 
     def render(ev, chunk):
-        if echo and ev.index not in echoed:
-            echoed.add(ev.index)
-            yield chunk([{"index": ev.index, "text": prompt, "finish_reason": None, "logprobs": None}])
+        if echo and ev.index not in sent:
+            sent.add(ev.index)
+            plps = ev.prompt_logprobs if isinstance(ev, Delta) else None
+            yield chunk([{"index": ev.index, "text": text0, "finish_reason": None,
+                          "logprobs": _completion_logprobs(plps) if opts.logprobs and plps else None}])
         if isinstance(ev, Delta) and (ev.content or ev.logprobs):
             yield chunk([{"index": ev.index, "text": ev.content, "finish_reason": None,
                           "logprobs": _completion_logprobs(ev.logprobs) if ev.logprobs else None}])
@@ -336,6 +399,28 @@ async def completions(request: Request):
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     cut = lambda i: {"index": i, "text": "", "finish_reason": "abort", "logprobs": None}  # noqa: E731
     return _sse_response("text_completion", cid, created, gen, include_usage, render, cut)
+
+
+async def _collect_batch(st: State, jobs: list[Job]) -> list[tuple[Generation, list[Choice]]]:
+    """Every job run to its end, at most BATCH_CONCURRENCY at once; the first failure ends the rest
+    (and is raised)."""
+    gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(job: Job):
+        async with gate:
+            gen = await st.generation.start(job)
+            try:
+                return gen, await gen.collect()
+            finally:
+                await gen.release()
+
+    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @router.post("/embeddings")
