@@ -253,3 +253,69 @@ def test_lm_eval_loglikelihood_and_generation_through_the_daemon(daemon, smollm2
         mine = client.completions.create(model=MODEL, prompt=doc["question"], max_tokens=12, temperature=0,
                                          stop=[".", "\n"]).choices[0].text
         assert s["resps"][0][0] == mine, (doc, s["resps"], mine)
+
+
+# -- the native engine (CPU here; the same code on CUDA) -------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_native_engine_scores_prompts_as_a_full_forward_does(smollm2_gguf, overlap):
+    """The native engine's prompt logprobs equal a plain forward over the whole prompt (no KV cache,
+    one pass): in 128-token chunks beside other sequences, with the same prompt already cached (a
+    scored prompt is computed whole), with overlap scheduling (the scores reach the host a step later)
+    and without; max_tokens 0 generates nothing; n > 1 members each get them."""
+    import torch
+
+    from localrun.engine.config import EngineConfig
+    from localrun.engine.engine import LLMEngine
+    from localrun.engine.sampler import SamplingParams
+
+    eng = LLMEngine.from_gguf(smollm2_gguf, EngineConfig(device="cpu", dtype="float32", max_model_len=1024,
+                                                         max_num_batched_tokens=128, overlap=overlap,
+                                                         cuda_graphs=overlap))
+    try:
+        ids = eng.tokenizer.encode(LONG)
+        with torch.inference_mode():
+            lp = torch.log_softmax(eng.model.compute_logits(eng.runner.hidden_states([ids])[0]).float(), -1)
+        ref = lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+        top2 = lp.topk(2, dim=-1)
+        eng.generate([ids], SamplingParams(temperature=0, max_tokens=2))  # cached now
+        scored, other, again = eng.generate(
+            [ids, ids[:40], ids], [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
+                                   SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                   SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)])
+        plain = eng.generate([ids], SamplingParams(temperature=0, max_tokens=3))[0]
+        n2 = eng.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), n=2)
+    finally:
+        eng.shutdown()
+    assert scored.token_ids == [] and scored.finish_reason == "length" and scored.cached_tokens == 0
+    pl = scored.prompt_logprobs
+    assert len(pl) == len(ids) and pl[0] == (ids[0], None, [])
+    assert [t for t, _, _ in pl] == ids
+    assert max(abs(x[1] - r) for x, r in zip(pl[1:], ref)) < 1e-4
+    for j, (_, _, top) in enumerate(pl[1:]):
+        assert [t for t, _ in top] == top2.indices[j].tolist()
+    assert again.token_ids == plain.token_ids and again.cached_tokens == 0 and other.completion_tokens == 30
+    assert max(abs(a[1] - b[1]) for a, b in zip(pl[1:], again.prompt_logprobs[1:])) < 1e-4
+    assert all(o.prompt_logprobs is not None and len(o.prompt_logprobs) == len(ids) and o.prompt_logprobs[-1][1]
+               is not None for o in n2)
+
+
+def test_native_backend_echo_with_logprobs_over_http(tmp_path):
+    """The same OpenAI echo request as on llama.cpp, served by the native engine in its runner process."""
+    from openai import OpenAI
+
+    d = Daemon(tmp_path / "home", LOCALRUN_BACKEND="native", LOCALRUN_CONTEXT_LENGTH="512")
+    try:
+        d.pull()
+        client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        text = "The capital of France is Paris. The capital of Germany is"
+        r = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == text and "".join(lp.tokens) == text and r.usage.completion_tokens == 0
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(v <= 0 for v in lp.token_logprobs[1:]) and lp.token_logprobs[-1] > -1  # " is": expected
+        g = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=2, temperature=0)
+        gl = g.choices[0].logprobs.token_logprobs
+        assert len(gl) == len(lp.tokens) + 2 and gl[0] is None
+        assert gl[1:len(lp.tokens)] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    finally:
+        d.stop()

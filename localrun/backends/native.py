@@ -169,10 +169,11 @@ def _params(o: SamplingOptions, prompt_len: int, max_len: int, grammar=None) -> 
             temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
             repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
             frequency_penalty=o.frequency_penalty, seed=o.seed,
-            max_tokens=min(o.max_tokens, room) if o.max_tokens else room,
+            max_tokens=room if o.max_tokens is None else min(o.max_tokens, room),
             stop=list(o.stop), stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos,
             logprobs=o.top_logprobs if o.logprobs else 0, want_logprobs=o.logprobs,
             penalty_window=o.repeat_last_n if o.repeat_last_n != 0 else -1, grammar=grammar,
+            prompt_logprobs=o.prompt_logprobs,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
@@ -227,6 +228,7 @@ class NativeBackend:
             kv_cache_type=kv_dtype_name(pool.dtype),
             embed_window=engine.config.max_model_len,
             bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
+            supports_prompt_logprobs=engine.scores_prompts,
         )
         self.on_info: Callable[[], None] | None = None  # the runner sends self.info to the daemon (any thread)
         engine.on_fallback = self._fallbacks_changed
@@ -305,7 +307,8 @@ class NativeBackend:
                                   eval_seconds=d.usage["eval_seconds"])
                 yield Chunk(text=d.text, token_ids=list(d.token_ids),
                             logprobs=self._logprobs(d.logprobs) if d.logprobs else None,
-                            finish_reason=d.finish_reason, usage=usage, stop_sequence=d.stop_sequence)
+                            finish_reason=d.finish_reason, usage=usage, stop_sequence=d.stop_sequence,
+                            prompt_logprobs=self._logprobs(d.prompt_logprobs) if d.prompt_logprobs else None)
         finally:
             await stream.aclose()  # no-op when finished; aborts (and frees KV) otherwise
 

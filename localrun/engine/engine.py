@@ -64,6 +64,7 @@ class GenerationOutput:
     completion_tokens: int
     logprobs: list | None = None  # per token: (token_id, logprob, [(id, logprob), ...])
     first_token_time: float | None = None
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: per prompt token, as logprobs (the first's None)
     finish_time: float | None = None
     arrival_time: float = 0.0
 
@@ -78,6 +79,7 @@ class StreamDelta:
     error: str | None = None
     error_kind: str | None = None  # "out_of_memory": the step ran out of memory (the engine goes on)
     stop_sequence: str | None = None  # on the last delta: the stop string that ended the request
+    prompt_logprobs: list | None = None  # on the first delta when params.prompt_logprobs is set
 
 
 @dataclass(eq=False)
@@ -96,6 +98,7 @@ class _Request:
     stop_sequence: str | None = None  # the stop string that ended it
     num_tokens: int = 0  # output tokens handled (the sequence may hold more, still in flight)
     group: tuple[str, int, int] | None = None  # (group id, size, index): n > 1 sharing one prefill
+    prompt_sent: bool = False  # its prompt logprobs went out (on the first delta)
 
 
 @dataclass
@@ -251,6 +254,9 @@ class LLMEngine:
 
             self.spec = SpecDecoder(self)
         self.overlap = bool(config.overlap) and self.spec is None  # verification needs host tokens: serial
+        # SamplingParams.prompt_logprobs: scored in the runner's forward (speculative steps run their own;
+        # tensor-parallel followers would have to compute the same logits)
+        self.scores_prompts = self.spec is None and self.tp.world == 1
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._done: dict[str, _Request] = {}
@@ -467,6 +473,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.grammar is not None and not hasattr(params.grammar, "matcher"):
             raise ValueError("SamplingParams.grammar must be a grammar from LLMEngine.compile_grammar()")
+        if params.prompt_logprobs is not None and not self.scores_prompts:
+            raise ValueError("prompt logprobs are not computed with speculative decoding or tensor parallelism")
         seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params)
         detok = Detokenizer(self.tokenizer, prompt_ids) if self.tokenizer else None
         return _Request(seq, detok)
@@ -483,7 +491,8 @@ class LLMEngine:
         if self.fatal:
             raise RuntimeError(self.fatal)
         req = self._new_request(list(prompt_token_ids), params or SamplingParams(), request_id)
-        req.group = _check_group(group)
+        # a scored prompt runs on its own: each member computes its prompt's rows (no group sharing)
+        req.group = _check_group(group) if req.seq.prompt_lps is None else None
         if req.seq.id in self._requests:
             raise ValueError(f"request id {req.seq.id!r} is already in use")
         req.stream = RequestStream(self, req.seq.id)
@@ -640,6 +649,9 @@ class LLMEngine:
     def _on_token(self, req: _Request, tok: int, lp, now: float) -> None:
         seq, p = req.seq, req.seq.params
         req.first_token_time = req.first_token_time or now
+        if p.max_tokens == 0:  # the prompt scored: the token its last row sampled is not wanted
+            self._finish(req, "length")
+            return
         req.num_tokens += 1
         req.pending_ids.append(tok)
         if lp is not None:
@@ -704,6 +716,8 @@ class LLMEngine:
         req.sent = max(req.sent, upto)
         delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage,
                             stop_sequence=req.stop_sequence if finish else None)
+        if not req.prompt_sent and req.seq.prompt_lps is not None:
+            req.prompt_sent, delta.prompt_logprobs = True, req.seq.prompt_lps
         req.pending_ids, req.pending_lp = [], []
         try:
             req.stream._push(delta)
@@ -756,7 +770,8 @@ class LLMEngine:
         if n > 1 and share_prefill:
             tag = uuid.uuid4().hex
             for k, r in enumerate(reqs):
-                r.group = (f"offline-{tag}-{k // n}", n, k % n)
+                if r.seq.prompt_lps is None:  # (a scored prompt runs on its own, as in add_request)
+                    r.group = (f"offline-{tag}-{k // n}", n, k % n)
         self._done: dict[str, _Request] = {}
         with self._lock:
             for r in reqs:
@@ -789,7 +804,7 @@ class LLMEngine:
             finish_reason=s.finish_reason or "abort", prompt_tokens=s.prompt_len, cached_tokens=max(s.cached_tokens, 0),
             completion_tokens=req.num_tokens,
             logprobs=req.logprobs if s.params.needs_logprobs else None, first_token_time=req.first_token_time,
-            finish_time=req.finish_time, arrival_time=req.arrival_time)
+            finish_time=req.finish_time, arrival_time=req.arrival_time, prompt_logprobs=s.prompt_lps)
 
     # -- online loop -------------------------------------------------------------------------
     def start(self) -> None:

@@ -44,11 +44,45 @@ class StepHandle:
     sampling: SamplingBatch | None
     positions: list[int] = field(default_factory=list)  # where each sampled token goes in its token_ids
     deferred: tuple | None = None  # (logits, inputs): launched, sampling waits for grammar masks
+    scores: "PromptScores | None" = None  # the step's scored prompt rows, on their way to the host
 
     def result(self) -> tuple[list[int], list]:
+        if self.scores is not None:
+            self.scores.apply()
         if self.out is None:
             return [], []
         return self.out.to_host(self.sampling)
+
+
+SCORE_ROWS = 256  # prompt rows whose logits one pass computes (a 128k vocabulary: 128 MB of float32 logits)
+
+
+@dataclass
+class PromptScores:
+    """A step's scored prompt rows (SamplingParams.prompt_logprobs): each row's logprob of the prompt
+    token after it and its top alternatives, copied to the host without waiting for the device;
+    apply() (after the step) writes them into each sequence's prompt_lps."""
+
+    seqs: list  # (sequence, position of its first scored row, rows)
+    next_ids: np.ndarray  # the prompt token each row predicts
+    chosen: torch.Tensor  # float [R]
+    top_v: torch.Tensor  # float [R, k]
+    top_i: torch.Tensor  # int64 [R, k]
+    event: object = None
+
+    def apply(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        chosen, top_v, top_i = self.chosen.tolist(), self.top_v.tolist(), self.top_i.tolist()
+        nxt = self.next_ids.tolist()
+        j = 0
+        for seq, first, n in self.seqs:
+            k = seq.params.prompt_logprobs or 0
+            for pos in range(first + 1, first + 1 + n):
+                if seq.prompt_lps[pos] is None:
+                    seq.prompt_lps_left -= 1
+                seq.prompt_lps[pos] = (nxt[j], chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
+                j += 1
 
 
 class DecodeGraphs:
@@ -141,6 +175,7 @@ class ModelRunner:
             self.fused_rows = math.inf if config.fused_sampling else FUSED_SAMPLING_ROWS
         self.graphs: DecodeGraphs | None = None
         self.defer_grammar = False  # the engine sets it: see launch()
+        self._scores: PromptScores | None = None  # the last forward's scored prompt rows (launch takes them)
         self.step_faults = False  # the engine sets it when LOCALRUN_FAULTS has step_oom (its own runner only)
 
     # -- CUDA graphs -------------------------------------------------------------------------
@@ -191,6 +226,20 @@ class ModelRunner:
         step = HostStep(input_ids=np.asarray(ids, dtype=np.int32), prev_idx=prev, positions=pos, slots=slots,
                         seq_lens=starts + n, cu_seqlens_q=cu, rows=rows, sample_idx=sample_idx,
                         num_decodes=nd, num_real_seqs=B)
+        # (not under tensor parallelism: the followers would have to compute the same logits)
+        scored = [i for i in range(nd + ns, B) if seqs[i].prompt_lps is not None] if self.tp.world == 1 else []
+        if scored:  # rows of prompt positions whose next prompt token is scored
+            idx, nxt, owners = [], [], []
+            for i in scored:
+                s = seqs[i]
+                rows_i = max(0, min(int(n[i]), s.prompt_len - 1 - int(starts[i])))
+                if rows_i:
+                    idx.append(np.arange(cu[i], cu[i] + rows_i))
+                    nxt += s.token_ids[starts[i] + 1:starts[i] + 1 + rows_i]
+                    owners.append((s, int(starts[i]), rows_i))
+            if owners:
+                step.score_idx, step.score_next, step.score_seqs = (np.concatenate(idx).astype(np.int64),
+                                                                    np.asarray(nxt, dtype=np.int64), owners)
         bs = self.graphs.size_for(B) if self.graphs is not None and nd == B else None
         if bs is not None and bs > B:
             step = _pad_decode(step, bs, self.table.dummy_row)
@@ -205,11 +254,12 @@ class ModelRunner:
         if self.tp.world > 1:  # the other ranks run the same forward
             self.tp.send_step(step, bs, self.table.journal)
         logits, ids, sample_idx, sample_seqs = self.forward_sampling(batch, step, bs, sample_seqs)
+        scores, self._scores = self._scores, None
         if not sample_seqs:
-            return StepHandle([], None, None)
+            return StepHandle([], None, None, scores=scores)
         sb = self.sampling_batch(sample_seqs, step)
         inputs = ids.index_select(0, sample_idx) if sb.penalties is not None else None
-        handle = StepHandle(sample_seqs, None, sb)
+        handle = StepHandle(sample_seqs, None, sb, scores=scores)
         if any(s.params.grammar is not None for s in sample_seqs):
             if self.defer_grammar:
                 handle.deferred = (logits, inputs)
@@ -271,10 +321,35 @@ class ModelRunner:
             logits = self.graphs.run(bs)[:S]
         else:
             hidden = self.model(ids, self.buffers.view("positions", T), meta, self.attn)
+            if step.score_idx is not None:
+                self._scores = self._score_prompts(step, hidden)
             if not S:
                 return None, ids
             logits = self.model.compute_logits(hidden.index_select(0, self.buffers.view("sample_idx", S)))
         return logits, ids
+
+    def _score_prompts(self, step: HostStep, hidden: torch.Tensor) -> PromptScores:
+        """The scored prompt rows' logprobs (the raw distribution, as the sampler reports output
+        logprobs), SCORE_ROWS rows a pass; their copy to the host is started, not waited for."""
+        dev = hidden.device
+        idx = to_device(step.score_idx.tolist(), torch.int64, dev)
+        nxt = to_device(step.score_next.tolist(), torch.int64, dev)
+        k = max(1, max(s.params.prompt_logprobs or 0 for s, _, _ in step.score_seqs))
+        chosen, top_v, top_i = [], [], []
+        for a in range(0, len(idx), SCORE_ROWS):
+            lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx[a:a + SCORE_ROWS])).float(),
+                                   dim=-1)
+            chosen.append(lp.gather(1, nxt[a:a + SCORE_ROWS, None])[:, 0])
+            v, i = lp.topk(k, dim=-1)
+            top_v.append(v)
+            top_i.append(i)
+        parts = [torch.cat(chosen), torch.cat(top_v), torch.cat(top_i)]
+        event = None
+        if dev.type != "cpu":
+            parts = [t.to("cpu", non_blocking=True) for t in parts]
+            event = torch.cuda.Event()
+            event.record()
+        return PromptScores(step.score_seqs, step.score_next, *parts, event=event)
 
     def follow_step(self, step: HostStep, bs: int | None, journal: np.ndarray) -> None:
         """A tensor-parallel follower's share of a step rank 0 launched."""

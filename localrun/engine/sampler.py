@@ -45,6 +45,9 @@ class SamplingParams:
     want_logprobs: bool = False  # report the chosen token's logprob even when logprobs == 0
     penalty_window: int = -1  # penalties look at the last N tokens only (-1: all)
     grammar: object | None = None  # a compiled grammar.Grammar: only tokens it allows are sampled
+    # each prompt token's logprob and this many alternatives (None: off). The whole prompt is computed
+    # (the prefix cache keeps no logits); max_tokens 0 then scores the prompt and generates nothing
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -55,10 +58,12 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0 and min_p in [0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0 (0: the prompt scored, nothing generated)")
         if not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs (top alternatives) must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs (top alternatives) must be between 0 and 20")
         self.stop = [s for s in self.stop if s]
 
     @property

@@ -66,6 +66,15 @@ class Sequence:
         self.draft: list[int] = []  # speculative decoding: proposed next tokens, verified in the coming step
         self.spec_draft_tokens = 0  # drafted tokens scheduled for verification
         self.spec_accepted_tokens = 0  # of those, accepted
+        # params.prompt_logprobs: per prompt position (token id, logprob, [(id, logprob), ...]), filled as
+        # the prompt's chunks are computed (position 0: logprob None); until every one is in, admission
+        # computes the whole prompt (the prefix cache keeps no logits)
+        self.prompt_lps: list | None = None
+        self.prompt_lps_left = 0
+        if params.prompt_logprobs is not None:
+            self.prompt_lps = [None] * self.prompt_len
+            self.prompt_lps[0] = (prompt_ids[0], None, [])
+            self.prompt_lps_left = self.prompt_len - 1
 
     def __lt__(self, other: "Sequence") -> bool:  # arrival order (bisect)
         return self.arrival < other.arrival
@@ -370,7 +379,7 @@ class Scheduler:
             if seq.num_pending:  # preempted while a token was in flight: wait for it
                 continue
             pages, node, loaded = [], None, 0
-            if self.cache is not None:
+            if self.cache is not None and not seq.prompt_lps_left:  # (a scored prompt is computed whole)
                 pages, node, loaded = self.cache.load_prefix(seq.token_ids[: self._cacheable(seq)])
                 i, P = len(pages) * self.P, self.P
                 if i + P <= self._cacheable(seq) and (len(pages), tuple(seq.token_ids[i:i + P])) in admitted_pages:
