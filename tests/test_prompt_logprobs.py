@@ -95,6 +95,46 @@ def test_prompt_logprobs_equal_llama_cpp_directly_and_beside_other_streams(backe
     assert all(c.prompt_logprobs is None for c in generated[1:])
 
 
+def test_scored_prompts_that_share_a_context_reuse_its_logprobs(smollm2_gguf):
+    """lm-eval scores each choice of a question as context + choice: the second choice on reuses the
+    context's cells and the logprobs the first computed for them (cached_tokens says so), and gets
+    exactly the numbers a fresh computation gives; stored logprobs with fewer alternatives than asked
+    are not reused, with more they are cut to the number asked."""
+    from localrun.backends.llamacpp import LlamaCppBackend
+
+    def fresh():
+        return LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=2,
+                                        extra={"n_threads": 2}))
+
+    endings = [" Paris.", " London, a big city.", " Berlin", " a city in Europe"]
+    b = fresh()
+    try:
+        prompts = [asyncio.run(b.tokenize(LONG + e)) for e in endings]
+        shared = asyncio.run(b.tokenize(LONG))
+
+        async def main():
+            scored = [await _run(b, ids, max_tokens=1, prompt_logprobs=1) for ids in prompts]
+            more = await _run(b, prompts[0], max_tokens=0, prompt_logprobs=3)  # asks for more alternatives
+            fewer = await _run(b, prompts[1], max_tokens=0, prompt_logprobs=2)  # fewer than the 3 now stored
+            return scored, more, fewer
+
+        scored, more, fewer = asyncio.run(main())
+    finally:
+        asyncio.run(b.close())
+    cached = [c[-1].usage.cached_tokens for c in scored]
+    assert cached[0] == 0 and all(len(shared) - 8 <= n < len(shared) for n in cached[1:]), cached
+    assert more[0].usage.cached_tokens == 0 and fewer[0].usage.cached_tokens > len(shared) - 8
+    assert all(len(x.top) == 2 for x in fewer[0].prompt_logprobs[1:])
+    for ids, got in zip(prompts, scored):
+        b = fresh()
+        try:
+            want = asyncio.run(_run(b, ids, max_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+        finally:
+            asyncio.run(b.close())
+        assert [(x.token, x.logprob, x.top) for x in got[0].prompt_logprobs] == \
+            [(x.token, x.logprob, x.top) for x in want]
+
+
 def test_a_scored_prompt_with_images_is_refused(backend):
     from localrun.errors import InvalidRequest
 

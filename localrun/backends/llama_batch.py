@@ -191,6 +191,11 @@ class Slot:
     request: "Request | None" = None
     last_used: float = 0.0
     prompt_len: int = 0  # the length of the prompt it served last
+    # prompt logprobs a scoring request computed over these cells: lps[p - 1] is position p's (the
+    # logprob of tokens[p] after tokens[:p]), with lps_k alternatives each; a later scored prompt that
+    # starts with the same tokens reuses them (lm-eval's choices of one question share its context)
+    lps: list[TokenLogprob] = field(default_factory=list)
+    lps_k: int = 0
 
 
 @dataclass(eq=False)
@@ -433,7 +438,7 @@ class BatchedLlama:
     def _move(self, r: Request, dst: Slot) -> None:
         src = self.slots[r.sid]
         self._copy_stream(src, dst)
-        dst.tokens, dst.prompt_len = list(src.tokens), src.prompt_len
+        dst.tokens, dst.prompt_len, dst.lps, dst.lps_k = list(src.tokens), src.prompt_len, list(src.lps), src.lps_k
         dst.request, dst.last_used = r, src.last_used
         src.request, src.last_used = None, time.monotonic()
         self._keys_follow(src, dst)  # dst's cells are r's now
@@ -487,12 +492,15 @@ class BatchedLlama:
     def _wait_for_shared_prefill(self, r: Request) -> bool:
         """True when a running prefill will soon hold more of r's prompt than the cache does now:
         r waits for it and shares it, instead of computing the same tokens alongside."""
-        if not self.share_prefixes or r.prompt_lps is not None:
+        if not self.share_prefixes:
             return False
-        have = max(_common(sl.tokens, r.prompt) for sl in self.slots)
+        have = max(self._reusable(sl, r, r.prompt) for sl in self.slots)
+        want = r.options.prompt_logprobs
         for s in self._running:
             if s.computed >= len(s.prompt):
                 continue
+            if want is not None and (s.prompt_lps is None or (s.options.prompt_logprobs or 0) < want):
+                continue  # a scored prompt shares only a prefill that scores it too
             k = _common(s.prompt, r.prompt)
             if k - have >= SHARE_WAIT_TOKENS and s.computed < k:
                 if not r.waited:
@@ -507,16 +515,14 @@ class BatchedLlama:
         # llama.cpp computes a batch of one token with other kernels than a longer batch, so a
         # prompt evaluated from its last token alone gets slightly different logits (and a greedy
         # answer that depends on what ran before); batches of two or more agree exactly.
-        # (a request for its prompt's logprobs computes the whole prompt: the cache keeps no logits)
-        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes and r.prompt_lps is None \
-            else []
+        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
         # a cache key (prompt_cache_key): on a tie the slot the key last used wins, and a new slot is
         # taken from those no other key last used while there are such (keyless: nothing changes)
         mine = self._keyed.get(r.cache_key) if r.cache_key else None
         owned = {sid for key, sid in self._keyed.items() if key != r.cache_key} if self._keyed else set()
         n, src = 0, None
         for sl in self.slots:
-            k = _common(sl.tokens, usable)
+            k = self._reusable(sl, r, usable)
             for img in r.images:  # an image's cells are reused whole or not at all
                 if img.start < k < img.end:
                     k = img.start
@@ -542,7 +548,7 @@ class BatchedLlama:
                                                      sl.last_used))
             if n:
                 self._copy_stream(src, dst)
-                dst.tokens = list(src.tokens)  # cut back below
+                dst.tokens, dst.lps, dst.lps_k = list(src.tokens), list(src.lps), src.lps_k  # cut back below
                 self.counters["copied_prefixes"] += 1
                 if src.request is None and self._runs_with(src.id) < self._runs_with(dst.id):
                     # r in src (idle) leaves fewer runs of running slots than r in dst (src fills a gap):
@@ -550,6 +556,10 @@ class BatchedLlama:
                     # for _compact to close with a second one
                     self._hand_over(src, dst)
                     dst = src
+        if r.prompt_lps is not None:  # position 0's (none), then the cached positions' as scored before
+            want = r.options.prompt_logprobs or 0
+            r.prompt_lps = [TokenLogprob(token=self._prompt_text(r.prompt[0]), logprob=None)] + [
+                x if len(x.top) <= want else TokenLogprob(x.token, x.logprob, x.top[:want]) for x in dst.lps[:n]]
         self._truncate(dst, n)
         if self._keyed or r.cache_key:  # the slot's cells are r's now: its key's, no other's
             for key in [key for key, sid in self._keyed.items() if sid == dst.id]:
@@ -564,11 +574,21 @@ class BatchedLlama:
         self.counters["prompt_tokens"] += len(r.prompt)
         self.counters["cached_tokens"] += n
 
+    def _reusable(self, sl: Slot, r: Request, usable: list[int]) -> int:
+        """Cells of sl that r can start from: the prefix it shares with `usable`; for a scored prompt,
+        only positions whose logprobs sl holds (with enough alternatives), and never the last shared one
+        (its row scores the token after it, which is r's own)."""
+        k = _common(sl.tokens, usable)
+        if r.prompt_lps is not None:
+            k = max(0, min(k - 1, len(sl.lps) if sl.lps_k >= (r.options.prompt_logprobs or 0) else 0))
+        return k
+
     def _truncate(self, slot: Slot, keep: int) -> None:
         """The slot keeps its first ``keep`` cells (llama_memory_seq_rm)."""
         if keep < len(slot.tokens) or keep == 0:
             self.lib.llama_memory_seq_rm(self.mem, slot.id, keep, -1)
             del slot.tokens[keep:]
+            del slot.lps[max(0, keep - 1):]
 
     # -- one step -----------------------------------------------------------------------------------
     def _step(self) -> bool:
@@ -906,8 +926,6 @@ class BatchedLlama:
         prompt positions start, start+1, ...) predict: row j, prompt[start + j + 1] and its top
         alternatives (options.prompt_logprobs of them), as _logprob computes them for output tokens."""
         prompt, top_n = r.prompt, r.options.prompt_logprobs or 0
-        if start == 0:
-            r.prompt_lps.append(TokenLogprob(token=self._prompt_text(prompt[0]), logprob=None))
         rows = block[:max(0, min(len(block), len(prompt) - 1 - start))]  # (a view of llama.cpp's logits)
         if not len(rows):
             return
@@ -925,6 +943,8 @@ class BatchedLlama:
         for j, tok in enumerate(nxt.tolist()):
             top = [] if top_n <= 0 else [(self._prompt_text(int(t)), float(rows[j, t] - lse[j])) for t in tops[j]]
             r.prompt_lps.append(TokenLogprob(token=self._prompt_text(tok), logprob=float(chosen[j]), top=top))
+        slot = self.slots[r.sid]  # its cells' logprobs, for a later scored prompt with the same start
+        slot.lps, slot.lps_k = r.prompt_lps[1:], top_n
 
     def _prompt_text(self, tok: int) -> str:
         """A prompt token's text: control tokens written out, as the prompt was tokenized (parse_special)."""
