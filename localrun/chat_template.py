@@ -18,7 +18,9 @@ mutation of the objects we pass in), and its work is bounded:
 
 Rendering is meant to run off the event loop (the generation service uses a thread).
 
-Both the daemon and the native engine render through :func:`render_chat`.
+Both the daemon and the native engine render through :func:`render_chat`. A template in Go's
+template language (an Ollama Modelfile's TEMPLATE) is rendered by :mod:`localrun.go_template`, as
+Ollama renders it, under the same deadline and output cap.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2 import utils as jinja2_utils
 
+from localrun import go_template
 from localrun.errors import InvalidRequest
 
 MAX_TEMPLATE_CHARS = 200_000
@@ -332,6 +335,12 @@ def check_template(template: str) -> None:
     """Compile `template` in the sandbox; raise TemplateRenderError naming the problem."""
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
+    if go_template.is_go_template(template):  # Ollama's language
+        try:
+            go_template.compile_ollama(template)
+        except InvalidRequest as exc:
+            raise TemplateRenderError(f"chat template does not compile: {exc.message}") from None
+        return
     try:
         _compile(template)
     except Exception as exc:  # TemplateSyntaxError and friends
@@ -373,6 +382,8 @@ def render_chat(
         raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
     messages = _alias_reasoning(messages)
     budget = _Budget(RENDER_SECONDS, RENDER_MEMORY_BYTES)
+    if go_template.is_go_template(template):
+        return _render_go(template, messages, tools, budget, **extra)
     parts: list[str] = []
     size = 0
     previous = sys.gettrace()
@@ -411,6 +422,29 @@ def render_chat(
     return "".join(parts)
 
 
+def _render_go(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, budget: _Budget,
+               **extra: Any) -> str:
+    """An Ollama (Go) template, rendered as Ollama does, under the budget's deadline and memory bound."""
+    previous = sys.gettrace()
+    sys.settrace(budget.trace)
+    try:
+        return go_template.render_ollama(template, messages, tools=tools, think=extra.get("enable_thinking"),
+                                         effort=extra.get("reasoning_effort"), out_limit=MAX_OUTPUT_CHARS)
+    except InvalidRequest as exc:
+        raise TemplateRenderError(f"chat template failed to render: {exc.message}") from None
+    except _Abort as exc:
+        raise TemplateRenderError(str(exc)) from None
+    except RecursionError:
+        raise TemplateRenderError("chat template recursed too deeply") from None
+    finally:
+        sys.settrace(previous)
+
+
 def template_supports_tools(template: str | None) -> bool:
-    """True when the template references `tools` (so tool definitions reach the model)."""
-    return bool(template) and "tools" in template  # type: ignore[operator]
+    """True when the template references `tools` (so tool definitions reach the model): `.Tools` in
+    an Ollama template."""
+    if not template:
+        return False
+    if go_template.is_go_template(template):
+        return ".Tools" in template
+    return "tools" in template
