@@ -426,6 +426,7 @@ REPL_HELP = """Available commands:
   /set verbose | /set quiet   show or hide timing stats after each answer
   /show [info|modelfile|parameters|system|template|license]
   /clear                      forget the conversation
+  /save MODEL                 save this session (model, system message, parameters, conversation) as a new model
   /load MODEL                 switch to another model
   /bye                        exit
   /?, /help                   this help
@@ -521,6 +522,11 @@ class Repl:
             elif cmd == "/clear":
                 self.messages.clear()
                 print("Cleared session context")
+            elif cmd == "/save":
+                if len(args) != 1:
+                    print("Usage:\n  /save <modelname>")
+                else:
+                    self.save(args[0])
             elif cmd == "/load" and len(args) == 1:
                 ensure_model(self.client, args[0])
                 self.model = args[0]
@@ -535,6 +541,18 @@ class Repl:
         except (CLIError, APIError) as exc:
             _err(str(exc))
         return None
+
+    def save(self, name: str) -> None:
+        """Ollama's /save: a new model FROM this one with the session's system message and parameters,
+        and the conversation as its MESSAGE history (/load NAME, or `run NAME`, goes on from it).
+        Images are left out: a MESSAGE holds text."""
+        from localrun.library.modelfile import render_modelfile
+
+        msgs = [{"role": m["role"], "content": m["content"]} for m in self.messages]
+        text = render_modelfile(self.model, dict(self.rs.options), None, self.rs.system, msgs, None, None)
+        for _ in self.client.create(name, text):
+            pass
+        print(f"Created new model '{name}'")
 
     def set(self, args: list[str], line: str) -> None:
         what = args[0].lower()

@@ -489,6 +489,42 @@ def test_repl_from_piped_stdin(pulled):
     assert re.search(r"^eval count:\s+[1-6] token", r.stderr, re.M), r.stderr  # num_predict 6 was applied
 
 
+def test_repl_save_makes_a_model_of_the_session(pulled):
+    """Ollama's /save NAME: a new model from this one with the session's system message, parameters
+    and conversation (MESSAGE history); `run NAME` goes on from that conversation, with its settings."""
+    env = pulled["env"]
+    script = "\n".join([
+        "/set parameter temperature 0",
+        "/set parameter num_predict 5",
+        "/set system You answer in one word.",
+        "Sky colour?",
+        "/save",
+        "/save saved-session",
+        "/save bad..name",
+        "/bye",
+    ]) + "\n"
+    r = cli(env, "run", MODEL, "--plain", input=script)
+    assert r.returncode == 0, r.stderr
+    assert "Usage:\n  /save <modelname>" in r.stdout and "Created new model 'saved-session'" in r.stdout
+    assert "Error:" in r.stderr and "bad..name" in r.stderr and "Traceback" not in r.stderr
+    mf = cli(env, "show", "saved-session", "--modelfile")
+    assert mf.returncode == 0, mf.stderr
+    assert "TEMPLATE" in mf.stdout and "SYSTEM You answer in one word." in mf.stdout  # the base model's template
+    assert "PARAMETER num_predict 5" in mf.stdout and "PARAMETER temperature 0" in mf.stdout
+    assert "MESSAGE user Sky colour?" in mf.stdout and mf.stdout.count("MESSAGE assistant") == 1
+    info = httpx.post(f"http://{env['LOCALRUN_HOST']}/api/show", json={"model": "saved-session"}).json()
+    assert [m["role"] for m in info["messages"]] == ["user", "assistant"]
+    again = cli(env, "run", "saved-session", "--verbose", "And grass?")
+    assert again.returncode == 0, again.stderr
+    # its prompt is the saved system message and conversation, then the new question
+    chat = [{"role": "system", "content": "You answer in one word."}, *info["messages"],
+            {"role": "user", "content": "And grass?"}]
+    want = httpx.post(f"http://{env['LOCALRUN_HOST']}/tokenize", json={"model": MODEL, "messages": chat}).json()
+    assert int(re.search(r"prompt eval count:\s+(\d+)", again.stderr).group(1)) == want["count"]
+    assert re.search(r"^eval count:\s+[1-5] token", again.stderr, re.M), again.stderr  # its num_predict 5
+    cli(env, "rm", "saved-session")
+
+
 class Pty:
     """A CLI process on a pseudo-terminal (stdin and stdout are TTYs, as for a user)."""
 

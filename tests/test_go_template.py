@@ -270,3 +270,26 @@ def test_hostile_templates_end_with_a_400_quickly(text):
     with pytest.raises(TemplateRenderError):
         render_chat(text, CHAT * 10)
     assert time.monotonic() - t < 10
+
+
+def test_any_text_parses_or_is_a_400():
+    """Whatever text comes as an Ollama template, rendering gives a prompt or a TemplateRenderError:
+    never another exception (a 500)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    parts = st.sampled_from(["{{", "}}", "{{-", "-}}", " ", ".", ".Messages", ".Role", "$", "$x", ":=", "=", "|", "(",
+                             ")", "\"", "`", "'a'", "if", "else", "end", "range", "with", "break", "printf", "eq",
+                             "index", "slice", "len", "and", "not", "json", "1", "-1", "2.5", "/*", "*/", "\n", "x",
+                             "%s", ",", "nil", "true", ".Tools", ".Function.Arguments"])
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.lists(parts, max_size=25).map("".join))
+    def check(text):
+        text = "{{ range .Messages }}{{ end }}" + text  # (a Go template, whatever follows)
+        try:
+            assert isinstance(render_chat(text, CHAT, tools=TOOLS), str)
+        except TemplateRenderError:
+            pass
+
+    check()

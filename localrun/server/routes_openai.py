@@ -330,7 +330,7 @@ async def completions(request: Request):
         opts.max_tokens = 0
     elif opts.max_tokens is None and max_tokens is None:
         opts.max_tokens = 16 if not resolved.parameters.get("num_predict") else opts.max_tokens  # OpenAI's default
-    lp = p.get_int(body, "logprobs", 0, 5)
+    lp = p.get_int(body, "logprobs", 0, p.MAX_TOP_LOGPROBS)  # (OpenAI: 5; vLLM: 20)
     if lp is not None:
         opts.logprobs, opts.top_logprobs = True, lp
         if echo:  # each prompt token's logprob too (lm-eval's loglikelihood: echo, logprobs, max_tokens 1)
