@@ -52,6 +52,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_IMAGE_MAX_PIXELS": ("16777216", "pixels (width x height) one image may have; read from its header, so a decompression bomb is refused before it is decoded"),
     "LOCALRUN_LOAD_TIMEOUT": ("5m", "how long a model's runner process may take to load it before the load fails"),
     "LOCALRUN_SHUTDOWN_GRACE": ("10s", "on SIGTERM, how long running generations may go on before their streams are ended with an error"),
+    "LOCALRUN_HTTP_KEEPALIVE": ("2m", "how long an idle kept-alive HTTP connection stays open (clients that pause between requests, as agents and editors do, reuse it; a client that writes on one the daemon just closed gets a broken pipe)"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
     "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load[:MODEL]); never set it in normal use"),
     "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
@@ -235,6 +236,7 @@ class Settings:
     host_cache: int | float | None = None  # bytes, a fraction of available RAM, or None (auto)
     load_timeout: float | None = 300.0  # seconds; None = no limit
     shutdown_grace: float = 10.0  # seconds
+    http_keepalive: float = 120.0  # seconds an idle kept-alive connection stays open
     weight_dtype: str = "auto"  # native engine: auto | int8 | fp8
     tensor_parallel: int = 1  # native engine ranks per model
     speculative: str = "off"  # off | ngram | draft:PATH
@@ -309,6 +311,7 @@ class Settings:
             "LOCALRUN_IMAGE_MAX_PIXELS": str(self.image_max_pixels),
             "LOCALRUN_LOAD_TIMEOUT": "none" if self.load_timeout is None else f"{self.load_timeout:g}s",
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
+            "LOCALRUN_HTTP_KEEPALIVE": f"{self.http_keepalive:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
             "LOCALRUN_FAULTS": self.faults or "(none)",
@@ -450,6 +453,12 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError(f"LOCALRUN_SHUTDOWN_GRACE: {exc}") from None
     if grace is None or grace > 3600:
         raise ValueError("LOCALRUN_SHUTDOWN_GRACE must be between 0 and 1h")
+    try:
+        http_keepalive = parse_duration(e.get("LOCALRUN_HTTP_KEEPALIVE"), default=120.0)
+    except ValueError as exc:
+        raise ValueError(f"LOCALRUN_HTTP_KEEPALIVE: {exc}") from None
+    if http_keepalive is None or not 1 <= http_keepalive <= 86400:
+        raise ValueError("LOCALRUN_HTTP_KEEPALIVE must be between 1s and 1d")
     tensor_parallel = _int("LOCALRUN_TENSOR_PARALLEL", e.get("LOCALRUN_TENSOR_PARALLEL"), 1, 1)
     if tensor_parallel > MAX_TENSOR_PARALLEL:
         raise ValueError(f"LOCALRUN_TENSOR_PARALLEL must be at most {MAX_TENSOR_PARALLEL}, got {tensor_parallel}")
@@ -488,6 +497,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         host_cache=parse_host_cache(e.get("LOCALRUN_HOST_CACHE")),
         load_timeout=load_timeout,
         shutdown_grace=grace,
+        http_keepalive=http_keepalive,
         weight_dtype=weight_dtype,
         tensor_parallel=tensor_parallel,
         speculative=speculative,

@@ -118,9 +118,18 @@ class StdlibClient:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
 
     def stream(self, path: str, body: dict):
+        import http.client
+
         data = json.dumps(body).encode()
-        self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-        r = self.conn.getresponse()
+        for attempt in (0, 1):
+            try:
+                self.conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                r = self.conn.getresponse()
+                break
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                if attempt:
+                    raise
+                self.conn.close()  # the daemon closed the idle connection first: the next request opens one
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
         while True:

@@ -406,6 +406,9 @@ def serve(s: Settings | None = None) -> int:
     # past the grace end themselves (with an error and a finish reason) rather than being cut
     config = uvicorn.Config(app, host=s.host, port=s.port, log_level="warning",
                             timeout_graceful_shutdown=s.shutdown_grace + 15,
+                            # uvicorn's default is 5 s: a client idle longer (an agent between two model
+                            # calls) that wrote on the connection as it closed got a broken pipe
+                            timeout_keep_alive=int(max(1, s.http_keepalive)),
                             h11_max_incomplete_event_size=64 * 1024, access_log=False)
     server = _server_class()(config)
     try:
