@@ -546,11 +546,8 @@ class Repl:
         """Ollama's /save: a new model FROM this one with the session's system message and parameters,
         and the conversation as its MESSAGE history (/load NAME, or `run NAME`, goes on from it).
         Images are left out: a MESSAGE holds text."""
-        from localrun.library.modelfile import render_modelfile
-
-        msgs = [{"role": m["role"], "content": m["content"]} for m in self.messages]
-        text = render_modelfile(self.model, dict(self.rs.options), None, self.rs.system, msgs, None, None)
-        for _ in self.client.create(name, text):
+        for _ in self.client.save_session(name, self.model, system=self.rs.system, parameters=self.rs.options,
+                                          messages=self.messages):
             pass
         print(f"Created new model '{name}'")
 

@@ -157,6 +157,17 @@ class _Requests:
                            "stream": True})
         return _Call("POST", "/api/create", body, stream=True)
 
+    def save_session(self, name: str, model: str, *, system: str | None = None, parameters: dict | None = None,
+                     messages: list[dict] | None = None) -> _Call:
+        """A new model from `model` with a chat session's system message, parameters and messages (Ollama's
+        REPL /save: /api/create with `from`)."""
+        msgs = [{"role": m["role"], "content": m.get("content") or ""} for m in messages or []
+                if m.get("role") in ("system", "user", "assistant")]
+        body = _drop_none({"model": name, "from": model, "system": system or None,
+                           "parameters": {k: v for k, v in (parameters or {}).items() if v is not None} or None,
+                           "messages": msgs or None, "stream": True})
+        return _Call("POST", "/api/create", body, stream=True)
+
     def copy(self, src: str, dst: str) -> _Call:
         return _Call("POST", "/api/copy", {"source": src, "destination": dst}, pick=lambda b: None)
 

@@ -137,11 +137,13 @@ def test_parse_commands():
     assert parse_command("/model smollm2:135m").value == "smollm2:135m"
     assert parse_command("/unset seed").key == "seed"
     assert parse_command("/bye").name == "bye"
+    assert parse_command("/save my-chat").value == "my-chat"
     assert [parse_command(c).value for c in ("/set think", "/set think off", "/set think high", "/set nothink")] == [
         True, False, "high", False]
     assert parse_command("/unset think") == parse_command("/unset think").__class__("unset", "think")
     for bad in ("/set temperature hot", "/set top_p 1.5", "/set num_ctx 4", "/set nope 1", "/frobnicate",
-                "/set num_predict 0", "/set seed 1.5", "/model a b", "/set system", "/set think maybe"):
+                "/set num_predict 0", "/set seed 1.5", "/model a b", "/set system", "/set think maybe", "/save",
+                "/save a b"):
         with pytest.raises(CommandError):
             parse_command(bad)
 
@@ -662,3 +664,31 @@ def test_localrun_chat_in_a_real_terminal(models):
             proc.kill()
             proc.wait(10)
         os.close(master)
+
+
+async def test_save_makes_a_model_of_the_chat(models, store):
+    """/save NAME (Ollama's): a new model from this chat's model with its system prompt, parameters and
+    messages, which the daemon then serves with that history."""
+    from localrun.tui.widgets import Notice
+
+    app = ChatApp(model=MODEL, base_url=models["url"], store=store)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/set num_predict 4")
+        await type_and_send(pilot, "/set system You are terse.")
+        await type_and_send(pilot, "Name a fruit.")
+        await reply_done(pilot)
+        await type_and_send(pilot, "/save tui-saved")
+        await wait_for(pilot, lambda: any("saved as tui-saved" in n.text for n in app.query(Notice)), 30,
+                       "the save")
+        assert app.last_error is None
+        await type_and_send(pilot, "/save bad..name")
+        await wait_for(pilot, lambda: app.last_error is not None, 30, "the refusal")
+        assert "could not save bad..name" in app.last_error
+    try:
+        info = httpx.post(models["url"] + "/api/show", json={"model": "tui-saved"}).json()
+        assert info["system"] == "You are terse." and "num_predict" in info["parameters"]
+        assert [(m["role"], m["content"]) for m in info["messages"]] == [
+            (m["role"], m["content"]) for m in app.conv.messages]
+    finally:
+        httpx.request("DELETE", models["url"] + "/api/delete", json={"model": "tui-saved"})

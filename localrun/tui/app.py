@@ -452,9 +452,25 @@ class ChatApp(App[int]):
             self.exit(0)
         elif cmd.name == "image":
             await self.attach(str(cmd.value))
+        elif cmd.name == "save":
+            await self.save_model(str(cmd.value))
         elif cmd.name == "detach":
             n, self.pending = len(self.pending), []
             await self.note(f"dropped {n} attached image(s)" if n else "no image is attached")
+
+    async def save_model(self, name: str) -> None:
+        """Ollama's /save: a new model from this chat's model with its system prompt, parameters and messages."""
+        if not self.conv.model:
+            await self.note("no model chosen yet: pick one (Ctrl+O) or /model NAME", "error")
+            return
+        try:
+            async for _ in self.client.save_session(name, self.conv.model, system=self.conv.system,
+                                                    parameters=self.conv.options, messages=self.conv.messages):
+                pass
+        except (DaemonUnavailable, APIError) as exc:
+            await self.note(f"could not save {name}: {getattr(exc, 'message', str(exc))}", "error")
+            return
+        await self.note(f"saved as {name}: `localrun run {name}` goes on from this chat")
 
     async def attach(self, path: str) -> None:
         """Read one image file (checked: exists, readable, size, format) for the next message."""

@@ -2,7 +2,7 @@
 
 ``/set temperature 0.2``, ``/set system You are terse.``, ``/set num_ctx 4096``,
 ``/unset seed``, ``/clear``, ``/new``, ``/model NAME``, ``/models``, ``/chats``,
-``/copy``, ``/image PATH``, ``/detach``, ``/help``, ``/bye``.  Parsing raises :class:`CommandError` with a message a
+``/copy``, ``/image PATH``, ``/detach``, ``/save NAME``, ``/help``, ``/bye``.  Parsing raises :class:`CommandError` with a message a
 user can act on; the app shows it and carries on.
 """
 
@@ -93,6 +93,7 @@ HELP = """\
 - `/model NAME` — switch model (pulled first when not in the library); `/models` picker
 - `/new` · `/clear` — new conversation (the old one stays saved) · clear this one
 - `/chats` — resume a saved conversation · `/copy` the last reply · `/bye` quit
+- `/save NAME` — a new model from this chat: its model, system prompt, parameters and messages
 - `/image PATH` — attach an image to your next message (vision models; or paste/drop the
   file's path as the whole message) · `/detach` drops the attached images
 
@@ -130,6 +131,11 @@ def parse_command(line: str) -> Command:
         if rest and head not in ("help", "?"):
             raise CommandError(f"/{head} takes no argument")
         return Command(_SIMPLE[head])
+    if head == "save":
+        if len(rest.split()) != 1:
+            raise CommandError("usage: /save NAME (a new model: this chat's model, system prompt, parameters and "
+                               "messages)")
+        return Command("save", value=rest)
     if head == "model":
         if not rest:
             return Command("models")
