@@ -242,6 +242,9 @@ def test_a_modelfile_with_an_ollama_template_through_the_daemon(tmp_path):
             mine = client.chat(model=name, messages=msgs, options=opts)
             assert mine.message.content == base.message.content and mine.prompt_eval_count == base.prompt_eval_count
         assert client.show("go-chatml").template == CHATML_LEGACY
+        # vLLM's /tokenizer_info gives clients a template they render with Jinja: none for an Ollama one
+        info = d.http.get("/tokenizer_info", params={"model": "go-chatml"}).json()
+        assert info["chat_template"] is None and info["eos_token"] == "<|im_end|>"
         one = client.generate(model=MODEL, prompt="Sky colour?", options=opts,
                               template="<|im_start|>user\n{{ .Prompt }}<|im_end|>\n<|im_start|>assistant\n")
         raw = client.generate(model=MODEL, prompt="<|im_start|>user\nSky colour?<|im_end|>\n<|im_start|>assistant\n",

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 
 from localrun.backends.base import Infill
+from localrun.go_template import is_go_template
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
@@ -273,13 +274,17 @@ async def tokenize(request: Request):
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request):
     """vLLM's tokenizer facts (lm-eval's remote tokenizer reads them, then tokenizes with /tokenize): the
-    begin- and end-of-text tokens as text, the chat template, the window. ``?model=`` names the model
-    (without it: the one loaded, else the one in the library)."""
+    begin- and end-of-text tokens as text, the chat template (a Jinja one: clients render it; none for an
+    Ollama template), the window. ``?model=`` names the model (without it: the one loaded, else the one in
+    the library)."""
     st: State = request.app.state.lr
     resolved = await _model(st, {"model": request.query_params.get("model")}, "with ?model=")
     bos, eos, window = await until_disconnected(request, st.generation.tokenizer(resolved))
+    template = resolved.template
+    if is_go_template(template):  # clients render chat_template with Jinja (lm-eval's apply_chat_template)
+        template = None
     return {"model": resolved.name, "bos_token": bos or None, "eos_token": eos or None, "pad_token": None,
-            "chat_template": resolved.template, "model_max_length": window}
+            "chat_template": template, "model_max_length": window}
 
 
 @router.post("/detokenize")
