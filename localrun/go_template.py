@@ -474,8 +474,8 @@ def _compare(a: Any, b: Any, op: str) -> bool:
         return a == b
     if op == "ne":
         return a != b
-    if isinstance(a, bool) or isinstance(b, bool) or not (isinstance(a, type(b)) or isinstance(b, type(a))
-                                                           or (isinstance(a, (int, float)) and isinstance(b, (int, float)))):
+    numbers = isinstance(a, (int, float)) and isinstance(b, (int, float))
+    if isinstance(a, bool) or isinstance(b, bool) or not (numbers or (isinstance(a, str) and isinstance(b, str))):
         raise GoTemplateError(f"Go template: incompatible types for comparison ({op})")
     return {"lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[op]
 

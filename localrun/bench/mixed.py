@@ -4,9 +4,10 @@ Where `bench soak` holds one kind of request steady (and checks each answer agai
 this one mixes what a real machine sees: streamed chat through the OpenAI, Ollama and Anthropic
 APIs, streams the client walks away from after a few tokens, text completions, embeddings (some
 past the window: Ollama truncates them), a long Ollama chat that has to drop turns, token counts,
-/tokenize and /detokenize (now and then an id outside the vocabulary: a 400), `ps` and `show`,
-unloads (`keep_alive: 0`) of a model other requests are using, a second model with its own runner,
-and beside them a loop that creates and deletes models and uploads blobs.
+/tokenize and /detokenize (now and then an id outside the vocabulary: a 400), scored prompts as lm-eval
+sends them (a batch of a question's choices, `echo` with `logprobs`), `ps` and `show`, unloads
+(`keep_alive: 0`) of a model other requests are using, a second model with its own runner (its chat
+template an Ollama Go template), and beside them a loop that creates and deletes models and uploads blobs.
 
 It passes when, for the whole run: no 5xx, no transport error (a dropped connection, a reset), no
 error inside a stream, no 4xx except a full queue (503 is not counted either); and afterwards the
@@ -30,7 +31,10 @@ from pathlib import Path
 MODEL = "smollm2:135m"
 SECOND = "mixed-pirate:latest"  # a second model (same weights, its own runner)
 KINDS = ("openai", "openai_walk_away", "ollama", "ollama_long_chat", "anthropic", "completions", "embeddings",
-         "ollama_embed_truncated", "count_tokens", "tokenize", "ps", "show", "unload", "second_model")
+         "ollama_embed_truncated", "count_tokens", "tokenize", "scoring", "ps", "show", "unload", "second_model")
+# the second model's template: ChatML in Ollama's Go template language (rendered by localrun.go_template)
+SECOND_TEMPLATE = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+                   "<|im_start|>assistant\n")
 
 
 def add_parser(sub) -> None:
@@ -123,6 +127,19 @@ async def _one(c, kind: str, model: str, rng: random.Random, i: int):
             if bad.status_code not in (400, 503):
                 raise RuntimeError(f"an id outside the vocabulary got HTTP {bad.status_code}: {bad.text[:200]}")
         return await c.post("/detokenize", json={"model": model, "tokens": ids})
+    if kind == "scoring":  # lm-eval's loglikelihood: a question's choices in one batch, each scored
+        context = f"Question {i % 7}: which word follows 'the quick brown'? Answer:"
+        choices = rng.sample([" fox", " dog", " cat", " bird", " house"], rng.randint(2, 4))
+        r = await c.post("/v1/completions", json={"model": model, "prompt": [context + x for x in choices],
+                                                  "echo": True, "logprobs": 1, "max_tokens": rng.choice([0, 1]),
+                                                  "temperature": 0})
+        if r.status_code == 200:
+            for ch in r.json()["choices"]:
+                lp = ch["logprobs"]
+                if lp["token_logprobs"][0] is not None or None in lp["token_logprobs"][1:] or \
+                        not ch["text"].startswith(context):
+                    raise RuntimeError(f"a scored prompt came back wrong: {str(ch)[:300]}")
+        return r
     if kind == "ps":
         return await c.get("/api/ps")
     if kind == "show":
@@ -186,7 +203,7 @@ async def _mix(url: str, seconds: float, clients: int, seed: int, models_dir: Pa
         if r.status_code != 200:
             raise SoakError(f"pulling {MODEL} failed: HTTP {r.status_code}: {r.text[:300]}")
         r = await c.post("/api/create", json={"model": SECOND, "from": MODEL, "system": "You are a pirate.",
-                                              "stream": False})
+                                              "template": SECOND_TEMPLATE, "stream": False})
         if r.status_code != 200:
             raise SoakError(f"creating {SECOND} failed: HTTP {r.status_code}: {r.text[:300]}")
         deadline = time.monotonic() + seconds

@@ -54,7 +54,7 @@ class StepHandle:
         return self.out.to_host(self.sampling)
 
 
-SCORE_ROWS = 64  # prompt rows whose logits one pass computes (a 128k vocabulary: 32 MB of float32 logits, twice that at peak)
+SCORE_ROWS = 64  # prompt rows whose logits one pass computes (a 128k vocabulary: 32 MB of float32 logits)
 
 
 @dataclass

@@ -287,16 +287,18 @@ def _prompts(value: Any) -> list[str | list[int]]:
         return [value]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("'prompt' must be a string, an array of token ids, or an array of those (a batch)")
-    if all(isinstance(x, (str, list)) for x in value):
-        if len(value) > MAX_PROMPTS:
-            raise InvalidRequest(f"'prompt' is a batch of {len(value)} prompts; at most {MAX_PROMPTS}")
-        return [x if isinstance(x, str) else p.token_ids(x, "prompt", ", or a string") if x else
-                _empty_ids() for x in value]
-    return [p.token_ids(value, "prompt", ", or a string")]
-
-
-def _empty_ids():
-    raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
+    if not all(isinstance(x, (str, list)) for x in value):
+        return [p.token_ids(value, "prompt", ", or a string")]
+    if len(value) > MAX_PROMPTS:  # a batch
+        raise InvalidRequest(f"'prompt' is a batch of {len(value)} prompts; at most {MAX_PROMPTS}")
+    out: list[str | list[int]] = []
+    for x in value:
+        if isinstance(x, list):
+            if not x:
+                raise InvalidRequest("'prompt' must be a string, or a non-empty array of token ids (integers)")
+            x = p.token_ids(x, "prompt", ", or a string")
+        out.append(x)
+    return out
 
 
 @router.post("/completions")
