@@ -192,10 +192,9 @@ class Slot:
     last_used: float = 0.0
     prompt_len: int = 0  # the length of the prompt it served last
     # prompt logprobs a scoring request computed over these cells: lps[p - 1] is position p's (the
-    # logprob of tokens[p] after tokens[:p]), with lps_k alternatives each; a later scored prompt that
-    # starts with the same tokens reuses them (lm-eval's choices of one question share its context)
+    # logprob of tokens[p] after tokens[:p]), each with the alternatives that request asked for; a later
+    # scored prompt that starts with the same tokens reuses them (lm-eval's choices of one question)
     lps: list[TokenLogprob] = field(default_factory=list)
-    lps_k: int = 0
 
 
 @dataclass(eq=False)
@@ -438,7 +437,7 @@ class BatchedLlama:
     def _move(self, r: Request, dst: Slot) -> None:
         src = self.slots[r.sid]
         self._copy_stream(src, dst)
-        dst.tokens, dst.prompt_len, dst.lps, dst.lps_k = list(src.tokens), src.prompt_len, list(src.lps), src.lps_k
+        dst.tokens, dst.prompt_len, dst.lps = list(src.tokens), src.prompt_len, list(src.lps)
         dst.request, dst.last_used = r, src.last_used
         src.request, src.last_used = None, time.monotonic()
         self._keys_follow(src, dst)  # dst's cells are r's now
@@ -548,7 +547,7 @@ class BatchedLlama:
                                                      sl.last_used))
             if n:
                 self._copy_stream(src, dst)
-                dst.tokens, dst.lps, dst.lps_k = list(src.tokens), list(src.lps), src.lps_k  # cut back below
+                dst.tokens, dst.lps = list(src.tokens), list(src.lps)  # cut back below
                 self.counters["copied_prefixes"] += 1
                 if src.request is None and self._runs_with(src.id) < self._runs_with(dst.id):
                     # r in src (idle) leaves fewer runs of running slots than r in dst (src fills a gap):
@@ -580,7 +579,8 @@ class BatchedLlama:
         (its row scores the token after it, which is r's own)."""
         k = _common(sl.tokens, usable)
         if r.prompt_lps is not None:
-            k = max(0, min(k - 1, len(sl.lps) if sl.lps_k >= (r.options.prompt_logprobs or 0) else 0))
+            enough = sl.lps and len(sl.lps[0].top) >= (r.options.prompt_logprobs or 0)  # (all have as many)
+            k = max(0, min(k - 1, len(sl.lps) if enough else 0))
         return k
 
     def _truncate(self, slot: Slot, keep: int) -> None:
@@ -944,13 +944,13 @@ class BatchedLlama:
             top = [] if top_n <= 0 else [(self._prompt_text(int(t)), float(rows[j, t] - lse[j])) for t in tops[j]]
             r.prompt_lps.append(TokenLogprob(token=self._prompt_text(tok), logprob=float(chosen[j]), top=top))
         slot = self.slots[r.sid]  # its cells' logprobs, for a later scored prompt with the same start
-        slot.lps, slot.lps_k = r.prompt_lps[1:], top_n
+        slot.lps = r.prompt_lps[1:]
 
     def _prompt_text(self, tok: int) -> str:
         """A prompt token's text: control tokens written out, as the prompt was tokenized (parse_special)."""
         if tok < 0:  # an image's stand-in (prompt logprobs are refused with images)
             return ""
-        return token_piece(self.lib, self.vocab, tok, special=True).decode("utf-8", "replace")
+        return self.piece(tok, special=True).decode("utf-8", "replace")
 
     def _logprob(self, row: int, token: int, top_n: int) -> TokenLogprob:
         """Log-probabilities of the raw model distribution at a batch row."""

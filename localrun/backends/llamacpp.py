@@ -454,9 +454,7 @@ class LlamaCppBackend:
 
     def _special_text(self, token: int) -> str:
         """A special token's text ("" for none: llama.cpp's LLAMA_TOKEN_NULL is -1)."""
-        if not 0 <= token < self._n_vocab:
-            return ""
-        return token_piece(self._lib, self._vocab, token, special=True).decode("utf-8", "replace")
+        return self._detokenize([token]) if 0 <= token < self._n_vocab else ""
 
     def _detokenize(self, token_ids: list[int]) -> str:
         return b"".join(token_piece(self._lib, self._vocab, t, special=True)

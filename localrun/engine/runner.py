@@ -22,7 +22,7 @@ from localrun.engine.kv.pool import KVPool, PageTable
 from localrun.engine.layers.attention import AttnMetadata, HostStep, StepBuffers, make_backend, padding_step
 from localrun.engine.models.llama import LlamaModel
 from localrun.engine.parallel.group import apply_journal
-from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample, to_device
+from localrun.engine.sampler import SampleOutput, SamplingBatch, SamplingParams, sample, start_host_copy, to_device
 from localrun.engine.scheduler import PENDING, ScheduledBatch, Sequence
 
 log = logging.getLogger("localrun.engine")
@@ -64,7 +64,7 @@ class PromptScores:
     apply() (after the step) writes them into each sequence's prompt_lps."""
 
     seqs: list  # (sequence, position of its first scored row, rows)
-    next_ids: np.ndarray  # the prompt token each row predicts
+    next_ids: list[int]  # the prompt token each row predicts
     chosen: torch.Tensor  # float [R]
     top_v: torch.Tensor  # float [R, k]
     top_i: torch.Tensor  # int64 [R, k]
@@ -74,7 +74,7 @@ class PromptScores:
         if self.event is not None:
             self.event.synchronize()
         chosen, top_v, top_i = self.chosen.tolist(), self.top_v.tolist(), self.top_i.tolist()
-        nxt = self.next_ids.tolist()
+        nxt = self.next_ids
         j = 0
         for seq, first, n in self.seqs:
             k = seq.params.prompt_logprobs or 0
@@ -231,15 +231,14 @@ class ModelRunner:
         if scored:  # rows of prompt positions whose next prompt token is scored
             idx, nxt, owners = [], [], []
             for i in scored:
-                s = seqs[i]
-                rows_i = max(0, min(int(n[i]), s.prompt_len - 1 - int(starts[i])))
+                s, start = seqs[i], int(starts[i])
+                rows_i = max(0, min(int(n[i]), s.prompt_len - 1 - start))
                 if rows_i:
-                    idx.append(np.arange(cu[i], cu[i] + rows_i))
-                    nxt += s.token_ids[starts[i] + 1:starts[i] + 1 + rows_i]
-                    owners.append((s, int(starts[i]), rows_i))
+                    idx += range(int(cu[i]), int(cu[i]) + rows_i)
+                    nxt += s.token_ids[start + 1:start + 1 + rows_i]
+                    owners.append((s, start, rows_i))
             if owners:
-                step.score_idx, step.score_next, step.score_seqs = (np.concatenate(idx).astype(np.int64),
-                                                                    np.asarray(nxt, dtype=np.int64), owners)
+                step.score_idx, step.score_next, step.score_seqs = idx, nxt, owners
         bs = self.graphs.size_for(B) if self.graphs is not None and nd == B else None
         if bs is not None and bs > B:
             step = _pad_decode(step, bs, self.table.dummy_row)
@@ -332,8 +331,8 @@ class ModelRunner:
         """The scored prompt rows' logprobs (the raw distribution, as the sampler reports output
         logprobs), SCORE_ROWS rows a pass; their copy to the host is started, not waited for."""
         dev = hidden.device
-        idx = to_device(step.score_idx.tolist(), torch.int64, dev)
-        nxt = to_device(step.score_next.tolist(), torch.int64, dev)
+        idx = to_device(step.score_idx, torch.int64, dev)
+        nxt = to_device(step.score_next, torch.int64, dev)
         k = max(1, max(s.params.prompt_logprobs or 0 for s, _, _ in step.score_seqs))
         chosen, top_v, top_i = [], [], []
         for a in range(0, len(idx), SCORE_ROWS):
@@ -343,12 +342,7 @@ class ModelRunner:
             v, i = lp.topk(k, dim=-1)
             top_v.append(v)
             top_i.append(i)
-        parts = [torch.cat(chosen), torch.cat(top_v), torch.cat(top_i)]
-        event = None
-        if dev.type != "cpu":
-            parts = [t.to("cpu", non_blocking=True) for t in parts]
-            event = torch.cuda.Event()
-            event.record()
+        parts, event = start_host_copy((torch.cat(chosen), torch.cat(top_v), torch.cat(top_i)))
         return PromptScores(step.score_seqs, step.score_next, *parts, event=event)
 
     def follow_step(self, step: HostStep, bs: int | None, journal: np.ndarray) -> None:

@@ -270,13 +270,7 @@ class SampleOutput:
 
     def start_copy(self) -> None:
         """Start the device-to-host copy of everything the host needs (non-blocking on CUDA)."""
-        parts = (self.tokens, self.lp_chosen, self.lp_top_values, self.lp_top_ids)
-        if self.tokens.device.type == "cpu":
-            self._host = parts
-            return
-        self._host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in parts)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        self._host, self._event = start_host_copy((self.tokens, self.lp_chosen, self.lp_top_values, self.lp_top_ids))
 
     def to_host(self, batch: SamplingBatch) -> tuple[list[int], list]:
         """(tokens, per row (logprob, [(id, logprob)...]) or None): the step's one host sync."""
@@ -292,6 +286,18 @@ class SampleOutput:
             for j, (i, k) in enumerate(zip(batch.logprob_rows_list, batch.top_n)):
                 logprobs[i] = (chosen[j], list(zip(top_i[j][:k], top_v[j][:k])))
         return tokens, logprobs
+
+
+def start_host_copy(parts: tuple) -> tuple[tuple, object]:
+    """(the tensors on the host, an event to wait on before reading them, or None): on a GPU each
+    copy is queued without waiting for the device; on the CPU the tensors are the host's already.
+    None parts stay None."""
+    if all(t is None or t.device.type == "cpu" for t in parts):
+        return parts, None
+    host = tuple(None if t is None else t.to("cpu", non_blocking=True) for t in parts)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def filtered_probs(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -561,8 +561,6 @@ class GenerationService:
         if (o.prompt_logprobs is not None or o.max_tokens == 0) and not info.supports_prompt_logprobs:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which does not score prompts "
                                  "(the prompt's logprobs, max_tokens 0); use LOCALRUN_BACKEND=llamacpp for them")
-        if o.prompt_logprobs is not None and job.images:
-            raise InvalidRequest("prompt logprobs cannot be computed for a prompt with images")
         if job.images and not info.supports_images:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot take images yet; "
                                  "run it with LOCALRUN_BACKEND=llamacpp (or auto) to send it images")

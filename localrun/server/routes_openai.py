@@ -159,15 +159,16 @@ def stream_error(exc: BaseException) -> dict:
     return {"error": {"message": exc.public_message, "type": etype, "param": None, "code": exc.code}}
 
 
-async def _collect(request: Request, st: State, job: Job) -> tuple[Generation, list[Choice]]:
-    async def run():
-        gen = await st.generation.start(job)
-        try:
-            return gen, await gen.collect()
-        finally:
-            await gen.release()
+async def _run_to_end(st: State, job: Job) -> tuple[Generation, list[Choice]]:
+    gen = await st.generation.start(job)
+    try:
+        return gen, await gen.collect()
+    finally:
+        await gen.release()
 
-    return await until_disconnected(request, run())
+
+async def _collect(request: Request, st: State, job: Job) -> tuple[Generation, list[Choice]]:
+    return await until_disconnected(request, _run_to_end(st, job))
 
 
 def _body(obj_type: str, cid: str, created: int, gen: Generation, choices: list) -> dict:
@@ -321,14 +322,15 @@ async def completions(request: Request):
         raise InvalidRequest(f"a stream takes one prompt; this batch has {len(prompts)}: send them without "
                              "'stream', or as separate requests")
     max_tokens = body.get("max_tokens")
-    if max_tokens == 0 and not isinstance(max_tokens, bool):  # the prompt scored, nothing generated
+    score_only = max_tokens == 0 and not isinstance(max_tokens, bool)  # the prompt scored, nothing generated
+    if score_only:
         if not echo:
             raise InvalidRequest("'max_tokens' must be at least 1 (0 only with 'echo': the prompt, scored with "
                                  "'logprobs', and nothing generated)")
         body = {**body, "max_tokens": None}
     resolved = await st.resolve(model)
     opts, num_ctx, n = openai_options(body, resolved, chat=False)
-    if max_tokens == 0 and not isinstance(max_tokens, bool):
+    if score_only:
         opts.max_tokens = 0
     elif opts.max_tokens is None and max_tokens is None:
         opts.max_tokens = 16 if not resolved.parameters.get("num_predict") else opts.max_tokens  # OpenAI's default
@@ -410,11 +412,7 @@ async def _collect_batch(st: State, jobs: list[Job]) -> list[tuple[Generation, l
 
     async def one(job: Job):
         async with gate:
-            gen = await st.generation.start(job)
-            try:
-                return gen, await gen.collect()
-            finally:
-                await gen.release()
+            return await _run_to_end(st, job)
 
     tasks = [asyncio.ensure_future(one(j)) for j in jobs]
     try:

@@ -71,8 +71,8 @@ class HostStep:
     num_real_seqs: int  # sequences before padding (a padded decode batch has more rows)
     # prompt rows whose logits are scored (SamplingParams.prompt_logprobs): token index [R] of each, the
     # prompt token it predicts [R], and per scored sequence (sequence, position of its first row, rows)
-    score_idx: np.ndarray | None = None
-    score_next: np.ndarray | None = None
+    score_idx: list[int] | None = None
+    score_next: list[int] | None = None
     score_seqs: list | None = None
 
     @property
