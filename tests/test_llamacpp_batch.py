@@ -18,8 +18,9 @@ import httpx
 import pytest
 from daemon import MODEL, Daemon
 from fakes import metric_samples
+from llama_backend import smollm2_backend
 
-from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+from localrun.backends.base import GenerationRequest, SamplingOptions
 from localrun.bench.greedy import compare, openai_tokens
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,10 +44,7 @@ def chatml(user: str, system: str | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def backend(smollm2_gguf):
-    from localrun.backends.llamacpp import LlamaCppBackend
-
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 4)
     yield b
     asyncio.run(b.close())
 
@@ -128,11 +126,8 @@ def test_a_prefix_copied_cell_by_cell_answers_as_the_whole_stream_copy(smollm2_g
     """Below half a stream only the cells in use are copied (llama.cpp's state of one sequence, saved
     and loaded); llama.cpp's own stream copy moves all num_ctx cells. The same requests in the same
     order answer the same either way, token for token."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
     def serve(cell_by_cell: bool):
-        b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=2048, num_parallel=2,
-                                     extra={"n_threads": 2}))
+        b = smollm2_backend(smollm2_gguf, 2048, 2)
         b.engine.copy_cells = cell_by_cell
         try:
             texts = [run(collect(b, chatml(q, "You are a terse assistant who answers in one sentence."),
@@ -153,10 +148,7 @@ def test_two_conversations_keep_their_prefixes(smollm2_gguf):
     own cells) and computes only its own question, and the first keeps every token it had: its next
     turn starts from all of them. Twelve more distinct prompts through two slots: slots are reused,
     every answer is complete, no slot holds more than its window."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=2,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 2)
     try:
         async def main():
             p1 = chatml("What is 2+2?", SYSTEM)
@@ -208,10 +200,7 @@ def test_each_step_feeds_its_sequences_in_slot_order(smollm2_gguf):
     cuts a batch into one forward pass per run of consecutive sequence ids (in arrival order each
     step took two passes, 19% slower at 8 streams). That each stream still gets its own answer is
     test_eight_concurrent_streams_each_get_their_own_answer's."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 4)
     try:
         for q in QUESTIONS[4:8]:
             run(collect(b, chatml(q), max_tokens=4))
@@ -237,12 +226,9 @@ def test_a_stream_moves_next_to_the_others_when_one_between_them_ends(backend, s
     """Three streams run in slots 0, 1 and 2; the middle one is cancelled. The one in slot 2 moves to
     slot 1 (its stream copied) instead of leaving a gap that would cost a second forward pass on
     every step, and both remaining streams still get the answers they get alone."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
     qa, qb, qc = chatml(QUESTIONS[0]), chatml(QUESTIONS[1]), chatml(QUESTIONS[3])
     alone = {q: run(collect(backend, q, max_tokens=40, ignore_eos=True))[0] for q in (qa, qc)}
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 4)
     try:
         spy = b.engine.lib = _DecodeOrder(b.engine.lib, b.engine)
 
@@ -277,14 +263,11 @@ def test_a_waiting_request_fills_the_gap_and_the_prefix_there_moves_instead(back
     streams still running, and slot 1's cached prefix goes to slot 3 (one copy): not the request into
     slot 3 and then slot 2's stream moved next to slot 0 (a second copy). Slot 1's prompt, asked again,
     still comes from the cache, and the answers equal the answers given alone."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
     qa, qc = chatml(QUESTIONS[0]), chatml(QUESTIONS[2])
     qb, qd = chatml("Explain how a bridge carries weight, step by step, for a child of six."), chatml(QUESTIONS[3])
     qr = chatml("Explain how a bridge carries weight in one short sentence.")
     alone = {q: run(collect(backend, q, max_tokens=40, ignore_eos=True))[0] for q in (qa, qr)}
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=4,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 4)
     engine = b.engine
     try:
         async def main():
@@ -566,12 +549,9 @@ def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(bac
 def test_grammar_speculative_and_plain_rows_share_steps(smollm2_gguf):
     """A JSON-schema row, a prompt-lookup speculative row and plain rows in the same steps: the
     JSON is valid, the speculative answer equals the plain one, drafts were accepted."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
     echo = chatml("Repeat exactly: the cat sat on the mat, and the dog sat on the log.")
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=512, num_parallel=4,
-                                 extra={"n_threads": 2, "speculative": "ngram", "num_speculative_tokens": 4}))
+    b = smollm2_backend(smollm2_gguf, 512, 4, speculative="ngram", num_speculative_tokens=4)
     try:
         alone = run(collect(b, echo, max_tokens=20))[0]
 

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 from daemon import MODEL, Daemon
+from llama_backend import smollm2_backend
 
-from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
+from localrun.backends.base import GenerationRequest, SamplingOptions
 from localrun.bench.kv_quant import llamacpp_logprobs
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,10 +35,7 @@ TOL = 2e-3  # nats: llama.cpp's arithmetic differs slightly with how a batch is 
 
 @pytest.fixture(scope="module")
 def backend(smollm2_gguf):
-    from localrun.backends.llamacpp import LlamaCppBackend
-
-    b = LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=3,
-                                 extra={"n_threads": 2}))
+    b = smollm2_backend(smollm2_gguf, 1024, 3)
     yield b
     asyncio.run(b.close())
 
@@ -100,11 +98,8 @@ def test_scored_prompts_that_share_a_context_reuse_its_logprobs(smollm2_gguf):
     context's cells and the logprobs the first computed for them (cached_tokens says so), and gets
     exactly the numbers a fresh computation gives; stored logprobs with fewer alternatives than asked
     are not reused, with more they are cut to the number asked."""
-    from localrun.backends.llamacpp import LlamaCppBackend
-
     def fresh():
-        return LlamaCppBackend(LoadSpec("smollm2:135m", smollm2_gguf, "gguf", num_ctx=1024, num_parallel=2,
-                                        extra={"n_threads": 2}))
+        return smollm2_backend(smollm2_gguf, 1024, 2)
 
     endings = [" Paris.", " London, a big city.", " Berlin", " a city in Europe"]
     b = fresh()
