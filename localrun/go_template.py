@@ -207,7 +207,6 @@ class _Parser:
     ("break",), ("continue",)."""
 
     def __init__(self, src: str) -> None:
-        self.src = src
         self.items = self._split(src)
         self.i = 0
 
