@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 pytest.importorskip("llama_cpp")
 
-# ~330 tokens: the prompt's logprobs are computed over several steps (PROMPT_LOGPROBS_CHUNK tokens each)
+# ~330 tokens: the prompt's logprobs are computed over several steps (prompt_logprobs_rows tokens each)
 LONG = ("The quick brown fox jumps over the lazy dog. " * 12 + "Water boils at one hundred degrees Celsius at sea "
         "level, and it freezes at zero. " * 8 + "The capital of France is")
 TOL = 2e-3  # nats: llama.cpp's arithmetic differs slightly with how a batch is cut (here: bit-equal)
@@ -52,11 +52,13 @@ def test_prompt_logprobs_equal_llama_cpp_directly_and_beside_other_streams(backe
     keeps no logits); max_tokens 0 generates nothing. Beside two decoding streams the values move only
     as llama.cpp's batch-dependent arithmetic moves them (measured on SmolLM2: mean 0.007 nats, max
     0.13; llama.cpp alone, fed 512 tokens a pass instead of 128, moves positions 256-259 by 0.14)."""
-    from localrun.backends.llama_batch import PROMPT_LOGPROBS_CHUNK
+    from localrun.backends.llama_batch import prompt_logprobs_rows
 
+    rows = prompt_logprobs_rows(backend.engine.n_vocab)
+    assert rows == 128  # SmolLM2's 49k vocabulary: 25 MB of logits a step
     ids = asyncio.run(backend.tokenize(LONG))
-    assert len(ids) > 2 * PROMPT_LOGPROBS_CHUNK
-    ref = llamacpp_logprobs(smollm2_gguf, "f16", ids, PROMPT_LOGPROBS_CHUNK, 2)
+    assert len(ids) > 2 * rows
+    ref = llamacpp_logprobs(smollm2_gguf, "f16", ids, rows, 2)
 
     async def main():
         await _run(backend, ids, max_tokens=4)  # the same prompt, now cached

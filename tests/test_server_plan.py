@@ -36,6 +36,15 @@ def test_llamacpp_estimate_from_gguf_header(smollm2_gguf):
     # 30 layers x 3 KV heads x 64 dims x K+V x f16 = 23040 bytes per token
     assert small.kv_bytes == 1024 * 23040 and big.kv_bytes == 2 * 8192 * 23040
     assert small.weights_bytes == info.tensor_bytes
+    # the output rows a scored prompt (echo + logprobs) fills a step are counted: 128 x 49152 floats
+    assert small.overhead_bytes >= 128 * 49152 * 4
+
+
+def test_scored_prompt_rows_held_under_32_mb_of_logits():
+    from localrun.backends.llama_batch import prompt_logprobs_rows
+
+    assert [prompt_logprobs_rows(v) for v in (49152, 151936, 262144, 10**7)] == [128, 55, 32, 8]
+    assert all(prompt_logprobs_rows(v) * v * 4 <= 32 * 2**20 for v in (49152, 151936, 262144))
 
 
 def test_backend_choice():

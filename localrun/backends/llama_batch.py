@@ -50,9 +50,17 @@ FIRST_CHUNK_WAIT = 0.05  # seconds the loop waits for a request's first chunk to
 MIN_RECOMPUTE = 2  # prompt tokens evaluated even when all are cached (a batch of one differs: see _start)
 SHARE_WAIT_TOKENS = 32  # a request waits for a running prefill when that would spare it this many tokens
 MAX_NGRAM = 3  # prompt lookup: the longest n-gram matched
-# prompt tokens a step computes for a request that wants their logprobs: each is an output row
-# (n_vocab logits: 25 MB at 128 rows of a 49k vocabulary, 78 MB of a 152k one)
+# prompt tokens a step computes for a request that wants their logprobs: each is an output row of
+# n_vocab float logits in llama.cpp's output buffer, which grows to the largest batch's rows and stays
+# that size, so the rows are also held under PROMPT_LOGPROBS_BYTES: 128 rows of a 49k vocabulary
+# (25 MB), 55 of a 152k one, 32 of a 262k one (estimate_memory counts them)
 PROMPT_LOGPROBS_CHUNK = 128
+PROMPT_LOGPROBS_BYTES = 32 * 2**20
+
+
+def prompt_logprobs_rows(n_vocab: int) -> int:
+    """Prompt rows scored per step for a model with this vocabulary (see PROMPT_LOGPROBS_BYTES)."""
+    return max(8, min(PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_BYTES // (max(n_vocab, 1) * 4)))
 
 
 def token_piece(lib, vocab, token: int, special: bool = False) -> bytes:
@@ -264,6 +272,7 @@ class BatchedLlama:
         self.governor = governor
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.score_rows = prompt_logprobs_rows(self.n_vocab)
         self.mem = lib.llama_get_memory(ctx)
         self.n_cells = int(lib.llama_n_ctx(ctx))
         self.parallel = parallel
@@ -607,7 +616,7 @@ class BatchedLlama:
             if budget <= 0:
                 break
             chunk = r.pending[:min(budget, self._text_ahead(r),
-                                   PROMPT_LOGPROBS_CHUNK if r.prompt_lps is not None else budget)]
+                                   self.score_rows if r.prompt_lps is not None else budget)]
             rows.append((r, chunk, False))
             budget -= len(chunk)
         if not rows:

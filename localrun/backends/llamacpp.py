@@ -40,7 +40,7 @@ from localrun.backends.base import (
     merge_chunks,
 )
 from localrun.backends.fresh_threads import FreshThreadExecutor
-from localrun.backends.llama_batch import token_piece
+from localrun.backends.llama_batch import prompt_logprobs_rows, token_piece
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -206,8 +206,10 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     kv = int(layers * spec.num_ctx * kv_heads * (k_dim + v_dim) * per_element * slots)
     if not kv:  # unknown header: assume a 4096-wide, 32-layer model
         kv = int(2 * 32 * spec.num_ctx * 4096 * per_element * slots // 4)
-    # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin
-    overhead = 64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
+    # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin, plus the
+    # output rows a scored prompt (echo + logprobs) fills in one step
+    overhead = (64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
+                + prompt_logprobs_rows(vocab) * vocab * 4)
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead,
                           kv_type=kv_type if kv_type != "f16" else "")
 
