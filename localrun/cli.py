@@ -602,14 +602,41 @@ class Repl:
 # --------------------------------------------------------------------------------------
 
 
-def ensure_model(client: DaemonClient, model: str) -> None:
-    """Pull the model first when the library lacks it, as `ollama run` does."""
+def ensure_model(client: DaemonClient, model: str) -> dict:
+    """Pull the model first when the library lacks it, as `ollama run` does; its /api/show answer."""
     try:
-        client.show(model)
+        return client.show(model)
     except APIError as exc:
         if exc.status != 404:
             raise
         show_progress(client.pull(model))
+    return client.show(model)
+
+
+def _run_pooled(client: DaemonClient, args, kind: str, prompt: str) -> int:
+    """`run` on an embedding model prints the prompt's embedding as a JSON array, as `ollama run` does; a
+    reranker cannot be run."""
+    if kind == "rerank":
+        raise CLIError(f"{args.model} is a reranker: it scores documents against a query through POST /v1/rerank, "
+                       "and cannot chat or embed")
+    if not prompt.strip():
+        raise CLIError(f'embedding models require input text. Usage: localrun run {args.model} "your text here"')
+    truncate = None if args.truncate is None else parse_bool_flag(args.truncate, "--truncate")
+    vectors = client.embed(args.model, prompt, keep_alive=args.keepalive, truncate=truncate,
+                           dimensions=args.dimensions)
+    if not vectors:
+        raise CLIError("no embeddings returned")
+    print(json.dumps(vectors[0], separators=(",", ":")))
+    return 0
+
+
+def parse_bool_flag(value: str, what: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise CLIError(f"{what} takes true or false, not {value!r}")
 
 
 def _open_tui(model: str | None, base_url: str, rs: RunSettings | None = None) -> int | None:
@@ -671,7 +698,9 @@ def cmd_run(args, client: DaemonClient) -> int:
     rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
                      wordwrap=not args.nowordwrap, think=None if args.think is None else parse_think(args.think),
                      hide_thinking=args.hidethinking)
-    ensure_model(client, args.model)
+    caps = ensure_model(client, args.model).get("capabilities") or []
+    if "embedding" in caps or "rerank" in caps:
+        return _run_pooled(client, args, "rerank" if "rerank" in caps else "embedding", prompt)
     if prompt.strip() or images:
         msg: dict = {"role": "user", "content": prompt}
         if images:
@@ -975,6 +1004,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--image", action="append", metavar="PATH",
                    help="attach an image file to the prompt (repeatable; for vision models). An image file's "
                         "path written inside the prompt is attached too")
+    s.add_argument("--truncate", nargs="?", const="true", metavar="true|false",
+                   help="embedding models: cut an input longer than the context (the default), or with "
+                        "--truncate=false fail instead")
+    s.add_argument("--dimensions", type=int, metavar="N",
+                   help="embedding models: keep the embedding's first N dimensions (normalized again)")
 
     s = add("chat", "open the chat TUI")
     s.add_argument("model", nargs="?")

@@ -188,6 +188,13 @@ class _Requests:
                            "stream": stream, "keep_alive": keep_alive, "format": format, "raw": raw or None})
         return _Call("POST", "/api/generate", body, stream=True)
 
+    def embed(self, model: str, input: str | list[str], *, keep_alive: str | int | float | None = None,
+              truncate: bool | None = None, dimensions: int | None = None) -> _Call:
+        """Ollama's /api/embed: one vector per input."""
+        body = _drop_none({"model": model, "input": input, "keep_alive": keep_alive, "truncate": truncate,
+                           "dimensions": dimensions})
+        return _Call("POST", "/api/embed", body, pick=lambda b: b.get("embeddings") or [])
+
     def stop(self, model: str) -> _Call:
         """Unload a model now (Ollama's way: a generate with no prompt and keep_alive 0)."""
         return _Call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False}, pick=lambda b: None)

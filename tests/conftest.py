@@ -54,6 +54,19 @@ def fim_gguf(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def xlmr_ggufs(tmp_path_factory, request) -> tuple[Path, Path]:
+    """(embedding model GGUF, reranker GGUF): the tiny XLM-RoBERTa models of tests/xlmr_model.py (bge-m3's and
+    bge-reranker-v2-m3's layouts), built once and kept in the pytest cache across runs."""
+    from xlmr_model import build_tiny_xlmr
+
+    try:
+        cache = request.config.cache.mkdir("tiny-xlmr")
+    except AttributeError:  # the cache plugin is off
+        cache = tmp_path_factory.mktemp("tiny-xlmr")
+    return build_tiny_xlmr(cache)
+
+
+@pytest.fixture(scope="session")
 def llama_server_bin() -> Path:
     """llama.cpp's llama-server (LOCALRUN_LLAMA_SERVER, else built once from the vendored llama.cpp and cached;
     tests/llama_server.py); skipped only where cmake or a C/C++ compiler is missing."""

@@ -27,8 +27,10 @@ def llama_server_binary() -> Path:
 
 
 @contextmanager
-def running_llama_server(binary: Path, gguf: Path, ctx: int, threads: int, parallel: int = 1) -> Iterator[str]:
-    """llama-server on ``gguf`` with ``parallel`` slots of ``ctx`` tokens and ``threads`` threads; its URL."""
+def running_llama_server(binary: Path, gguf: Path, ctx: int, threads: int, parallel: int = 1,
+                         args: tuple[str, ...] = ()) -> Iterator[str]:
+    """llama-server on ``gguf`` with ``parallel`` slots of ``ctx`` tokens and ``threads`` threads, and ``args``
+    (e.g. ``--embedding``); its URL."""
     from localrun.backends.llamacpp import extra_buffers
     from localrun.bench import vs_llama_server as vs
 
@@ -36,6 +38,7 @@ def running_llama_server(binary: Path, gguf: Path, ctx: int, threads: int, paral
                     extra_buffers=extra_buffers("auto")[0])
     home = Path(tempfile.mkdtemp(prefix="llama-server-test-"))
     server = vs.llama_server(cfg, home)
+    server.argv += list(args)
     try:
         asyncio.run(vs.start(server, cfg))
         yield server.url

@@ -233,6 +233,13 @@ class BackendInfo:
     # the vocabulary's begin- and end-of-text tokens as text ("": none); vLLM's /tokenizer_info reports them
     bos_token: str = ""
     eos_token: str = ""
+    # a reranker: rerank() scores documents against a query (llama_pooled)
+    supports_rerank: bool = False
+
+
+# the most tokens one input of an embedding model or a reranker may have (a query with a document, for one): its
+# pooling context computes a whole input in one pass, attention scores for every pair of its tokens
+POOLED_WINDOW = 2048
 
 
 @dataclass
@@ -244,7 +251,7 @@ class LoadSpec:
     format: str  # "gguf" | "safetensors"
     num_ctx: int
     num_parallel: int = 1
-    embedding: bool = False
+    embedding: bool = False  # an embedding model or a reranker: it pools, it generates nothing
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific knobs (n_gpu_layers, dtype, ...)
 
 
@@ -282,6 +289,12 @@ class Backend(Protocol):
         """One vector per text; an input longer than info.embed_window is an InvalidRequest, or with
         `truncate` its first embed_window tokens are embedded (Ollama's /api/embed default)."""
         ...
+
+    # a backend whose info.supports_rerank is set also has
+    #   async def rerank(self, query: str, documents: list[str], truncate: bool = False)
+    #       -> tuple[list[list[float]], list[int]]
+    # the classifier's outputs for each document against the query and each pair's tokens; a pair over the
+    # window is an InvalidRequest, or with `truncate` its document is cut
 
     async def close(self) -> None:
         """Free everything. Called once, after in-flight generations ended or were aborted."""

@@ -805,7 +805,7 @@ class BatchedLlama:
 
     def _emit(self, r: Request, sampled: list[tuple[int, TokenLogprob | None]]) -> None:
         """Feed sampled tokens through r's stop handling and hand on what they give as one chunk."""
-        lib, o = self.lib, r.options
+        o = r.options
         now = time.perf_counter()
         first = r.t_first is None
         if first:

@@ -15,17 +15,14 @@ sandbox, ``localrun.chat_template``); this module only sees finished prompt stri
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from localrun.backends.base import (
-    CONTEXT_EXCEEDED,
     BackendInfo,
     check_token_ids,
     Chunk,
@@ -41,13 +38,13 @@ from localrun.backends.base import (
 )
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import prompt_logprobs_rows, token_piece
+from localrun.backends.llama_pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, pooled_window
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
 
 # "any JSON object" grammar for JSON mode (format: "json", response_format json_object)
 _JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
-_EMBED_MAX_CTX = 2048
 # prompt tokens one step of the batched loop computes at most (beside every running sequence's next
 # token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
 # chunk, not the whole prompt
@@ -98,34 +95,9 @@ def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
     return True, "extra buffer types on"
 
 
-@contextlib.contextmanager
-def model_params(**fields: Any):
-    """Set llama_model_params fields that llama_cpp.Llama() does not expose (use_extra_bufts).
-
-    Llama() builds its params from llama_model_default_params() and loads the model inside
-    its constructor, so the defaults are adjusted for the duration of that call. A runner
-    process loads one model at a time, so nothing else sees the change."""
-    import llama_cpp.llama_cpp as lib
-
-    original = lib.llama_model_default_params
-    if not fields:
-        yield
-        return
-
-    def patched():
-        params = original()
-        for k, v in fields.items():
-            setattr(params, k, v)
-        return params
-
-    lib.llama_model_default_params = patched
-    try:
-        yield
-    finally:
-        lib.llama_model_default_params = original
-
-
-def _gguf_info(spec: LoadSpec):
+def spec_gguf_info(spec: LoadSpec):
+    """The GGUF header of the spec's weights: the daemon's parsed one when it came along, else read here (None
+    without the library's reader)."""
     info = spec.extra.get("gguf_info")
     if info is not None:
         return info
@@ -191,7 +163,7 @@ def kv_type_for_model(kv_type: str, info) -> tuple[str, str]:
 
 def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     """Weights + the KV cache (LOCALRUN_KV_CACHE_TYPE) for num_ctx x slots + compute buffers, from the GGUF header."""
-    info = _gguf_info(spec)
+    info = spec_gguf_info(spec)
     weights = int(getattr(info, "tensor_bytes", 0) or 0) or Path(spec.weights).stat().st_size
     layers = int(getattr(info, "block_count", 0) or 0)
     hidden = int(getattr(info, "embedding_length", 0) or 0)
@@ -202,6 +174,8 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     kv_type, _ = kv_type_for_model(kv_cache_type(spec), info)
     per_element = KV_TYPES[kv_type][1]
     slots = max(1, spec.num_parallel)
+    if spec.embedding:  # one pooling context of its window (llama_pooled), no decoding streams
+        return _pooled_estimate(info, weights, layers, hidden, kv_heads, k_dim + v_dim, pooled_window(spec, info))
     # K and V per layer per token per KV head
     kv = int(layers * spec.num_ctx * kv_heads * (k_dim + v_dim) * per_element * slots)
     if not kv:  # unknown header: assume a 4096-wide, 32-layer model
@@ -212,6 +186,20 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
                 + prompt_logprobs_rows(vocab) * vocab * 4)
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead,
                           kv_type=kv_type if kv_type != "f16" else "")
+
+
+def _pooled_estimate(info, weights: int, layers: int, hidden: int, kv_heads: int, kv_dims: int,
+                     window: int) -> MemoryEstimate:
+    """An embedding model's or a reranker's memory: weights, a KV cache of one window when the model is causal
+    (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of a whole window in one pass
+    (activations, and the attention scores of every head: window x window floats each)."""
+    from localrun.library.capabilities import EMBEDDING_ARCHS
+
+    arch = getattr(info, "architecture", "") or ""
+    heads = int(getattr(info, "head_count", 0) or 0) or 1
+    kv = 0 if arch in EMBEDDING_ARCHS else layers * window * kv_heads * kv_dims * 2
+    overhead = 32 * 2**20 + window * max(hidden, 1) * 4 * 8 + window * window * heads * 4
+    return MemoryEstimate(weights_bytes=weights, kv_bytes=int(kv), overhead_bytes=int(overhead))
 
 
 # Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
@@ -324,7 +312,7 @@ class LlamaCppBackend:
         self.extra_bufts, self.extra_bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
         self.speculative = self._speculative_tokens()
         kv = kv_cache_type(spec)  # (a bad name is an InvalidRequest before anything loads)
-        self.kv_type, self.kv_note = kv_type_for_model(kv, _gguf_info(spec) if kv in QUANTIZED_KV else None)
+        self.kv_type, self.kv_note = kv_type_for_model(kv, spec_gguf_info(spec) if kv in QUANTIZED_KV else None)
         parallel = max(1, spec.num_parallel)
         step_tokens = max(STEP_TOKENS, parallel * 2)
         mparams = lib.llama_model_default_params()
@@ -385,8 +373,10 @@ class LlamaCppBackend:
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._n_layer = int(lib.llama_model_n_layer(model))
-        self._embedder = None
-        self._embed_lock = threading.Lock()
+        # a second context for embeddings, made on the first request: mean pooling (a generating model's GGUF
+        # sets no pooling; one that does is an embedding model, llama_pooled.PooledBackend's)
+        self._embedder = Pooled(spec, window=min(spec.num_ctx, EMBED_WINDOW), pooling=1, n_threads=self.n_threads,
+                                n_gpu_layers=self.n_gpu_layers, extra_bufts=self.extra_bufts)
         # embeddings compute on a thread that exits after each request: a thread that lived on would keep an
         # OpenMP team that slows every step of the loop (fresh_threads.py)
         self._executor = FreshThreadExecutor(f"llamacpp-embed-{spec.name}")
@@ -412,7 +402,7 @@ class LlamaCppBackend:
             placement=placement(device, self.n_gpu_layers, self._n_layer),
             fallbacks=[self.kv_note] if self.kv_note else [],
             kv_cache_type=self.kv_type,
-            embed_window=min(spec.num_ctx, _EMBED_MAX_CTX),
+            embed_window=min(spec.num_ctx, EMBED_WINDOW),
             bos_token=self._special_text(lib.llama_vocab_bos(self._vocab)),
             eos_token=self._special_text(lib.llama_vocab_eos(self._vocab)),
         )
@@ -781,28 +771,7 @@ class LlamaCppBackend:
 
     # -- embeddings ----------------------------------------------------------------------
     def _embed_sync(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
-        with self._embed_lock:
-            if self._embedder is None:
-                self._embedder = self._new_embedder(n_ctx=min(self.spec.num_ctx, _EMBED_MAX_CTX))
-            emb = self._embedder
-            limit = emb.n_batch
-            if not truncate:
-                for t in texts:
-                    n = len(emb.tokenize(t.encode("utf-8"), add_bos=True))
-                    if n > limit:
-                        raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of {limit} "
-                                             "tokens", code=CONTEXT_EXCEEDED)
-            # truncate: each input's first `limit` tokens (llama-cpp-python cuts them so)
-            return [list(map(float, v)) for v in emb.embed(texts, normalize=True, truncate=True)]
-
-    def _new_embedder(self, n_ctx: int):
-        """A second context for embeddings (mean pooling), through llama-cpp-python's Llama."""
-        llama_cpp = self._llama_cpp
-        with model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
-            return llama_cpp.Llama(model_path=str(self.spec.weights), n_ctx=n_ctx, n_threads=self.n_threads,
-                                   n_threads_batch=self.n_threads, n_gpu_layers=self.n_gpu_layers, verbose=False,
-                                   embedding=True, n_batch=n_ctx, n_ubatch=n_ctx,
-                                   pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN)
+        return self._embedder.embed(texts, truncate)
 
     async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         loop = asyncio.get_running_loop()
@@ -821,12 +790,8 @@ class LlamaCppBackend:
         if getattr(self, "_mtmd", None):
             self._mtmd_lib().mtmd_free(self._mtmd)
             self._mtmd = None
-        if self._embedder is not None:
-            try:
-                self._embedder.close()
-            except Exception:  # pragma: no cover
-                pass
-            self._embedder = None
+        if getattr(self, "_embedder", None) is not None:
+            self._embedder.close()
 
 
 def placement(device: str, n_gpu_layers: int, n_layer: int) -> str:
@@ -841,7 +806,16 @@ def placement(device: str, n_gpu_layers: int, n_layer: int) -> str:
     return f"{device}: {on}/{total} layers"
 
 
-def load(spec: LoadSpec) -> LlamaCppBackend:
+def load(spec: LoadSpec):
+    """The backend of a GGUF: an embedding model or a reranker (spec.embedding) gets only a pooling context
+    (llama_pooled.PooledBackend); a generating model the batched one (LlamaCppBackend)."""
     if spec.format != "gguf":
         raise BackendError(f"llama.cpp runs GGUF files only; {spec.name} is {spec.format} (use LOCALRUN_BACKEND=native)")
+    if spec.embedding:
+        from localrun.backends.llama_pooled import PooledBackend
+
+        n_threads = int(spec.extra.get("n_threads") or physical_cores())
+        extra_bufts, bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
+        return PooledBackend(spec, spec_gguf_info(spec), n_threads=n_threads, extra_bufts=extra_bufts,
+                             bufts_reason=bufts_reason)
     return LlamaCppBackend(spec)

@@ -237,6 +237,10 @@ class RemoteBackend:
     async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         return await self._call("embed", texts=texts, truncate=truncate)
 
+    async def rerank(self, query: str, documents: list[str], truncate: bool = False) -> tuple[list[list[float]], list[int]]:
+        scores, counts = await self._call("rerank", query=query, documents=documents, truncate=truncate)
+        return scores, counts
+
     async def stats(self) -> dict:
         """The backend's own counters (the native engine: KV pages, prefix hits); {} if none."""
         return await self._call("stats")

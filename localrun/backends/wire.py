@@ -2,7 +2,7 @@
 
 The pipe is one end of a Unix socket pair each (:class:`Channel`): every message is a 4-byte
 little-endian length, then one JSON object. Daemon -> runner: ``{"op": ..., "id": ...}``
-(generate, abort, delivered, tokenize, detokenize, embed, close). Runner -> daemon:
+(generate, abort, delivered, tokenize, detokenize, embed, rerank, close). Runner -> daemon:
 ``{"t": ..., "id": ...}`` (ready, load_error, chunk, error, result, fatal, and info: the
 BackendInfo again after a change, e.g. a fallback after loading). The codecs here turn
 the Backend protocol's dataclasses into those dicts and back; errors travel as their class

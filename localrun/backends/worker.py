@@ -6,7 +6,7 @@ first line on stdin is the load order (JSON: backend name and LoadSpec); stdin t
 open, and its EOF means the daemon is gone, so the runner exits (on Linux the kernel also
 sends SIGKILL when the daemon dies: PR_SET_PDEATHSIG). The runner loads the model, says
 ``ready`` with its BackendInfo, then serves generate / abort / tokenize / detokenize /
-embed / close messages (:mod:`localrun.backends.wire`) until told to close.
+embed / rerank / close messages (:mod:`localrun.backends.wire`) until told to close.
 
 A native crash here (llama.cpp, CUDA) kills only this process: the daemon turns it into
 an error on the requests this runner held, and loads the model again on the next one.
@@ -188,7 +188,7 @@ class Runner:
                 ev = self.delivered.get(rid)
                 if ev is not None:
                     ev.set()
-            elif op in ("tokenize", "detokenize", "embed", "stats"):
+            elif op in ("tokenize", "detokenize", "embed", "rerank", "stats"):
                 self.tasks[rid] = asyncio.get_running_loop().create_task(self.call(rid, op, msg))
             elif op == "close":
                 return
@@ -256,6 +256,9 @@ class Runner:
                 result = await self.backend.detokenize(msg["ids"])
             elif op == "embed":
                 result = await self.backend.embed(msg["texts"], truncate=bool(msg.get("truncate")))
+            elif op == "rerank":
+                result = list(await self.backend.rerank(msg["query"], msg["documents"],
+                                                        truncate=bool(msg.get("truncate"))))
             else:
                 stats = getattr(self.backend, "stats", None)
                 result = await stats() if stats is not None else {}

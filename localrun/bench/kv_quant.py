@@ -188,7 +188,8 @@ def llamacpp_logprobs(path: Path, kv: str, ids: list[int], chunk: int, threads: 
     import llama_cpp
     import numpy as np
 
-    from localrun.backends.llamacpp import KV_TYPES, model_params
+    from localrun.backends.llama_pooled import model_params
+    from localrun.backends.llamacpp import KV_TYPES
 
     with model_params(use_extra_bufts=False):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(512, len(ids) + 16), n_batch=chunk, n_ubatch=chunk,
@@ -241,7 +242,8 @@ def run_llamacpp(a: argparse.Namespace) -> int:
 
     from localrun.backends.base import LoadSpec
     from localrun.backends.fresh_threads import FreshThreadExecutor
-    from localrun.backends.llamacpp import estimate_memory, model_params, physical_cores
+    from localrun.backends.llama_pooled import model_params
+    from localrun.backends.llamacpp import estimate_memory, physical_cores
     from localrun.bench.dataset import read_prompt_file
     from localrun.bench.throughput import BUNDLED_PROMPTS
     from localrun.library.catalog import bundled_gguf

@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
                 last = [json.loads(x) for x in r.iter_lines() if x.strip()][-1]
             if last.get("status") != "success":
                 raise SystemExit(f"create failed: {last}")
-        from localrun.backends.llamacpp import extra_buffers, model_params
+        from localrun.backends.llama_pooled import model_params
+        from localrun.backends.llamacpp import extra_buffers
 
         use_extra, _ = extra_buffers(settings_from_env().llamacpp_extra_buffers)  # what the daemon does too
         with model_params(**({} if use_extra else {"use_extra_bufts": False})):

@@ -5,6 +5,8 @@
 - ``completion``: it generates text (every model that is not an embedding model);
 - ``embedding``: an embedding model (its GGUF sets a pooling type, or it is a BERT-family encoder);
   nothing else is listed for one;
+- ``rerank``: a reranker (its GGUF has a classifier head, or sets rank pooling: bge-reranker-v2-m3,
+  Qwen3-Reranker), which scores documents against a query (``/v1/rerank``); nothing else is listed for one;
 - ``tools``: its chat template renders tool definitions, or (LOCALRUN_GENERIC_TOOLS on, the
   default) the generic tool format stands in for a template that cannot (:func:`tool_format`);
 - ``insert``: fill in the middle (its vocabulary has prefix, suffix and middle tokens);
@@ -37,18 +39,37 @@ EMBEDDING_ARCHS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina
                    "t5encoder"}
 
 
+POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+
+
+def gguf_kind(info: Any) -> str:
+    """What a model with this GGUF header (a GGUFInfo; None: unknown) does: "rerank" (a classifier head or rank
+    pooling), "embedding" (a pooling type, or an encoder-only architecture) or "completion" (it generates)."""
+    if info is None:
+        return "completion"
+    arch, meta = info.architecture, info.metadata
+    if f"{arch}.classifier.output_labels" in meta or meta.get(f"{arch}.pooling_type") == POOLING_RANK:
+        return "rerank"
+    if arch in EMBEDDING_ARCHS or f"{arch}.pooling_type" in meta:
+        return "embedding"
+    return "completion"
+
+
+def model_kind(r: Any) -> str:
+    """gguf_kind of a resolved model (anything with its ``info``)."""
+    return gguf_kind(getattr(r, "info", None))
+
+
 def is_embedding_model(r: Any) -> bool:
-    if r.info is None:
-        return False
-    arch = r.info.architecture
-    return arch in EMBEDDING_ARCHS or f"{arch}.pooling_type" in r.info.metadata
+    return model_kind(r) == "embedding"
 
 
 def model_capabilities(r: Any) -> list[str]:
     """Ollama's capability list for a resolved model (localrun.library.model.ResolvedModel, or anything
     with its ``info``, ``template``, ``projector``, ``format`` and ``weights``)."""
-    if is_embedding_model(r):
-        return ["embedding"]
+    kind = model_kind(r)
+    if kind != "completion":
+        return [kind]
     caps = ["completion"]
     template = r.template or ""
     if tool_format(r) is not None:
@@ -123,4 +144,5 @@ def _param_ctx(r: Any) -> int | None:
         return None
 
 
-__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "has_fim_tokens", "is_embedding_model", "model_capabilities", "model_info", "tool_format"]
+__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "POOLING_RANK", "gguf_kind", "has_fim_tokens", "is_embedding_model",
+           "model_capabilities", "model_info", "model_kind", "tool_format"]

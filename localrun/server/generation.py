@@ -38,6 +38,7 @@ from localrun.backends.base import (CONTEXT_EXCEEDED, INFILL_BATCH, MEDIA_MARKER
                                     SamplingOptions, TokenLogprob, Usage, fit_window)
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
+from localrun.library.capabilities import model_kind
 from localrun.server import generic_tools
 from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
@@ -45,6 +46,8 @@ from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, 
 from localrun.server.tool_formats import learn as learn_tool_format
 
 log = logging.getLogger("localrun.generation")
+
+RERANK_GROUP = 32  # documents one call to the runner scores
 
 
 @dataclass
@@ -342,6 +345,7 @@ class GenerationService:
         on anything the request itself got wrong, before any response is sent."""
         self._admit()
         t0 = time.perf_counter()
+        _check_generates(job)
         images = await self._images(job)
         prompt, reasoning = await self._render(job)
         if images:
@@ -431,6 +435,10 @@ class GenerationService:
         """Embedding vectors (truncated to `dimensions`, then re-normalized, as OpenAI's
         text-embedding-3 models do) and the number of input tokens. An input longer than the model's
         embedding window is a 400, or with `truncate` (Ollama's /api/embed) its first tokens are embedded."""
+        self._admit()
+        if model_kind(resolved) == "rerank":
+            raise InvalidRequest(f'"{resolved.name}" does not support embeddings: it is a reranker, which scores '
+                                 "documents against a query; use it with POST /v1/rerank")
         async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
             if not lease.backend.info.supports_embeddings:
                 raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, "
@@ -442,6 +450,29 @@ class GenerationService:
         if dimensions is not None:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens
+
+    async def rerank(self, resolved: Any, query: str, documents: list[str], *, keep_alive: Any = DEFAULT,
+                     truncate: bool = False) -> tuple[list[list[float]], list[int]]:
+        """Each document's classifier outputs against the query, and each pair's tokens (a reranker's: the
+        model's GGUF has a classifier head). A pair over the model's window is a 400, or with `truncate`
+        its document is cut."""
+        self._admit()
+        if model_kind(resolved) != "rerank":
+            what = "an embedding model" if model_kind(resolved) == "embedding" else "a text generation model"
+            raise InvalidRequest(f'"{resolved.name}" does not support reranking: it is {what}. A reranker\'s GGUF '
+                                 "has a classifier head (bge-reranker-v2-m3, Qwen3-Reranker)")
+        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
+            if not lease.backend.info.supports_rerank:
+                raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, which does "
+                                     "not rerank")
+            scores: list[list[float]] = []
+            counts: list[int] = []
+            # a few documents a call: a client that goes away stops the work within one group
+            for i in range(0, len(documents), RERANK_GROUP):
+                s, c = await lease.backend.rerank(query, documents[i:i + RERANK_GROUP], truncate=truncate)
+                scores += s
+                counts += c
+            return scores, counts
 
     @staticmethod
     async def _render(job: Job) -> tuple[str, Reasoning | None]:
@@ -656,6 +687,18 @@ def _preserve(job: Job) -> list[str] | None:
     fmt = learn_tool_format(job.resolved.template) if job.tools and job.tool_format != generic_tools.NAME \
         else None
     return list(fmt.specials) or None if fmt is not None else None
+
+
+def _check_generates(job: Job) -> None:
+    """An embedding model or a reranker generates nothing: refused before it is loaded, in Ollama's words
+    ('"all-minilm" does not support chat') and with where to use it."""
+    kind = model_kind(job.resolved)
+    if kind == "completion":
+        return
+    where = "POST /v1/rerank" if kind == "rerank" else "/api/embed or /v1/embeddings"
+    what = "a reranker" if kind == "rerank" else "an embedding model"
+    raise InvalidRequest(f'"{job.resolved.name}" does not support {"chat" if job.messages is not None else "generate"}: '
+                         f"it is {what}; use it with {where}")
 
 
 def _context_advice(exc: InvalidRequest, job: Job, lease: Lease) -> InvalidRequest:

@@ -30,12 +30,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import Backend, LoadSpec
+from localrun.backends.base import POOLED_WINDOW, Backend, LoadSpec
 from localrun.backends.process import RunnerDied, describe_exit, likely_cause
 from localrun.backends.select import (Choice, backend_module, choose, fallback_reason, is_apple_silicon,
                                      llamacpp_build, local_cuda_gpu, model_architecture)
 from localrun.config import AUTO_PARALLEL, Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
+from localrun.library.capabilities import model_kind
 from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
 
 log = logging.getLogger("localrun.manager")
@@ -258,6 +259,8 @@ class ModelManager:
             if not quiet:
                 log.info("%s: num_ctx %d capped at the model's trained context %d", resolved.name, n, train)
             n = int(train)
+        if n > POOLED_WINDOW and model_kind(resolved) != "completion":  # an embedding model's or a reranker's
+            n = POOLED_WINDOW
         return n
 
     async def fitting_context(self, resolved: Any, ceiling: int) -> tuple[int, str]:
@@ -433,7 +436,7 @@ class ModelManager:
         return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                       arch=model_architecture(resolved.format, resolved.weights, resolved.info),
                       vision=getattr(resolved, "projector", None) is not None,
-                      native_on_cpu=self.settings.native_on_cpu)
+                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion")
 
     def _may_fall_back(self, resolved: Any, choice: Choice) -> bool:
         """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""
@@ -446,7 +449,8 @@ class ModelManager:
     def _spec(self, resolved: Any, num_ctx: int) -> LoadSpec:
         """What a load of `resolved` with `num_ctx` asks its backend for."""
         spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
-                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info})
+                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info},
+                        embedding=model_kind(resolved) != "completion")
         if getattr(resolved, "projector", None) is not None:
             spec.extra["projector"] = str(resolved.projector)
         if resolved.parameters:
@@ -502,7 +506,7 @@ class ModelManager:
 
         layers = int(getattr(resolved.info, "block_count", 0) or 1)
         parallel_why = ""
-        if not self.settings.num_parallel and choice.backend == "llamacpp":  # auto: sized from memory
+        if not self.settings.num_parallel and choice.backend == "llamacpp" and not spec.embedding:  # auto: from memory
             gpu_kind, gpu_free = where(gpu)
 
             def estimate(n: int):

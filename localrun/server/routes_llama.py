@@ -12,7 +12,9 @@ llama-server's answer: ``content``, ``stop``, ``tokens_predicted``, ``tokens_eva
 from __future__ import annotations
 
 import json
+import math
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -297,3 +299,74 @@ async def detokenize(request: Request):
     resolved = await _model(st, body, "the one whose tokens these are")
     text = await until_disconnected(request, st.generation.detokenize(resolved, ids, keep_alive=st.keep_alive(body)))
     return {"content": text, "prompt": text, "model": resolved.name}
+
+
+# -- reranking ------------------------------------------------------------------------------------
+MAX_DOCUMENTS = 1024  # documents one rerank request may score
+
+
+def _documents(body: dict) -> tuple[list[str], bool]:
+    """The documents (strings, or objects with a "text": Jina's and Cohere's shapes), and whether the
+    request is TEI's (its key is "texts")."""
+    tei = "texts" in body and "documents" not in body
+    key = "texts" if tei else "documents"
+    docs = body.get(key)
+    if not isinstance(docs, list) or not docs:
+        raise InvalidRequest(f"'{key}' must be a non-empty array of strings")
+    if len(docs) > MAX_DOCUMENTS:
+        raise InvalidRequest(f"'{key}' holds {len(docs)} documents; the limit is {MAX_DOCUMENTS} (send them in "
+                             "several requests)")
+    out = []
+    for i, d in enumerate(docs):
+        if isinstance(d, dict) and isinstance(d.get("text"), str):
+            d = d["text"]
+        if not isinstance(d, str):
+            raise InvalidRequest(f"'{key}[{i}]' must be a string (or an object with a \"text\" string)")
+        out.append(d)
+    return out, tei
+
+
+def _relevance(outputs: list[float], raw: bool) -> float:
+    """A document's score from the classifier's outputs: one output (a cross-encoder's logit: bge-reranker)
+    through the sigmoid, as vLLM, TEI and sentence-transformers score it (0 to 1), unless `raw`; several
+    (Qwen3-Reranker's, llama.cpp's softmax over "yes" and "no") the first, P(yes)."""
+    if len(outputs) == 1 and not raw:
+        x = outputs[0]
+        return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    return outputs[0]
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+@router.post("/v1/reranking")
+@router.post("/reranking")
+async def rerank(request: Request):
+    """Rerank documents against a query with a reranker model (bge-reranker-v2-m3, Qwen3-Reranker...), in the
+    shape Jina, Cohere, vLLM and llama-server share: ``{"model", "query", "documents", "top_n",
+    "return_documents"}`` -> ``{"results": [{"index", "relevance_score", "document": {"text"}}], "usage"}``, best
+    first. Or TEI's: ``{"query", "texts", "raw_scores", "return_text", "truncate"}`` -> ``[{"index", "score",
+    "text"}]``. A relevance score is the sigmoid of a cross-encoder's logit (``raw_scores`` keeps the logit, which
+    is what llama-server returns)."""
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    query = body.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise InvalidRequest("'query' must be a non-empty string")
+    docs, tei = _documents(body)
+    top_n = p.get_int(body, "top_n", 1, MAX_DOCUMENTS)
+    raw = p.get_bool(body, "raw_scores")
+    with_text = p.get_bool(body, "return_text") if tei else p.get_bool(body, "return_documents", True)
+    truncate = p.get_bool(body, "truncate")
+    resolved = await _model(st, body, "a reranker")
+    scores, counts = await until_disconnected(request, st.generation.rerank(
+        resolved, query, docs, keep_alive=st.keep_alive(body), truncate=truncate))
+    ranked = sorted(range(len(docs)), key=lambda i: -_relevance(scores[i], raw))[:top_n or len(docs)]
+    if tei:
+        return [{"index": i, "score": _relevance(scores[i], raw), **({"text": docs[i]} if with_text else {})}
+                for i in ranked]
+    n = sum(counts)
+    return {"id": f"rerank-{uuid.uuid4().hex[:24]}", "model": resolved.name, "object": "list",
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+            "results": [{"index": i, "relevance_score": _relevance(scores[i], raw),
+                         **({"document": {"text": docs[i]}} if with_text else {})} for i in ranked]}

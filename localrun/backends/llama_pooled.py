@@ -1,0 +1,325 @@
+"""llama.cpp contexts that pool a whole input into one vector (embeddings) or into scores (reranking), and
+the backend of a model that does nothing else.
+
+:class:`Pooled` is one such context, made through llama-cpp-python's ``Llama(embedding=True)`` with a
+pooling type: the model's own (its GGUF's ``pooling_type``: CLS for bge-m3 and mxbai-embed-large, mean for
+nomic-embed-text, last token for Qwen3-Embedding), mean for a generating model that sets none, rank for a
+reranker. The generating backend keeps one beside its batched context for ``/api/embed``.
+
+:class:`PooledBackend` is the whole backend of an embedding model or a reranker (``LoadSpec.embedding``): no
+batched generation context and no decoding KV cache, only the pooling context, its window capped at the
+model's trained context (an encoder's positions end there). A reranker's input is laid out as llama-server's
+``format_prompt_rerank`` lays it out: the model's ``rerank`` chat template with ``{query}`` and ``{document}``
+(Qwen3-Reranker), else ``[BOS] query [EOS] [SEP] document [EOS]``, each special token where the vocabulary
+adds it (XLM-RoBERTa's ``<s> query </s></s> document </s>``, as its Hugging Face tokenizer pairs them). Its
+scores are the classifier's raw outputs, ``llama_model_n_cls_out`` floats per document; the daemon turns them
+into relevance scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, AsyncIterator
+
+from localrun.backends.base import (CONTEXT_EXCEEDED, POOLED_WINDOW, BackendInfo, Chunk, GenerationRequest, LoadSpec,
+                                    check_token_ids)
+from localrun.backends.fresh_threads import FreshThreadExecutor
+from localrun.backends.llama_batch import token_piece
+from localrun.errors import BackendError, InvalidRequest
+
+log = logging.getLogger("localrun.llamacpp")
+
+MAX_WINDOW = POOLED_WINDOW  # tokens one input (a text, or a query with a document) may have
+POOLING_NAMES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's LLAMA_POOLING_TYPE_*
+
+
+@contextlib.contextmanager
+def model_params(**fields: Any):
+    """Set llama_model_params fields that llama_cpp.Llama() does not expose (use_extra_bufts).
+
+    Llama() builds its params from llama_model_default_params() and loads the model inside
+    its constructor, so the defaults are adjusted for the duration of that call. A runner
+    process loads one model at a time, so nothing else sees the change."""
+    import llama_cpp.llama_cpp as lib
+
+    original = lib.llama_model_default_params
+    if not fields:
+        yield
+        return
+
+    def patched():
+        params = original()
+        for k, v in fields.items():
+            setattr(params, k, v)
+        return params
+
+    lib.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = original
+
+
+def model_pooling(info: Any) -> int | None:
+    """The pooling type the GGUF header sets (llama.cpp's numbering), None when it sets none or none known."""
+    if info is None:
+        return None
+    value = info.metadata.get(f"{info.architecture}.pooling_type")
+    return int(value) if isinstance(value, int) and int(value) in POOLING_NAMES else None
+
+
+def pooled_window(spec: LoadSpec, info: Any) -> int:
+    """The tokens one input may have in an embedding model's or a reranker's context: num_ctx, at most
+    MAX_WINDOW and the model's trained context (an encoder's position embeddings end there)."""
+    trained = int(getattr(info, "context_length", 0) or 0)
+    return max(1, min(spec.num_ctx, MAX_WINDOW, trained or MAX_WINDOW))
+
+
+class Pooled:
+    """One pooling llama.cpp context (made on first use unless ``eager``); its calls hold a lock, and each runs
+    on the caller's thread."""
+
+    def __init__(self, spec: LoadSpec, *, window: int, pooling: int, n_threads: int, n_gpu_layers: int,
+                 extra_bufts: bool, eager: bool = False) -> None:
+        self.spec, self.window, self.pooling = spec, window, pooling
+        self.n_threads, self.n_gpu_layers, self.extra_bufts = n_threads, n_gpu_layers, extra_bufts
+        self.lock = threading.Lock()
+        self.llm = None
+        if eager:
+            self._llm()
+
+    def _llm(self):
+        if self.llm is None:
+            import llama_cpp
+
+            n = self.window
+            kw = dict(model_path=str(self.spec.weights), n_ctx=n, n_batch=n, n_ubatch=n, n_threads=self.n_threads,
+                      n_threads_batch=self.n_threads, n_gpu_layers=self.n_gpu_layers, verbose=False, embedding=True,
+                      pooling_type=self.pooling)
+            with model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
+                try:
+                    # flash attention, as llama-server has it wherever the device can (its "auto"): the same
+                    # numbers as llama-server's, and no window x window attention scores per head
+                    self.llm = llama_cpp.Llama(**kw, flash_attn=True)
+                except ValueError:
+                    try:
+                        self.llm = llama_cpp.Llama(**kw)
+                    except ValueError as exc:  # llama-cpp-python's word for a failed load or context
+                        raise BackendError(f"llama.cpp could not load {self.spec.name} for "
+                                           f"{POOLING_NAMES[self.pooling]} pooling: {exc}") from None
+        return self.llm
+
+    def close(self) -> None:
+        with self.lock:
+            if self.llm is not None:
+                try:
+                    self.llm.close()
+                except Exception:  # pragma: no cover
+                    pass
+                self.llm = None
+
+    # -- embeddings ------------------------------------------------------------------------
+    def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        """One L2-normalized vector per text; a text over the window is an InvalidRequest, or with
+        ``truncate`` its first tokens are embedded."""
+        with self.lock:
+            llm = self._llm()
+            if not truncate:
+                for t in texts:
+                    n = len(llm.tokenize(t.encode("utf-8"), add_bos=True))
+                    if n > self.window:
+                        raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of "
+                                             f"{self.window} tokens", code=CONTEXT_EXCEEDED)
+            # truncate: each input's first `window` tokens (llama-cpp-python cuts them so)
+            return [list(map(float, v)) for v in llm.embed(texts, normalize=True, truncate=True)]
+
+    # -- reranking -------------------------------------------------------------------------
+    def rerank(self, query: str, documents: list[str], truncate: bool = False) -> tuple[list[list[float]], list[int]]:
+        """(the classifier's outputs for each document against the query, each pair's token count). A pair
+        over the window is an InvalidRequest, or with ``truncate`` its document's last tokens are cut."""
+        import llama_cpp.llama_cpp as lib
+
+        with self.lock:
+            llm = self._llm()
+            pairs = [self._pair(llm, query, d, truncate) for d in documents]
+            n_out = max(1, int(lib.llama_model_n_cls_out(llm.model)))
+            scores: list[list[float]] = []
+            # as Llama.embed batches its inputs: whole sequences into one batch, up to the window's tokens
+            # and the context's sequences (a non-causal encoder must see a sequence in one pass)
+            n_seq_max = int(llm.context_params.n_seq_max)
+            batch: list[list[int]] = []
+            for ids in pairs:
+                if batch and (sum(map(len, batch)) + len(ids) > self.window or len(batch) >= n_seq_max):
+                    scores += self._scores(llm, batch, n_out)
+                    batch = []
+                batch.append(ids)
+            if batch:
+                scores += self._scores(llm, batch, n_out)
+            return scores, [len(ids) for ids in pairs]
+
+    @staticmethod
+    def _scores(llm, batch: list[list[int]], n_out: int) -> list[list[float]]:
+        import llama_cpp.llama_cpp as lib
+
+        llm._batch.reset()
+        for seq, ids in enumerate(batch):
+            llm._batch.add_sequence(ids, seq, True)
+        llm._ctx.kv_cache_clear()
+        llm._ctx.decode(llm._batch)  # (an encoder-only model is encoded: llama_decode calls llama_encode)
+        llm._batch.reset()
+        out = []
+        for seq in range(len(batch)):
+            ptr = lib.llama_get_embeddings_seq(llm._ctx.ctx, seq)
+            if not ptr:
+                raise BackendError("llama.cpp returned no score for a document")
+            out.append([float(ptr[i]) for i in range(n_out)])
+        return out
+
+    def _pair(self, llm, query: str, doc: str, truncate: bool) -> list[int]:
+        """The tokens of one query-document pair, laid out as llama-server's format_prompt_rerank does."""
+        import llama_cpp.llama_cpp as lib
+
+        vocab = lib.llama_model_get_vocab(llm.model)
+        template = lib.llama_model_chat_template(llm.model, b"rerank")
+
+        def tok(text: str, special: bool = False) -> list[int]:
+            return llm.tokenize(text.encode("utf-8"), add_bos=False, special=special) if text else []
+
+        if template:
+            template = template.decode("utf-8", "replace")
+
+            def layout(d: str) -> list[int]:
+                return tok(template.replace("{query}", query).replace("{document}", d), special=True)
+
+            ids = layout(doc)
+            if len(ids) > self.window and truncate:  # the document's last tokens go until the pair fits
+                doc_ids = tok(doc)
+                keep = len(doc_ids) - (len(ids) - self.window)
+                while keep > 0 and len(ids) > self.window:
+                    ids = layout(llm.detokenize(doc_ids[:keep]).decode("utf-8", "ignore"))
+                    keep -= max(1, len(ids) - self.window)
+        else:
+            eos = int(lib.llama_vocab_eos(vocab))
+            if eos < 0:
+                eos = int(lib.llama_vocab_sep(vocab))
+            head, tail = [], []
+            if lib.llama_vocab_get_add_bos(vocab):
+                head.append(int(lib.llama_vocab_bos(vocab)))
+            head += tok(query)
+            if lib.llama_vocab_get_add_eos(vocab):
+                head.append(eos)
+                tail.append(eos)
+            if lib.llama_vocab_get_add_sep(vocab):
+                head.append(int(lib.llama_vocab_sep(vocab)))
+            d = tok(doc)
+            if truncate and len(head) + len(d) + len(tail) > self.window:
+                d = d[:max(0, self.window - len(head) - len(tail))]
+            ids = head + d + tail
+        if len(ids) > self.window:
+            what = "the query alone fills" if truncate else "it is longer than"
+            raise InvalidRequest(f"a query with a document is {len(ids)} tokens: {what} the reranking window of "
+                                 f"{self.window} tokens" + ("" if truncate else "; send shorter documents, or "
+                                                            "'truncate': true to cut them"), code=CONTEXT_EXCEEDED)
+        return ids
+
+
+class PooledBackend:
+    """An embedding model or a reranker (``LoadSpec.embedding``) in one pooling llama.cpp context
+    (:class:`Pooled`). It generates nothing: the daemon refuses generation requests for such a model before
+    loading it, and this backend refuses them again."""
+
+    def __init__(self, spec: LoadSpec, info: Any, *, n_threads: int, extra_bufts: bool, bufts_reason: str) -> None:
+        """``info``: the GGUF's header (a GGUFInfo); the threads and llama.cpp's extra buffer types as the
+        llama.cpp backend chose them (llamacpp.load)."""
+        from llama_cpp._logger import set_verbose
+
+        from localrun.library.capabilities import gguf_kind
+
+        set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
+        self.spec = spec
+        self.kind = gguf_kind(info)
+        if self.kind == "completion":
+            raise BackendError(f"{spec.name} generates text: it is not an embedding model or a reranker")
+        window = pooled_window(spec, info)
+        pooling = 4 if self.kind == "rerank" else (model_pooling(info) or 1)
+        n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
+        self.pooled = Pooled(spec, window=window, pooling=pooling, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                             extra_bufts=extra_bufts, eager=True)
+        import llama_cpp.llama_cpp as lib
+
+        llm = self.pooled.llm
+        self._lib = lib
+        self._vocab = lib.llama_model_get_vocab(llm.model)
+        self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        # each call on a thread that exits after it (fresh_threads.py)
+        self._executor = FreshThreadExecutor(f"llamacpp-pool-{spec.name}")
+        device = spec.extra.get("device", "CPU")
+        what = "a reranker" if self.kind == "rerank" else "an embedding model"
+        self.info = BackendInfo(
+            name="llama.cpp", device=device, processor=spec.extra.get("processor", "100% CPU"),
+            reason=(f"{spec.extra.get('reason') or 'llama.cpp on CPU'}; {what}: one {POOLING_NAMES[pooling]}-pooling "
+                    f"context of {window} tokens, {n_threads} threads, {bufts_reason}"),
+            context_length=window, slots=1, size_bytes=int(spec.extra.get("size_bytes") or 0),
+            size_vram_bytes=int(spec.extra.get("size_vram", 0)),
+            supports_embeddings=self.kind == "embedding", supports_rerank=self.kind == "rerank",
+            supports_logprobs=False, supports_json_schema=False,
+            max_token_bytes=max((len(token_piece(lib, self._vocab, t, special=True)) for t in range(self._n_vocab)),
+                                default=0),
+            embed_window=window,
+            bos_token=self._special_text(int(lib.llama_vocab_bos(self._vocab))),
+            eos_token=self._special_text(int(lib.llama_vocab_eos(self._vocab))),
+        )
+
+    def _special_text(self, token: int) -> str:
+        return self._detokenize([token]) if 0 <= token < self._n_vocab else ""
+
+    def _detokenize(self, ids: list[int]) -> str:
+        return b"".join(token_piece(self._lib, self._vocab, t, special=True) for t in ids).decode("utf-8", "replace")
+
+    def _refusal(self) -> InvalidRequest:
+        what = ("a reranker: use it with /v1/rerank" if self.kind == "rerank"
+                else "an embedding model: use it with /api/embed or /v1/embeddings")
+        return InvalidRequest(f"{self.spec.name} does not generate text: it is {what}")
+
+    async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        import asyncio
+
+        def run() -> list[int]:
+            with self.pooled.lock:
+                return self.pooled.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True)
+
+        return await asyncio.to_thread(run)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        check_token_ids(token_ids, self._n_vocab)
+        return self._detokenize(token_ids)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        raise self._refusal()
+        yield  # pragma: no cover - an async generator
+
+    async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
+        import asyncio
+
+        if self.kind != "embedding":
+            raise InvalidRequest(f"{self.spec.name} makes no embeddings: it is a reranker; use it with /v1/rerank")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.pooled.embed, texts, truncate)
+
+    async def rerank(self, query: str, documents: list[str], truncate: bool = False) -> tuple[list[list[float]], list[int]]:
+        import asyncio
+
+        if self.kind != "rerank":
+            raise InvalidRequest(f"{self.spec.name} is not a reranker")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.pooled.rerank, query,
+                                                                documents, truncate)
+
+    async def close(self) -> None:
+        import asyncio
+
+        def run() -> None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self.pooled.close()
+
+        await asyncio.to_thread(run)
