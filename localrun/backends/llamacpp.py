@@ -191,14 +191,15 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
 def _pooled_estimate(info, weights: int, layers: int, hidden: int, kv_heads: int, kv_dims: int,
                      window: int) -> MemoryEstimate:
     """An embedding model's or a reranker's memory: weights, a KV cache of one window when the model is causal
-    (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of a whole window in one pass
-    (activations, and the attention scores of every head: window x window floats each)."""
-    from localrun.library.capabilities import EMBEDDING_ARCHS
+    (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of one pass (an encoder's is the
+    whole window): activations, and the attention scores of every head should flash attention be unavailable."""
+    from localrun.backends.llama_pooled import CAUSAL_UBATCH, is_causal
 
-    arch = getattr(info, "architecture", "") or ""
+    causal = is_causal(info)
     heads = int(getattr(info, "head_count", 0) or 0) or 1
-    kv = 0 if arch in EMBEDDING_ARCHS else layers * window * kv_heads * kv_dims * 2
-    overhead = 32 * 2**20 + window * max(hidden, 1) * 4 * 8 + window * window * heads * 4
+    kv = layers * window * kv_heads * kv_dims * 2 if causal else 0
+    ubatch = min(CAUSAL_UBATCH, window) if causal else window
+    overhead = 32 * 2**20 + ubatch * max(hidden, 1) * 4 * 8 + ubatch * window * heads * 4
     return MemoryEstimate(weights_bytes=weights, kv_bytes=int(kv), overhead_bytes=int(overhead))
 
 
