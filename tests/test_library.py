@@ -413,6 +413,15 @@ def test_resolve_follows_every_change_to_the_library(smol_lib):
 def test_modelfile_load_time_engine_parameters():
     mf = parse_modelfile("FROM x\nPARAMETER kv_cache_type INT8\nPARAMETER weight_dtype int8\nPARAMETER tensor_parallel 3\n")
     assert mf.parameters == {"kv_cache_type": "int8", "weight_dtype": "int8", "tensor_parallel": 3}
+    # Ollama's llama.cpp load options: whether the weights are mapped, and the main GPU
+    mf = parse_modelfile("FROM x\nPARAMETER use_mmap false\nPARAMETER main_gpu 1\n")
+    assert mf.parameters == {"use_mmap": False, "main_gpu": 1}
+    assert "PARAMETER use_mmap false" in mf.to_text() and parse_modelfile(mf.to_text()).parameters == mf.parameters
+    assert parse_modelfile("FROM x\nPARAMETER use_mmap True\n").parameters == {"use_mmap": True}
+    with pytest.raises(InvalidRequest, match="use_mmap must be true or false"):
+        parse_modelfile("FROM x\nPARAMETER use_mmap 1\n")
+    with pytest.raises(InvalidRequest, match="main_gpu"):
+        parse_modelfile("FROM x\nPARAMETER main_gpu -1\n")
     with pytest.raises(InvalidRequest, match="kv_cache_type must be one of .*int4"):
         parse_modelfile("FROM x\nPARAMETER kv_cache_type int4\n")
     with pytest.raises(InvalidRequest, match="weight_dtype must be one of"):

@@ -670,3 +670,22 @@ def test_bad_input_is_a_4xx_and_the_daemon_keeps_serving(daemon):
     r = daemon.http.post("/v1/completions", json={"model": MODEL, "prompt": "word " * 1200, "max_tokens": 4})
     assert r.status_code == 400 and "1024" in r.text
     assert _chat(daemon, "What is 2+2?", max_tokens=8)["text"]
+
+
+def test_every_llama_cpp_params_field_the_backend_sets_exists():
+    """A ctypes struct takes an attribute of any name: `mparams.use_mmap = False` set nothing once llama.cpp had
+    replaced the field with load_mode, and PARAMETER use_mmap false was silently ignored. Every
+    llama_context_params / llama_model_params / mtmd_context_params field the backends assign is a field."""
+    import re
+    from pathlib import Path
+
+    import llama_cpp.llama_cpp as lib
+    import llama_cpp.mtmd_cpp as mtmd
+
+    root = Path(__file__).resolve().parent.parent / "localrun" / "backends"
+    src = "".join(p.read_text() for p in root.glob("llama*.py"))
+    for var, struct in (("cparams", lib.llama_context_params), ("mparams", lib.llama_model_params),
+                        ("params", mtmd.mtmd_context_params)):
+        used = set(re.findall(rf"\b{var}\.(\w+)\s*=[^=]", src))
+        assert used, var
+        assert used <= {f[0] for f in struct._fields_}, (var, used - {f[0] for f in struct._fields_})

@@ -252,3 +252,39 @@ def test_cli_run_prints_an_embedding_as_ollama_run_does(daemon):
     assert r.returncode == 1 and "longer than the embedding window of 512 tokens" in r.stderr, r.stderr
     r = _cli(daemon, "run", RERANK, "hi")
     assert r.returncode == 1 and "is a reranker" in r.stderr and "/v1/rerank" in r.stderr
+
+
+def test_use_mmap_false_reads_the_weights_instead_of_mapping_them(daemon):
+    """PARAMETER use_mmap false (Ollama's) loads the weights into memory, in the generating backend and in a pooling
+    one: the runner maps no model file. With the default, the file is mapped."""
+    import time
+
+    def unload_all() -> None:
+        for name in (MODEL, EMBED, "nommap"):
+            daemon.http.post("/api/generate", json={"model": name, "keep_alive": 0})
+        deadline = time.monotonic() + 30
+        while daemon.runners() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not daemon.runners()
+
+    def mapped_blobs() -> set[str]:
+        out = set()
+        for runner in daemon.runners():
+            with open(f"/proc/{runner.pid}/maps") as f:
+                out |= {line.split()[-1] for line in f if "/blobs/" in line}
+        return out
+
+    for base, path, body in ((MODEL, "/api/generate", {"prompt": "hi", "stream": False, "options": {"num_predict": 1}}),
+                             (EMBED, "/api/embed", {"input": "hi"})):
+        r = daemon.http.post("/api/create", json={"model": "nommap", "from": base, "parameters": {"use_mmap": False},
+                                                  "stream": False})
+        assert r.status_code == 200, r.text
+        assert "PARAMETER use_mmap false" in daemon.http.post("/api/show", json={"model": "nommap"}).json()["modelfile"]
+        for name in (base, "nommap"):
+            unload_all()
+            r = daemon.http.post(path, json={"model": name, **body})
+            assert r.status_code == 200, r.text
+            blobs = mapped_blobs()
+            assert bool(blobs) == (name == base), (name, blobs)
+        unload_all()
+        assert daemon.http.request("DELETE", "/api/delete", json={"model": "nommap"}).status_code == 200

@@ -63,6 +63,17 @@ def model_params(**fields: Any):
         lib.llama_model_default_params = original
 
 
+def load_options(spec: LoadSpec) -> dict[str, Any]:
+    """The Modelfile's PARAMETER use_mmap and main_gpu, as llama-cpp-python's Llama() takes them (the low-level
+    load sets llama_model_params' load_mode and main_gpu from them: llamacpp.LlamaCppBackend)."""
+    out: dict[str, Any] = {}
+    if spec.extra.get("use_mmap") is not None:
+        out["use_mmap"] = bool(spec.extra["use_mmap"])
+    if spec.extra.get("main_gpu") is not None:
+        out["main_gpu"] = int(spec.extra["main_gpu"])
+    return out
+
+
 def model_pooling(info: Any) -> int | None:
     """The pooling type the GGUF header sets (llama.cpp's numbering), None when it sets none or none known."""
     if info is None:
@@ -114,6 +125,7 @@ class Pooled:
             kw = dict(model_path=str(self.spec.weights), n_ctx=n, n_batch=n, n_ubatch=self.ubatch, n_threads=self.n_threads,
                       n_threads_batch=self.n_threads, n_gpu_layers=self.n_gpu_layers, verbose=False, embedding=True,
                       pooling_type=self.pooling)
+            kw.update(load_options(self.spec))
             with model_params(**({} if self.extra_bufts else {"use_extra_bufts": False})):
                 try:
                     # flash attention, as llama-server has it wherever the device can (its "auto"): the same

@@ -38,7 +38,7 @@ from localrun.backends.base import (
 )
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import prompt_logprobs_rows, token_piece
-from localrun.backends.llama_pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, pooled_window
+from localrun.backends.llama_pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, load_options, pooled_window
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -320,6 +320,11 @@ class LlamaCppBackend:
         mparams.n_gpu_layers = self.n_gpu_layers
         if not self.extra_bufts:
             mparams.use_extra_bufts = False
+        opts = load_options(spec)  # (llama_model_params has load_mode, not use_mmap: a ctypes struct takes any name)
+        if opts.get("use_mmap") is False:
+            mparams.load_mode = lib.LLAMA_LOAD_MODE_NONE
+        if "main_gpu" in opts:
+            mparams.main_gpu = opts["main_gpu"]
         model = lib.llama_model_load_from_file(str(spec.weights).encode("utf-8"), mparams)
         if not model:
             raise BackendError(f"llama.cpp failed to load {spec.name} from {spec.weights} (see the runner's log)")

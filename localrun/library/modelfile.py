@@ -44,6 +44,8 @@ PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
     "num_batch": (int, 1, 1 << 20),
     "num_gpu": (int, -1, 1 << 16),
     "num_thread": (int, 0, 1 << 12),
+    "main_gpu": (int, 0, 1 << 10),  # llama.cpp, load time: the GPU that holds what is not split across GPUs
+    "use_mmap": (bool, None, None),  # llama.cpp, load time: map the weights file (true) or read it into memory
     "tensor_parallel": (int, 1, 64),  # native engine: ranks the model is split over (load time)
     "kv_cache_type": (str, None, None),  # load time: as LOCALRUN_KV_CACHE_TYPE, for this model
     "weight_dtype": (str, None, None),  # native engine, load time: as LOCALRUN_WEIGHT_DTYPE, for this model
@@ -99,6 +101,13 @@ def parse_parameter(key: str, value: Any, line: int | None = None) -> Any:
             if value not in CHOICES[key]:
                 raise InvalidRequest(f"{where}parameter {key} must be one of {', '.join(CHOICES[key])}, got {value!r}")
         return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower() if isinstance(value, str) else None
+        if text in ("true", "false"):
+            return text == "true"
+        raise InvalidRequest(f"{where}parameter {key} must be true or false, got {value!r}")
     try:
         if isinstance(value, bool):
             raise ValueError
@@ -282,6 +291,8 @@ def local_source(text: str, base: Path) -> Path | None:
 
 
 def format_parameter_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)
     if isinstance(v, float) and v.is_integer():

@@ -454,8 +454,8 @@ class ModelManager:
         if getattr(resolved, "projector", None) is not None:
             spec.extra["projector"] = str(resolved.projector)
         if resolved.parameters:
-            for k in ("repeat_last_n", "num_thread", "num_gpu", "tensor_parallel", "kv_cache_type", "weight_dtype",
-                      "speculative", "num_speculative_tokens"):
+            for k in ("repeat_last_n", "num_thread", "num_gpu", "main_gpu", "use_mmap", "tensor_parallel",
+                      "kv_cache_type", "weight_dtype", "speculative", "num_speculative_tokens"):
                 if k in resolved.parameters:
                     spec.extra[k] = resolved.parameters[k]
         if "num_thread" in spec.extra:
