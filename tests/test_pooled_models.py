@@ -260,8 +260,8 @@ def test_use_mmap_false_reads_the_weights_instead_of_mapping_them(daemon):
     import time
 
     def unload_all() -> None:
-        for name in (MODEL, EMBED, "nommap"):
-            daemon.http.post("/api/generate", json={"model": name, "keep_alive": 0})
+        for m in daemon.ps():
+            daemon.http.post("/api/generate", json={"model": m["name"], "keep_alive": 0})
         deadline = time.monotonic() + 30
         while daemon.runners() and time.monotonic() < deadline:
             time.sleep(0.1)
