@@ -288,3 +288,22 @@ def test_use_mmap_false_reads_the_weights_instead_of_mapping_them(daemon):
             assert bool(blobs) == (name == base), (name, blobs)
         unload_all()
         assert daemon.http.request("DELETE", "/api/delete", json={"model": "nommap"}).status_code == 200
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["embed", "rerank"])
+def test_bench_embed_runs_both_servers_on_the_same_inputs(which, llama_server_bin, xlmr_ggufs, tmp_path):
+    """`localrun bench embed` (short): both servers answer the same batch with the same numbers (the first round's
+    largest difference), and it prints and writes the speed ratios."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
+    out = tmp_path / "embed.json"
+    r = subprocess.run([sys.executable, "-m", "localrun.bench", "embed", "--llama-server", str(llama_server_bin),
+                        "--gguf", str(xlmr_ggufs[which]), "--texts", "6", "--tokens", "24", "--singles", "3",
+                        "--rounds", "2", "--out", str(out)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["kind"] == ("embed", "rerank")[which]
+    assert res["max_diff_first_round"] < TOL  # the same inputs, the same numbers (batch arithmetic aside)
+    for w in ("batch", "single"):
+        assert res["summary"][w]["speed"] > 0 and len(res["rounds_s"][w]["localrun"]) == 2
+    assert "localrun vs llama-server" in r.stdout and "speed" in r.stdout

@@ -16,6 +16,7 @@
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
     localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
+    localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -253,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import overhead  # stdlib-only at import
 
     overhead.add_parser(sub)
+
+    from localrun.bench import embed_vs  # stdlib-only at import
+
+    embed_vs.add_parser(sub)
 
     from localrun.bench import mixed  # stdlib-only at import
 
@@ -567,6 +572,12 @@ def _typing_vs_rows(res: dict[str, Any], con) -> None:
     con.print(f"machine: {m['cpu']}, {m['cores']} CPUs ({m['physical_cores']} physical), load {m['load_avg_1m']}")
 
 
+def _cmd_embed(a: argparse.Namespace) -> int:
+    from localrun.bench.embed_vs import main
+
+    return main(a)
+
+
 def _cmd_overhead(a: argparse.Namespace) -> int:
     from localrun.bench import overhead
 
@@ -594,7 +605,7 @@ def _cmd_gpu_check(a: argparse.Namespace) -> int:
 COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_prefix,
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead, "mixed": _cmd_mixed,
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead, "embed": _cmd_embed, "mixed": _cmd_mixed,
             "build-llama-server": _cmd_build_llama_server}
 
 
