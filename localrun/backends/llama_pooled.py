@@ -52,7 +52,10 @@ def model_params(**fields: Any):
 
     def patched():
         params = original()
+        names = {f[0] for f in type(params)._fields_}
         for k, v in fields.items():
+            if k not in names:  # a ctypes struct would take the name and do nothing with it
+                raise AttributeError(f"llama_model_params has no field {k!r} in this llama-cpp-python")
             setattr(params, k, v)
         return params
 
@@ -82,6 +85,14 @@ def model_pooling(info: Any) -> int | None:
     return int(value) if isinstance(value, int) and int(value) in POOLING_NAMES else None
 
 
+def backend_pooling(info: Any) -> int:
+    """The pooling an embedding model's or a reranker's backend loads it with: rank for a reranker, else the GGUF's
+    own (mean when it sets none)."""
+    from localrun.library.capabilities import gguf_kind
+
+    return 4 if gguf_kind(info) == "rerank" else (model_pooling(info) or 1)
+
+
 def is_causal(info: Any) -> bool:
     """Whether the model attends causally (a decoder: Qwen3-Embedding, Qwen3-Reranker, a generating model), not
     over the whole input (an encoder: BERT and its kin, or a GGUF that says attention.causal false)."""
@@ -100,6 +111,15 @@ def pooled_window(spec: LoadSpec, info: Any) -> int:
     return max(1, min(spec.num_ctx, MAX_WINDOW, trained or MAX_WINDOW))
 
 
+def pooled_ubatch(window: int, pooling: int, causal: bool) -> int:
+    """The tokens one llama.cpp pass of a pooling context computes. llama.cpp pools each pass on its own: an input
+    cut over two passes gets the mean (or first token) of its second part only (SmolLM2, 64 texts of 80 tokens in
+    passes of 512: 8 came out up to 0.066 off), so mean and CLS pooling, and an encoder, see each input whole in
+    one pass of the window. A causal model's last token (last-token and rank pooling) holds the whole input
+    through its KV cache, so there the passes are CAUSAL_UBATCH tokens (those 64 texts: 12.0 s against 13.0 s)."""
+    return min(CAUSAL_UBATCH, window) if causal and pooling in (3, 4) else window
+
+
 class Pooled:
     """One pooling llama.cpp context (made on first use unless ``eager``); its calls hold a lock, and each runs
     on the caller's thread."""
@@ -107,10 +127,7 @@ class Pooled:
     def __init__(self, spec: LoadSpec, *, window: int, pooling: int, n_threads: int, n_gpu_layers: int,
                  extra_bufts: bool, causal: bool = True, eager: bool = False) -> None:
         self.spec, self.window, self.pooling = spec, window, pooling
-        # a pass of llama.cpp's: a causal model's inputs go through in passes of CAUSAL_UBATCH tokens (64 texts of
-        # 84 tokens, SmolLM2 with last-token pooling: 13.3 s against 14.3 s in passes of 2048); an encoder sees each
-        # input whole in one pass, so its passes are the window
-        self.ubatch = min(CAUSAL_UBATCH, window) if causal else window
+        self.ubatch = pooled_ubatch(window, pooling, causal)
         self.n_threads, self.n_gpu_layers, self.extra_bufts = n_threads, n_gpu_layers, extra_bufts
         self.lock = threading.Lock()
         self.llm = None
@@ -272,7 +289,7 @@ class PooledBackend:
         if self.kind == "completion":
             raise BackendError(f"{spec.name} generates text: it is not an embedding model or a reranker")
         window = pooled_window(spec, info)
-        pooling = 4 if self.kind == "rerank" else (model_pooling(info) or 1)
+        pooling = backend_pooling(info)
         n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
         self.pooled = Pooled(spec, window=window, pooling=pooling, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                              extra_bufts=extra_bufts, causal=is_causal(info), eager=True)

@@ -193,12 +193,12 @@ def _pooled_estimate(info, weights: int, layers: int, hidden: int, kv_heads: int
     """An embedding model's or a reranker's memory: weights, a KV cache of one window when the model is causal
     (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of one pass (an encoder's is the
     whole window): activations, and the attention scores of every head should flash attention be unavailable."""
-    from localrun.backends.llama_pooled import CAUSAL_UBATCH, is_causal
+    from localrun.backends.llama_pooled import backend_pooling, is_causal, pooled_ubatch
 
     causal = is_causal(info)
     heads = int(getattr(info, "head_count", 0) or 0) or 1
     kv = layers * window * kv_heads * kv_dims * 2 if causal else 0
-    ubatch = min(CAUSAL_UBATCH, window) if causal else window
+    ubatch = pooled_ubatch(window, backend_pooling(info), causal)
     overhead = 32 * 2**20 + ubatch * max(hidden, 1) * 4 * 8 + ubatch * window * heads * 4
     return MemoryEstimate(weights_bytes=weights, kv_bytes=int(kv), overhead_bytes=int(overhead))
 
