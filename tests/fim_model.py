@@ -7,11 +7,9 @@ backend) decoded greedily by llama.cpp itself through llama-cpp-python, one sequ
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from vlm_model import write_hf_model
+from vlm_model import convert, write_hf_model
 
 N_BATCH = 2048  # llama-server's default --batch-size
 
@@ -23,11 +21,7 @@ def build_tiny_fim(cache: Path) -> Path:
     if gguf.exists():
         return gguf
     hf, vendor, env = write_hf_model("tiny_fim.py", out, cache)
-    tmp = out / "tiny-fim.gguf.part"
-    r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(tmp)],
-                       capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    tmp.rename(gguf)
+    convert(vendor, env, hf, gguf)
     return gguf
 
 

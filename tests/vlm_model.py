@@ -53,6 +53,16 @@ def write_hf_model(tool_name: str, out: Path, cache: Path) -> tuple[Path, Path, 
     return hf, vendor, {**os.environ, "PYTHONPATH": str(vendor / "gguf-py")}
 
 
+def convert(vendor: Path, env: dict, hf: Path, dst: Path, *args: str) -> None:
+    """The Hugging Face folder ``hf`` converted to ``dst`` by the sdist's converter (written beside it, then
+    renamed: an interrupted build leaves no half file under the cached name)."""
+    tmp = dst.with_name(dst.name + ".part")
+    r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), *args, "--outfile", str(tmp)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tmp.rename(dst)
+
+
 def build_tiny_vlm(cache: Path) -> tuple[Path, Path]:
     """(text GGUF, projector GGUF) of the tiny VLM, built once into ``cache``."""
     out = cache / "tiny-vlm"
@@ -60,10 +70,8 @@ def build_tiny_vlm(cache: Path) -> tuple[Path, Path]:
     if gguf.exists() and mmproj.exists():
         return gguf, mmproj
     hf, vendor, env = write_hf_model("tiny_vlm.py", out, cache)
-    for args, dst in (([], gguf), (["--mmproj"], mmproj)):
-        r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf), *args, "--outfile", str(dst)],
-                           capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
+    convert(vendor, env, hf, gguf)
+    convert(vendor, env, hf, mmproj, "--mmproj")
     return gguf, mmproj
 
 

@@ -4,11 +4,9 @@ converted by the converter in the llama-cpp-python sdist, cached under the pytes
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from vlm_model import write_hf_model
+from vlm_model import convert, write_hf_model
 
 
 def build_tiny_xlmr(cache: Path) -> tuple[Path, Path]:
@@ -18,10 +16,6 @@ def build_tiny_xlmr(cache: Path) -> tuple[Path, Path]:
     if embed.exists() and rerank.exists():
         return embed, rerank
     hf, vendor, env = write_hf_model("tiny_xlmr.py", out, cache)
-    for name, dst in (("embed", embed), ("rerank", rerank)):
-        tmp = dst.with_suffix(".part")
-        r = subprocess.run([sys.executable, str(vendor / "convert_hf_to_gguf.py"), str(hf / name), "--outfile", str(tmp)],
-                           capture_output=True, text=True, env=env)
-        assert r.returncode == 0, r.stderr[-2000:]
-        tmp.rename(dst)
+    convert(vendor, env, hf / "embed", embed)
+    convert(vendor, env, hf / "rerank", rerank)
     return embed, rerank

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -439,10 +440,7 @@ class GenerationService:
         if model_kind(resolved) == "rerank":
             raise InvalidRequest(f'"{resolved.name}" does not support embeddings: it is a reranker, which scores '
                                  "documents against a query; use it with POST /v1/rerank")
-        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
-            if not lease.backend.info.supports_embeddings:
-                raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, "
-                                     "which does not make embeddings")
+        async with self._able(resolved, keep_alive, "supports_embeddings", "make embeddings") as lease:
             vectors = await lease.backend.embed(texts, truncate=truncate)
             counts = [len(await lease.backend.tokenize(t, add_special=True)) for t in texts]
             window = lease.backend.info.embed_window
@@ -450,6 +448,15 @@ class GenerationService:
         if dimensions is not None:
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens
+
+    @asynccontextmanager
+    async def _able(self, resolved: Any, keep_alive: Any, able: str, doing: str) -> AsyncIterator[Lease]:
+        """A lease of the loaded model whose backend can (BackendInfo.`able`), else a 400 saying it cannot `doing`."""
+        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
+            info = lease.backend.info
+            if not getattr(info, able):
+                raise InvalidRequest(f"{resolved.name} runs on the {info.name} backend, which does not {doing}")
+            yield lease
 
     async def rerank(self, resolved: Any, query: str, documents: list[str], *, keep_alive: Any = DEFAULT,
                      truncate: bool = False) -> tuple[list[list[float]], list[int]]:
@@ -461,10 +468,7 @@ class GenerationService:
             what = "an embedding model" if model_kind(resolved) == "embedding" else "a text generation model"
             raise InvalidRequest(f'"{resolved.name}" does not support reranking: it is {what}. A reranker\'s GGUF '
                                  "has a classifier head (bge-reranker-v2-m3, Qwen3-Reranker)")
-        async with self.manager.use(resolved, keep_alive=keep_alive) as lease:
-            if not lease.backend.info.supports_rerank:
-                raise InvalidRequest(f"{resolved.name} runs on the {lease.backend.info.name} backend, which does "
-                                     "not rerank")
+        async with self._able(resolved, keep_alive, "supports_rerank", "rerank") as lease:
             scores: list[list[float]] = []
             counts: list[int] = []
             # a few documents a call: a client that goes away stops the work within one group
