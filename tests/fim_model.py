@@ -9,20 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_model import convert, write_hf_model
+from vlm_model import build_models
 
 N_BATCH = 2048  # llama-server's default --batch-size
 
 
 def build_tiny_fim(cache: Path) -> Path:
     """The tiny FIM model's GGUF, built once into ``cache``."""
-    out = cache / "tiny-fim"
-    gguf = out / "tiny-fim.gguf"
-    if gguf.exists():
-        return gguf
-    hf, vendor, env = write_hf_model("tiny_fim.py", out, cache)
-    convert(vendor, env, hf, gguf)
-    return gguf
+    return build_models(cache, "tiny_fim.py", {"tiny-fim.gguf": ("",)})[0]
 
 
 class Reference:

@@ -63,15 +63,23 @@ def convert(vendor: Path, env: dict, hf: Path, dst: Path, *args: str) -> None:
     tmp.rename(dst)
 
 
+def build_models(cache: Path, tool_name: str, files: dict[str, tuple[str, ...]]) -> list[Path]:
+    """The GGUFs a test-model writer's output converts to, built once into ``cache``/<the tool's name>: ``files``
+    maps each file's name to the Hugging Face subfolder it converts ("" for the whole output) and the
+    converter's further arguments."""
+    out = cache / tool_name.removesuffix(".py").replace("_", "-")
+    paths = [out / name for name in files]
+    if all(p.exists() for p in paths):
+        return paths
+    hf, vendor, env = write_hf_model(tool_name, out, cache)
+    for path, (sub, *args) in zip(paths, files.values()):
+        convert(vendor, env, hf / sub if sub else hf, path, *args)
+    return paths
+
+
 def build_tiny_vlm(cache: Path) -> tuple[Path, Path]:
     """(text GGUF, projector GGUF) of the tiny VLM, built once into ``cache``."""
-    out = cache / "tiny-vlm"
-    gguf, mmproj = out / "tiny-vlm.gguf", out / "mmproj-tiny-vlm.gguf"
-    if gguf.exists() and mmproj.exists():
-        return gguf, mmproj
-    hf, vendor, env = write_hf_model("tiny_vlm.py", out, cache)
-    convert(vendor, env, hf, gguf)
-    convert(vendor, env, hf, mmproj, "--mmproj")
+    gguf, mmproj = build_models(cache, "tiny_vlm.py", {"tiny-vlm.gguf": ("",), "mmproj-tiny-vlm.gguf": ("", "--mmproj")})
     return gguf, mmproj
 
 

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlm_model import convert, write_hf_model
+from vlm_model import build_models
 
 
 def build_tiny_xlmr(cache: Path) -> tuple[Path, Path]:
     """(embedding model GGUF, reranker GGUF), built once into ``cache``."""
-    out = cache / "tiny-xlmr"
-    embed, rerank = out / "tiny-embed.gguf", out / "tiny-rerank.gguf"
-    if embed.exists() and rerank.exists():
-        return embed, rerank
-    hf, vendor, env = write_hf_model("tiny_xlmr.py", out, cache)
-    convert(vendor, env, hf / "embed", embed)
-    convert(vendor, env, hf / "rerank", rerank)
+    embed, rerank = build_models(cache, "tiny_xlmr.py", {"tiny-embed.gguf": ("embed",), "tiny-rerank.gguf": ("rerank",)})
     return embed, rerank
