@@ -54,9 +54,9 @@ def fim_gguf(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="session")
-def xlmr_ggufs(tmp_path_factory, request) -> tuple[Path, Path]:
-    """(embedding model GGUF, reranker GGUF): the tiny XLM-RoBERTa models of tests/xlmr_model.py (bge-m3's and
-    bge-reranker-v2-m3's layouts), built once and kept in the pytest cache across runs."""
+def xlmr_ggufs(tmp_path_factory, request) -> tuple[Path, Path, Path]:
+    """(embedding model GGUF, reranker GGUF, the reranker with a rerank template): the tiny XLM-RoBERTa models of
+    tests/xlmr_model.py (bge-m3's and bge-reranker-v2-m3's layouts), built once and kept in the pytest cache."""
     from xlmr_model import build_tiny_xlmr
 
     try:

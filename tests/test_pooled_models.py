@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 
 pytest.importorskip("llama_cpp")
 
-EMBED, RERANK = "tiny-embed", "tiny-rerank"
+EMBED, RERANK, TEMPLATED = "tiny-embed", "tiny-rerank", "tiny-rerank-templated"
 N_CTX = 512  # the tiny models' trained context (XLM-R's 514 positions less its padding offset)
 TEXTS = ["the cat sat on the mat", "paris is the capital of france", "water boils at one hundred degrees",
          "why is the sky blue", "a red fox jumps over the lazy dog in the park"]
@@ -33,12 +33,12 @@ TOL = 5e-3
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, xlmr_ggufs):
-    embed, rerank = xlmr_ggufs
+    embed, rerank, templated = xlmr_ggufs
     d = Daemon(tmp_path_factory.mktemp("home_pooled"), LOCALRUN_MAX_LOADED_MODELS="3", LOCALRUN_NUM_PARALLEL="1",
                LOCALRUN_CONTEXT_LENGTH="1024")
     try:
         d.pull()
-        for name, path in ((EMBED, embed), (RERANK, rerank)):
+        for name, path in ((EMBED, embed), (RERANK, rerank), (TEMPLATED, templated)):
             r = d.http.post("/api/create", json={"model": name, "modelfile": f"FROM {path}\n", "stream": False})
             assert r.status_code == 200, r.text
         yield d
@@ -168,6 +168,39 @@ def test_rerank_equals_llama_servers_in_every_shape(daemon, llama_rerank):
     assert all(abs(x["relevance_score"] - raw[x["index"] % len(TEXTS)]) < TOL for x in r.json()["results"])
 
 
+@pytest.fixture(scope="module")
+def llama_rerank_templated(llama_server_bin, xlmr_ggufs):
+    with _server(llama_server_bin, xlmr_ggufs[2], "--reranking") as url:
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
+            yield h
+
+
+def test_a_rerank_template_lays_the_pairs_out_as_llama_server_does(daemon, llama_rerank_templated):
+    """A reranker whose GGUF has a rerank template (Qwen3-Reranker's way: tests/xlmr_model.RERANK_TEMPLATE) has each
+    pair laid out by it, as llama-server does: the same tokens and scores; a long document is cut to the window."""
+    from xlmr_model import RERANK_TEMPLATE
+
+    h = llama_rerank_templated
+    for doc in TEXTS[:3]:
+        ours = daemon.http.post("/v1/rerank", json={"model": TEMPLATED, "query": QUERY, "documents": [doc],
+                                                    "raw_scores": True}).json()
+        ref = h.post("/v1/rerank", json={"query": QUERY, "documents": [doc]}).json()
+        assert ours["usage"] == ref["usage"], (ours, ref)
+        text = RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
+        assert ours["usage"]["prompt_tokens"] == len(h.post("/tokenize", json={"content": text, "parse_special": True})
+                                                     .json()["tokens"])
+        assert abs(ours["results"][0]["relevance_score"] - ref["results"][0]["relevance_score"]) < EXACT
+    # the template was used: the plain layout of the same pair has other tokens
+    plain = daemon.http.post("/v1/rerank", json={"model": RERANK, "query": QUERY, "documents": [TEXTS[2]]}).json()
+    assert plain["usage"]["prompt_tokens"] != ours["usage"]["prompt_tokens"], (plain["usage"], ours["usage"])
+    long_doc = "the cat sat on the mat and " * 200
+    r = daemon.http.post("/v1/rerank", json={"model": TEMPLATED, "query": QUERY, "documents": [long_doc]})
+    assert r.status_code == 400 and "longer than the reranking window of 512 tokens" in r.text, r.text
+    r = daemon.http.post("/v1/rerank", json={"model": TEMPLATED, "query": QUERY, "documents": [long_doc],
+                                             "truncate": True})
+    assert r.status_code == 200 and 500 <= r.json()["usage"]["prompt_tokens"] <= N_CTX, r.text
+
+
 def test_a_pair_over_the_window_is_a_400_or_cut_with_truncate(daemon, llama_rerank):
     long_doc = "the cat sat on the mat and " * 200  # ~2,000 tokens against a 512-token window
     r = daemon.http.post("/v1/rerank", json={"model": RERANK, "query": QUERY, "documents": [TEXTS[0], long_doc]})
@@ -221,6 +254,8 @@ def test_generating_with_a_pooling_model_is_a_400_before_any_load(daemon, path, 
     ("/v1/rerank", {"model": RERANK, "query": "q", "documents": ["a", 3]}, "'documents[1]' must be a string"),
     ("/v1/rerank", {"model": RERANK, "query": "q", "documents": ["a"] * 1025}, "the limit is 1024"),
     ("/v1/rerank", {"model": RERANK, "query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+    ("/v1/rerank", {"model": RERANK, "query": "the cat sat " * 300, "documents": ["a"] * 64, "truncate": True},
+     "the query is"),
     ("/v1/rerank", {"model": "nope", "query": "q", "documents": ["a"]}, "nope"),
 ])
 def test_bad_pooling_requests_are_clear_4xx(daemon, path, body, message):

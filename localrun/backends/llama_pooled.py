@@ -210,7 +210,8 @@ class Pooled:
 
         with self.lock:
             llm = self._llm()
-            pairs = [self._pair(llm, query, d, truncate) for d in documents]
+            pair = self._pairs(llm, query, truncate)
+            pairs = [pair(d) for d in documents]
             n_out = max(1, int(lib.llama_model_n_cls_out(llm.model)))
             scores: list[list[float]] = []
             n_seq_max = int(llm.context_params.n_seq_max)
@@ -236,8 +237,10 @@ class Pooled:
             out.append([float(ptr[i]) for i in range(n_out)])
         return out
 
-    def _pair(self, llm, query: str, doc: str, truncate: bool) -> list[int]:
-        """The tokens of one query-document pair, laid out as llama-server's format_prompt_rerank does."""
+    def _pairs(self, llm, query: str, truncate: bool):
+        """A function from a document to the tokens of its pair with ``query``, laid out as llama-server's
+        format_prompt_rerank does. The query is tokenized once, and one that leaves a document no room is an
+        InvalidRequest here: each document then costs the tokenizing of at most a window."""
         import llama_cpp.llama_cpp as lib
 
         vocab = lib.llama_model_get_vocab(llm.model)
@@ -246,42 +249,60 @@ class Pooled:
         def tok(text: str, special: bool = False) -> list[int]:
             return llm.tokenize(text.encode("utf-8"), add_bos=False, special=special) if text else []
 
+        def over(n: int, what: str) -> InvalidRequest:
+            return InvalidRequest(f"{what} is {n} tokens, longer than the reranking window of {self.window} tokens"
+                                  + ("" if truncate or what.startswith("the query") else
+                                     "; send shorter documents, or 'truncate': true to cut them"), code=CONTEXT_EXCEEDED)
+
         if template:
             template = template.decode("utf-8", "replace")
 
             def layout(d: str) -> list[int]:
                 return tok(template.replace("{query}", query).replace("{document}", d), special=True)
 
-            ids = layout(doc)
-            if len(ids) > self.window and truncate:  # the document's last tokens go until the pair fits
-                doc_ids = tok(doc)
-                keep = len(doc_ids) - (len(ids) - self.window)
-                while keep > 0 and len(ids) > self.window:
-                    ids = layout(llm.detokenize(doc_ids[:keep]).decode("utf-8", "ignore"))
-                    keep -= max(1, len(ids) - self.window)
-        else:
-            eos = int(lib.llama_vocab_eos(vocab))
-            if eos < 0:
-                eos = int(lib.llama_vocab_sep(vocab))
-            head, tail = [], []
-            if lib.llama_vocab_get_add_bos(vocab):
-                head.append(int(lib.llama_vocab_bos(vocab)))
-            head += tok(query)
-            if lib.llama_vocab_get_add_eos(vocab):
-                head.append(eos)
-                tail.append(eos)
-            if lib.llama_vocab_get_add_sep(vocab):
-                head.append(int(lib.llama_vocab_sep(vocab)))
+            fixed = len(layout(""))  # the template and the query
+            if fixed >= self.window:
+                raise over(fixed, "the query in the model's rerank template")
+
+            def pair(doc: str) -> list[int]:
+                ids = layout(doc)
+                if len(ids) > self.window and truncate:  # the document's last tokens go until the pair fits
+                    doc_ids = tok(doc)
+                    keep = self.window - fixed
+                    for _ in range(4):  # (detokenized and tokenized again, a cut can come out a token longer)
+                        ids = layout(llm.detokenize(doc_ids[:keep]).decode("utf-8", "ignore"))
+                        if len(ids) <= self.window:
+                            break
+                        keep -= len(ids) - self.window
+                if len(ids) > self.window:
+                    raise over(len(ids), "a query with a document")
+                return ids
+            return pair
+
+        eos = int(lib.llama_vocab_eos(vocab))
+        if eos < 0:
+            eos = int(lib.llama_vocab_sep(vocab))
+        head, tail = [], []
+        if lib.llama_vocab_get_add_bos(vocab):
+            head.append(int(lib.llama_vocab_bos(vocab)))
+        head += tok(query)
+        if lib.llama_vocab_get_add_eos(vocab):
+            head.append(eos)
+            tail.append(eos)
+        if lib.llama_vocab_get_add_sep(vocab):
+            head.append(int(lib.llama_vocab_sep(vocab)))
+        room = self.window - len(head) - len(tail)
+        if room < 1:
+            raise over(len(head) + len(tail), "the query")
+
+        def pair(doc: str) -> list[int]:
             d = tok(doc)
-            if truncate and len(head) + len(d) + len(tail) > self.window:
-                d = d[:max(0, self.window - len(head) - len(tail))]
-            ids = head + d + tail
-        if len(ids) > self.window:
-            what = "the query alone fills" if truncate else "it is longer than"
-            raise InvalidRequest(f"a query with a document is {len(ids)} tokens: {what} the reranking window of "
-                                 f"{self.window} tokens" + ("" if truncate else "; send shorter documents, or "
-                                                            "'truncate': true to cut them"), code=CONTEXT_EXCEEDED)
-        return ids
+            if len(d) > room:
+                if not truncate:
+                    raise over(len(head) + len(d) + len(tail), "a query with a document")
+                d = d[:room]
+            return head + d + tail
+        return pair
 
 
 class PooledBackend:

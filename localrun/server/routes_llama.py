@@ -1,5 +1,6 @@
-"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it), and
-``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes.
+"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it),
+``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes, and ``POST /v1/rerank``
+(with ``/rerank``, ``/v2/rerank``, ``/reranking``) in the shape Jina, Cohere, vLLM and llama-server share, and TEI's.
 
 A translator only: the body becomes a :class:`Job` with an :class:`Infill` (the backend lays the prompt out
 with the model's FIM tokens exactly as llama-server's format_prompt_infill does), the events become
