@@ -692,3 +692,23 @@ async def test_save_makes_a_model_of_the_chat(models, store):
             (m["role"], m["content"]) for m in app.conv.messages]
     finally:
         httpx.request("DELETE", models["url"] + "/api/delete", json={"model": "tui-saved"})
+
+
+async def test_an_embedding_model_is_said_to_be_one_when_chosen(models, store, xlmr_ggufs):
+    """Choosing an embedding model says at once that it cannot chat, and where to use it; a message sent anyway gets
+    the daemon's 400 (it is refused before the model loads), and the app goes on."""
+    url = models["url"]
+    r = httpx.post(url + "/api/create", json={"model": "tui-embed", "modelfile": f"FROM {xlmr_ggufs[0]}\n",
+                                              "stream": False}, timeout=120)
+    assert r.status_code == 200, r.text
+    app = ChatApp(model=MODEL, base_url=url, store=store)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "/model tui-embed:latest")
+        await ready(pilot, "tui-embed:latest")
+        warn = lambda: [n.text for n in app.query(Notice) if n.kind == "warning"]  # noqa: E731
+        await wait_for(pilot, lambda: any("is an embedding model: it cannot chat" in t for t in warn()), 10, "the note")
+        assert any("/api/embed" in t for t in warn())
+        await type_and_send(pilot, "hello")
+        await wait_for(pilot, lambda: app.last_error is not None, 30, "the error")
+        assert "does not support chat" in app.last_error and app.is_running

@@ -209,6 +209,11 @@ class ChatApp(App[int]):
         d = (info or {}).get("details") or {}
         extra = " ".join(x for x in (d.get("parameter_size"), d.get("quantization_level")) if x)
         await self.note(f"model: {name}" + (f" ({extra})" if extra else ""))
+        if self.model_caps is not None and "completion" not in self.model_caps:  # it would refuse the first message
+            what, where = (("a reranker", "POST /v1/rerank") if "rerank" in self.model_caps
+                           else ("an embedding model", "/api/embed or /v1/embeddings"))
+            await self.note(f"{name} is {what}: it cannot chat (use it with {where}); pick another with /model",
+                            "warning")
         self.save()
         await self.refresh_processor()
 
