@@ -72,6 +72,16 @@ def token_piece(lib, vocab, token: int, special: bool = False) -> bytes:
     return buf.raw[: max(n, 0)]
 
 
+def pieces_text(lib, vocab, ids: list[int]) -> str:
+    """The text of token ids, special tokens written out (ids already checked against the vocabulary)."""
+    return b"".join(token_piece(lib, vocab, t, special=True) for t in ids).decode("utf-8", "replace")
+
+
+def longest_piece(lib, vocab, n_vocab: int) -> int:
+    """The most bytes one token of the vocabulary stands for (BackendInfo.max_token_bytes)."""
+    return max((len(token_piece(lib, vocab, t, special=True)) for t in range(n_vocab)), default=0)
+
+
 def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, grammar: str | None = None):
     """(a llama.cpp sampler chain for one request, its grammar's sampler or None): the caller frees
     each with llama_sampler_free. The grammar stays out of the chain, as in llama-server: it checks

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 from localrun.backends.base import (CONTEXT_EXCEEDED, POOLED_WINDOW, BackendInfo, Chunk, GenerationRequest, LoadSpec,
                                     check_token_ids)
-from localrun.backends.llama_batch import token_piece
+from localrun.backends.llama_batch import longest_piece, pieces_text
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -112,6 +112,14 @@ def pooled_window(spec: LoadSpec, info: Any) -> int:
     return max(1, min(spec.num_ctx, MAX_WINDOW, trained or MAX_WINDOW))
 
 
+def _normalized(v: list[float]) -> list[float]:
+    """v over its L2 norm (as llama-cpp-python's normalize_embedding; a zero vector as it is)."""
+    import numpy as np
+
+    norm = float(np.linalg.norm(v))
+    return [x / norm for x in v] if norm != 0.0 else v
+
+
 def pass_groups(sizes: list[int], max_seqs: int = 256) -> list[range]:
     """Consecutive inputs (of these token counts) grouped into llama.cpp passes of at most PASS_TOKENS tokens and
     max_seqs inputs, a longer input in a pass of its own. Every sequence in a pass attends over the pass's cells, its
@@ -189,18 +197,14 @@ class Pooled:
         ``truncate`` its first tokens are embedded."""
         with self.lock:
             llm = self._llm()
-            sizes = [len(llm.tokenize(t.encode("utf-8"), add_bos=True)) for t in texts]
+            inputs = [llm.tokenize(t.encode("utf-8"), add_bos=True) for t in texts]
             if not truncate:
-                for n in sizes:
-                    if n > self.window:
-                        raise InvalidRequest(f"an input is {n} tokens, longer than the embedding window of "
+                for ids in inputs:
+                    if len(ids) > self.window:
+                        raise InvalidRequest(f"an input is {len(ids)} tokens, longer than the embedding window of "
                                              f"{self.window} tokens", code=CONTEXT_EXCEEDED)
-            # truncate: each input's first `window` tokens (llama-cpp-python cuts them so)
-            out: list[list[float]] = []
-            for group in pass_groups([min(n, self.window) for n in sizes]):
-                out += [list(map(float, v)) for v in llm.embed(texts[group.start:group.stop], normalize=True,
-                                                               truncate=True)]
-            return out
+            # truncate: each input's first `window` tokens (as llama-cpp-python's Llama.embed cuts them)
+            return [_normalized(v) for v in self._pool(llm, [ids[:self.window] for ids in inputs], llm.n_embd())]
 
     # -- reranking -------------------------------------------------------------------------
     def rerank(self, query: str, documents: list[str], truncate: bool = False) -> tuple[list[list[float]], list[int]]:
@@ -212,29 +216,27 @@ class Pooled:
             llm = self._llm()
             pair = self._pairs(llm, query, truncate)
             pairs = [pair(d) for d in documents]
-            n_out = max(1, int(lib.llama_model_n_cls_out(llm.model)))
-            scores: list[list[float]] = []
-            n_seq_max = int(llm.context_params.n_seq_max)
-            for group in pass_groups([len(ids) for ids in pairs], n_seq_max):
-                scores += self._scores(llm, pairs[group.start:group.stop], n_out)
-            return scores, [len(ids) for ids in pairs]
+            return self._pool(llm, pairs, max(1, int(lib.llama_model_n_cls_out(llm.model)))), [len(ids) for ids in pairs]
 
     @staticmethod
-    def _scores(llm, batch: list[list[int]], n_out: int) -> list[list[float]]:
+    def _pool(llm, inputs: list[list[int]], width: int) -> list[list[float]]:
+        """Each input's pooled row (its first `width` floats: an embedding, or a classifier's outputs), the inputs
+        decoded in the passes pass_groups makes, as llama-cpp-python's Llama.embed decodes a batch."""
         import llama_cpp.llama_cpp as lib
 
-        llm._batch.reset()
-        for seq, ids in enumerate(batch):
-            llm._batch.add_sequence(ids, seq, True)
-        llm._ctx.kv_cache_clear()
-        llm._ctx.decode(llm._batch)  # (an encoder-only model is encoded: llama_decode calls llama_encode)
-        llm._batch.reset()
-        out = []
-        for seq in range(len(batch)):
-            ptr = lib.llama_get_embeddings_seq(llm._ctx.ctx, seq)
-            if not ptr:
-                raise BackendError("llama.cpp returned no score for a document")
-            out.append([float(ptr[i]) for i in range(n_out)])
+        out: list[list[float]] = []
+        for group in pass_groups([len(ids) for ids in inputs], int(llm.context_params.n_seq_max)):
+            llm._batch.reset()
+            for seq, ids in enumerate(inputs[group.start:group.stop]):
+                llm._batch.add_sequence(ids, seq, True)
+            llm._ctx.kv_cache_clear()
+            llm._ctx.decode(llm._batch)  # (an encoder-only model is encoded: llama_decode calls llama_encode)
+            llm._batch.reset()
+            for seq in range(len(group)):
+                ptr = lib.llama_get_embeddings_seq(llm._ctx.ctx, seq)
+                if not ptr:
+                    raise BackendError("llama.cpp returned no pooled output for an input")
+                out.append([float(ptr[i]) for i in range(width)])
         return out
 
     def _pairs(self, llm, query: str, truncate: bool):
@@ -346,8 +348,7 @@ class PooledBackend:
             size_vram_bytes=int(spec.extra.get("size_vram", 0)),
             supports_embeddings=self.kind == "embedding", supports_rerank=self.kind == "rerank",
             supports_logprobs=False, supports_json_schema=False,
-            max_token_bytes=max((len(token_piece(lib, self._vocab, t, special=True)) for t in range(self._n_vocab)),
-                                default=0),
+            max_token_bytes=longest_piece(lib, self._vocab, self._n_vocab),
             embed_window=window,
             bos_token=self._special_text(int(lib.llama_vocab_bos(self._vocab))),
             eos_token=self._special_text(int(lib.llama_vocab_eos(self._vocab))),
@@ -357,7 +358,7 @@ class PooledBackend:
         return self._detokenize([token]) if 0 <= token < self._n_vocab else ""
 
     def _detokenize(self, ids: list[int]) -> str:
-        return b"".join(token_piece(self._lib, self._vocab, t, special=True) for t in ids).decode("utf-8", "replace")
+        return pieces_text(self._lib, self._vocab, ids)
 
     def _refusal(self) -> InvalidRequest:
         what = ("a reranker: use it with /v1/rerank" if self.kind == "rerank"

@@ -37,8 +37,9 @@ from localrun.backends.base import (
     merge_chunks,
 )
 from localrun.backends.fresh_threads import FreshThreadExecutor
-from localrun.backends.llama_batch import prompt_logprobs_rows, token_piece
-from localrun.backends.llama_pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, load_options, pooled_window
+from localrun.backends.llama_batch import longest_piece, pieces_text, prompt_logprobs_rows
+from localrun.backends.llama_pooled import (MAX_WINDOW as EMBED_WINDOW, Pooled, backend_pooling, is_causal, load_options,
+                                           pooled_ubatch, pooled_window)
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -93,6 +94,13 @@ def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
     if cpu_has_amx() if amx is None else amx:
         return False, "extra buffer types off: this CPU has AMX, where llama.cpp's AMX path crashes"
     return True, "extra buffer types on"
+
+
+def cpu_choices(spec: LoadSpec) -> tuple[int, bool, str]:
+    """(compute threads: the spec's n_threads, else the physical cores; whether llama.cpp's extra buffer types are
+    on, and why) for a load of `spec`."""
+    bufts, why = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
+    return int(spec.extra.get("n_threads") or physical_cores()), bufts, why
 
 
 def spec_gguf_info(spec: LoadSpec):
@@ -193,8 +201,6 @@ def _pooled_estimate(info, weights: int, layers: int, hidden: int, kv_heads: int
     """An embedding model's or a reranker's memory: weights, a KV cache of one window when the model is causal
     (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of one pass (an encoder's is the
     whole window): activations, and the attention scores of every head should flash attention be unavailable."""
-    from localrun.backends.llama_pooled import backend_pooling, is_causal, pooled_ubatch
-
     causal = is_causal(info)
     heads = int(getattr(info, "head_count", 0) or 0) or 1
     kv = layers * window * kv_heads * kv_dims * 2 if causal else 0
@@ -308,9 +314,8 @@ class LlamaCppBackend:
         set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
         self._llama_cpp, self._lib = llama_cpp, lib
         self.spec = spec
-        self.n_threads = int(spec.extra.get("n_threads") or physical_cores())
+        self.n_threads, self.extra_bufts, self.extra_bufts_reason = cpu_choices(spec)
         self.n_gpu_layers = int(spec.extra.get("n_gpu_layers", 0))
-        self.extra_bufts, self.extra_bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
         self.speculative = self._speculative_tokens()
         kv = kv_cache_type(spec)  # (a bad name is an InvalidRequest before anything loads)
         self.kv_type, self.kv_note = kv_type_for_model(kv, spec_gguf_info(spec) if kv in QUANTIZED_KV else None)
@@ -399,8 +404,7 @@ class LlamaCppBackend:
             slots=parallel,
             size_bytes=size,
             size_vram_bytes=int(spec.extra.get("size_vram", 0)),
-            max_token_bytes=max((len(token_piece(lib, self._vocab, t, special=True)) for t in range(self._n_vocab)),
-                                default=0),
+            max_token_bytes=longest_piece(lib, self._vocab, self._n_vocab),
             supports_groups=True,
             supports_logit_bias=True, supports_prompt_logprobs=True,
             supports_images=self._mtmd is not None,
@@ -455,8 +459,7 @@ class LlamaCppBackend:
         return self._detokenize([token]) if 0 <= token < self._n_vocab else ""
 
     def _detokenize(self, token_ids: list[int]) -> str:
-        return b"".join(token_piece(self._lib, self._vocab, t, special=True)
-                        for t in token_ids).decode("utf-8", "replace")
+        return pieces_text(self._lib, self._vocab, token_ids)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one backend per runner process
     def _preserved_ids(self, texts: tuple[str, ...]) -> frozenset:
@@ -820,8 +823,7 @@ def load(spec: LoadSpec):
     if spec.embedding:
         from localrun.backends.llama_pooled import PooledBackend
 
-        n_threads = int(spec.extra.get("n_threads") or physical_cores())
-        extra_bufts, bufts_reason = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
+        n_threads, extra_bufts, bufts_reason = cpu_choices(spec)
         return PooledBackend(spec, spec_gguf_info(spec), n_threads=n_threads, extra_bufts=extra_bufts,
                              bufts_reason=bufts_reason)
     return LlamaCppBackend(spec)
