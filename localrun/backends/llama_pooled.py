@@ -317,7 +317,7 @@ class PooledBackend:
         llama.cpp backend chose them (llamacpp.load)."""
         from llama_cpp._logger import set_verbose
 
-        from localrun.library.capabilities import gguf_kind
+        from localrun.library.capabilities import KIND_USE, gguf_kind
 
         set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
         self.spec = spec
@@ -339,7 +339,7 @@ class PooledBackend:
         # slows nothing (fresh_threads.py), and a new team for each call cost 9 ms of a 200 ms embedding
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"llamacpp-pool-{spec.name}")
         device = spec.extra.get("device", "CPU")
-        what = "a reranker" if self.kind == "rerank" else "an embedding model"
+        what = KIND_USE[self.kind][0]
         self.info = BackendInfo(
             name="llama.cpp", device=device, processor=spec.extra.get("processor", "100% CPU"),
             reason=(f"{spec.extra.get('reason') or 'llama.cpp on CPU'}; {what}: one {POOLING_NAMES[pooling]}-pooling "
@@ -360,10 +360,12 @@ class PooledBackend:
     def _detokenize(self, ids: list[int]) -> str:
         return pieces_text(self._lib, self._vocab, ids)
 
-    def _refusal(self) -> InvalidRequest:
-        what = ("a reranker: use it with /v1/rerank" if self.kind == "rerank"
-                else "an embedding model: use it with /api/embed or /v1/embeddings")
-        return InvalidRequest(f"{self.spec.name} does not generate text: it is {what}")
+    def _refusal(self, doing: str) -> InvalidRequest:
+        """What this model does not do (the daemon refuses such requests first: these are the backend's own)."""
+        from localrun.library.capabilities import KIND_USE
+
+        what, where = KIND_USE[self.kind]
+        return InvalidRequest(f"{self.spec.name} does not {doing}: it is {what}; use it with {where}")
 
     async def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         import asyncio
@@ -379,21 +381,21 @@ class PooledBackend:
         return self._detokenize(token_ids)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        raise self._refusal()
+        raise self._refusal("generate text")
         yield  # pragma: no cover - an async generator
 
     async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
         import asyncio
 
         if self.kind != "embedding":
-            raise InvalidRequest(f"{self.spec.name} makes no embeddings: it is a reranker; use it with /v1/rerank")
+            raise self._refusal("make embeddings")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.pooled.embed, texts, truncate)
 
     async def rerank(self, query: str, documents: list[str], truncate: bool = False) -> tuple[list[list[float]], list[int]]:
         import asyncio
 
         if self.kind != "rerank":
-            raise InvalidRequest(f"{self.spec.name} is not a reranker")
+            raise self._refusal("rerank")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.pooled.rerank, query,
                                                                 documents, truncate)
 

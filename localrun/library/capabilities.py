@@ -40,6 +40,10 @@ EMBEDDING_ARCHS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina
 
 
 POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+# each kind of model that generates nothing, in words, and where a client uses it (what its refusals say)
+KIND_USE = {"completion": ("a text generation model", "a chat or completion API"),
+            "embedding": ("an embedding model", "/api/embed or /v1/embeddings"),
+            "rerank": ("a reranker", "POST /v1/rerank")}
 
 
 def gguf_kind(info: Any) -> str:
@@ -144,5 +148,5 @@ def _param_ctx(r: Any) -> int | None:
         return None
 
 
-__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "POOLING_RANK", "gguf_kind", "has_fim_tokens", "is_embedding_model",
+__all__ = ["EMBEDDING_ARCHS", "FIM_TEXTS", "KIND_USE", "POOLING_RANK", "gguf_kind", "has_fim_tokens", "is_embedding_model",
            "model_capabilities", "model_info", "model_kind", "tool_format"]

@@ -39,7 +39,7 @@ from localrun.backends.base import (CONTEXT_EXCEEDED, INFILL_BATCH, MEDIA_MARKER
                                     SamplingOptions, TokenLogprob, Usage, fit_window)
 from localrun.chat_template import render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
-from localrun.library.capabilities import model_kind
+from localrun.library.capabilities import KIND_USE, model_kind
 from localrun.server import generic_tools
 from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
@@ -438,8 +438,9 @@ class GenerationService:
         embedding window is a 400, or with `truncate` (Ollama's /api/embed) its first tokens are embedded."""
         self._admit()
         if model_kind(resolved) == "rerank":
-            raise InvalidRequest(f'"{resolved.name}" does not support embeddings: it is a reranker, which scores '
-                                 "documents against a query; use it with POST /v1/rerank")
+            what, where = KIND_USE["rerank"]
+            raise InvalidRequest(f'"{resolved.name}" does not support embeddings: it is {what}, which scores '
+                                 f"documents against a query; use it with {where}")
         async with self._able(resolved, keep_alive, "supports_embeddings", "make embeddings") as lease:
             vectors = await lease.backend.embed(texts, truncate=truncate)
             counts = [len(await lease.backend.tokenize(t, add_special=True)) for t in texts]
@@ -464,8 +465,8 @@ class GenerationService:
         model's GGUF has a classifier head). A pair over the model's window is a 400, or with `truncate`
         its document is cut."""
         self._admit()
-        if model_kind(resolved) != "rerank":
-            what = "an embedding model" if model_kind(resolved) == "embedding" else "a text generation model"
+        if (kind := model_kind(resolved)) != "rerank":
+            what = KIND_USE[kind][0]
             raise InvalidRequest(f'"{resolved.name}" does not support reranking: it is {what}. A reranker\'s GGUF '
                                  "has a classifier head (bge-reranker-v2-m3, Qwen3-Reranker)")
         async with self._able(resolved, keep_alive, "supports_rerank", "rerank") as lease:
@@ -699,8 +700,7 @@ def _check_generates(job: Job) -> None:
     kind = model_kind(job.resolved)
     if kind == "completion":
         return
-    where = "POST /v1/rerank" if kind == "rerank" else "/api/embed or /v1/embeddings"
-    what = "a reranker" if kind == "rerank" else "an embedding model"
+    what, where = KIND_USE[kind]
     raise InvalidRequest(f'"{job.resolved.name}" does not support {"chat" if job.messages is not None else "generate"}: '
                          f"it is {what}; use it with {where}")
 
