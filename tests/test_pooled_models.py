@@ -6,6 +6,7 @@ cannot do with a clear 400 before loading it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,27 +47,30 @@ def daemon(tmp_path_factory, xlmr_ggufs):
         d.stop()
 
 
+@contextlib.contextmanager
 def _server(binary, gguf, *args):
+    """llama-server on `gguf` with `args`, the daemon's window and threads: a client of it (a connection per request:
+    llama-server drops a kept-alive connection after 5 s idle)."""
     from llama_server import running_llama_server
 
     from localrun.backends.llamacpp import physical_cores
 
-    return running_llama_server(binary, gguf, N_CTX, physical_cores(), args=args)
+    with running_llama_server(binary, gguf, N_CTX, physical_cores(), args=args) as url:
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
+            yield h
 
 
 @pytest.fixture(scope="module")
 def llama_embed(llama_server_bin, xlmr_ggufs):
     """llama-server --embedding on the embedding model (its own pooling: the GGUF's CLS)."""
-    with _server(llama_server_bin, xlmr_ggufs[0], "--embedding") as url:
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    with _server(llama_server_bin, xlmr_ggufs[0], "--embedding") as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
 def llama_rerank(llama_server_bin, xlmr_ggufs):
-    with _server(llama_server_bin, xlmr_ggufs[1], "--reranking") as url:
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    with _server(llama_server_bin, xlmr_ggufs[1], "--reranking") as h:
+        yield h
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
@@ -170,9 +174,8 @@ def test_rerank_equals_llama_servers_in_every_shape(daemon, llama_rerank):
 
 @pytest.fixture(scope="module")
 def llama_rerank_templated(llama_server_bin, xlmr_ggufs):
-    with _server(llama_server_bin, xlmr_ggufs[2], "--reranking") as url:
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    with _server(llama_server_bin, xlmr_ggufs[2], "--reranking") as h:
+        yield h
 
 
 def test_a_rerank_template_lays_the_pairs_out_as_llama_server_does(daemon, llama_rerank_templated):
