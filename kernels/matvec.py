@@ -9,9 +9,14 @@ each weight for 8 rows; here each row is another pass over registers), so the en
 it for one row only (layers/ops.Ops.linear).
 
 Each program owns BLOCK_N output columns (BLOCK_N rows of w, contiguous over K) and streams
-them in BLOCK_K chunks; products are summed elementwise into a [BLOCK_M, BLOCK_N, BLOCK_K] fp32
-accumulator, reduced once at the end. Same results as F.linear up to fp32 summation order.
-M and N are not specialised (only masks read them): any row count of a model's matrices runs
+them in BLOCK_K chunks. At one row (_gemv_row_kernel, the engine's case) products are summed
+elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator with x read as a vector; at 2-MAX_M rows
+(_gemv_kernel) into a [BLOCK_M, BLOCK_N, BLOCK_K] one. Each is reduced once at the end: the same
+results as F.linear up to fp32 summation order. On an H100 (8B shape, batch-1 ITL, alternated on
+one engine, session 47: results/gemv-ab-nvidia-h100.json) the one-row kernel took the step from
+5.88 to 5.65 ms against the M-row kernel at one row; launching it as a programmatic dependent
+launch (its first weight tile loaded before waiting for the kernel that writes x) was slower,
+5.70 ms, and is not done. N is not specialised (only masks read it): any matrix of a model runs
 the variant its load's kernel trial compiled (engine/fallbacks.py), which depends on K alone.
 
 gemv(x, w, bias) takes x [M, K] (M <= MAX_M), w [N, K] (unit stride on K), bias [N] or None.
@@ -52,14 +57,37 @@ def _gemv_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def config(k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for rows of K weights. Swept on an H100 over BLOCK_N 1-16,
-    BLOCK_K 256-2048 and 2-8 warps for each of Llama-3.1-8B's matrices at one row: (4, 2048, 4)
-    was within 2.1% of the best configuration for every matrix. Triton's CPU interpreter runs one
-    program at a time (each in numpy), so there the blocks are wide: few programs."""
+@triton.jit(do_not_specialize=["N"])
+def _gemv_row_kernel(X, W, Bias, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """One row of x: a [BLOCK_N, BLOCK_K] accumulator, x read as a vector."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BN, BK]: read once
+        x = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)  # [BK]
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def config(k: int, m: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for rows of K weights (and m rows of x). Swept on an H100 over
+    BLOCK_N 1-16, BLOCK_K 256-2048 and 2-8 warps for each of Llama-3.1-8B's matrices at one row:
+    (4, 2048, 4) was within 2.1% of the best configuration for every matrix. Triton's CPU
+    interpreter runs one program at a time (each in numpy), so there the blocks are wide: few
+    programs, as wide as its largest block (2**20 elements, the [m, BLOCK_N, BLOCK_K] sum) allows."""
+    bk = min(2048, max(16, next_pow2(k)))
     if interpreting():
-        return 1024, min(2048, max(16, next_pow2(k))), 1
-    return 4, min(2048, max(16, next_pow2(k))), 4
+        return min(1024, (1 << 20) // (bk * next_pow2(m))), bk, 1
+    return 4, bk, 4
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -75,9 +103,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    bn, bk, warps = cfg or config(K)
+    bn, bk, warps = cfg or config(K, M)
+    if M == 1:
+        _gemv_row_kernel[(triton.cdiv(N, bn),)](x, w, bias if bias is not None else w, y, N, K, w.stride(0),
+                                                 BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=warps)
+        return y
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=max(1, next_pow2(M)), BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=warps,
     )
     return y
+

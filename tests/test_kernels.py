@@ -345,8 +345,10 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
                      dict(CHUNK=8192, BLOCK=1024), num_warps=4)
     for k, bias in ((4096, False), (14336, False), (3584, True)):  # Llama-3.1-8B's widths; Qwen2's biased qkv
         bn, bk, warps = matvec.config(k)
+        _compile_for_gpu(matvec._gemv_row_kernel, h100, {"X": bf, "W": bf, "Bias": bf, "Y": bf},
+                         dict(BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), num_warps=warps)
         _compile_for_gpu(matvec._gemv_kernel, h100, {"X": bf, "W": bf, "Bias": bf, "Y": bf},
-                         dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), num_warps=warps)
+                         dict(BLOCK_M=4, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias), num_warps=warps)
 
 
 def _jit_params(kernel):
@@ -666,7 +668,7 @@ class TestTriton:
             _, spec, options = binders[fn.fn](*args, **kw)
             seen[ph].add((fn.fn.__name__, str(spec), str(sorted(options.items()))))
         kernels_run = {k[0] for k in seen["step"]}
-        assert {"_extend_kernel", "_decode_split_kernel", "_rope_kernel", "_store_kv_kernel", "_gemv_kernel"} <= kernels_run
+        assert {"_extend_kernel", "_decode_split_kernel", "_rope_kernel", "_store_kv_kernel", "_gemv_row_kernel"} <= kernels_run
         missing = sorted(seen["step"] - seen["trial"])
         assert not missing, "variants first compiled after the trials:\n" + "\n".join(
             f"{name}: {spec} {opts}" for name, spec, opts in missing)

@@ -9,13 +9,14 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
 1. kernel_parity: each Triton kernel (localrun.kernels) against its torch reference
    (kernels/reference.py) at the Llama-3.1-8B shape (32 query heads over 8 KV heads: GQA, head
    dim 128), SmolLM2's (9 over 3, head dim 64), Gemma 3's sliding window with a soft-cap (head dim
-   256) and plain multi-head attention; bfloat16 inputs, the oracle the float32 reference.
+   256) and plain multi-head attention, and the one-row GEMV right after the kernel that writes
+   its input; bfloat16 inputs, the oracle the float32 reference.
 2. greedy_parity: greedy generation against transformers on the same device, teacher-forced:
    transformers scores the engine's own tokens, and the engine's logprobs (chosen token and top 5
-   at every position: prefill, decode, CUDA-graph replay) are compared with its. A random-init
-   model of the 8B shape in bfloat16 (same weights in both) and, when one is given or installed
-   (--parity-model: a Llama-family safetensors dir, or the SmolLM2 GGUF with gguf installed),
-   a real model in float32.
+   at every position: prefill, decode, CUDA-graph replay; the longest prompt again alone, decoded a
+   row at a time) are compared with its. A random-init model of the 8B shape in bfloat16 (same
+   weights in both) and, when one is given or installed (--parity-model: a Llama-family
+   safetensors dir, or the SmolLM2 GGUF with gguf installed), a real model in float32.
 3. graph_capture: the 8B shape's engine built (random weights, bfloat16, memory fraction 0.8):
    which decode batch sizes were captured as CUDA graphs, the capture time, any fallback.
 4. throughput: the ShareGPT workload (1,000 prompts; the bundled SmolLM2-tokenized file, or
@@ -251,6 +252,9 @@ def parity(source, device: str, dtype_name: str, sizes: Sizes, shape: str | None
     prompts = [_rand_prompt(rng, n, mcfg.vocab_size) for n in sizes.parity_prompts]
     params = SamplingParams(temperature=0, max_tokens=sizes.parity_tokens, ignore_eos=True, logprobs=5)
     outs = engine.generate(prompts, params)  # batched: prefill, then decode (from the graphs on CUDA)
+    # the longest again, alone: its prefix cached, decode steps of one row (the one-row GEMV on CUDA)
+    prompts.append(prompts[-1])
+    outs += engine.generate(prompts[-1:], params)
     worst, agree, decisive, total, total_decisive = 0.0, 0, 0, 0, 0
     first_mismatch = None
     with torch.inference_mode():
@@ -273,7 +277,7 @@ def parity(source, device: str, dtype_name: str, sizes: Sizes, shape: str | None
     fp32 = dtype == torch.float32
     limit = 1e-3 if fp32 else 0.1
     res = {
-        "model": name, "dtype": dtype_name, "prompts": list(sizes.parity_prompts), "tokens_each": sizes.parity_tokens,
+        "model": name, "dtype": dtype_name, "prompts": [*sizes.parity_prompts, f"{sizes.parity_prompts[-1]} alone"], "tokens_each": sizes.parity_tokens,
         "positions": total, "top1_agreement": agree / total, "top1_agreement_decisive": decisive / max(total_decisive, 1),
         "decisive_positions": total_decisive, "max_abs_logprob_diff": worst, "first_mismatch": first_mismatch,
         "criteria": f"decisive top-1 agreement 100% and max |logprob diff| <= {limit}",
@@ -457,7 +461,8 @@ def kernel_cases(kind: str, device: str, dtype) -> list[tuple[str, Callable, Cal
 
     torch = _torch()
     mod = {m: importlib.import_module(f"localrun.kernels.{m}")
-           for m in ("decode_attention", "extend_attn", "kv_store", "rmsnorm", "head_rmsnorm", "rope", "activation")}
+           for m in ("decode_attention", "extend_attn", "kv_store", "rmsnorm", "head_rmsnorm", "rope", "activation",
+                     "matvec")}
     from localrun import kernels as K
 
     g = torch.Generator().manual_seed(0)
@@ -520,6 +525,13 @@ def kernel_cases(kind: str, device: str, dtype) -> list[tuple[str, Callable, Cal
 
     cases.append((f"store_kv T={T} {hkv}x{d}", lambda: store(mod["kv_store"].store_kv),
                   lambda: store(K.store_kv_ref).float()))
+    # the one-row linear layer, its input written by the kernel just before it (on Hopper the GEMV
+    # starts before that kernel ends and waits for its writes in-kernel: a missed wait reads stale x)
+    for m, n, k, bias in ((1, (hq + 2 * hkv) * d, H, None), (1, H, inter, None), (3, H, H, rnd(H))):
+        xs, wm = rnd(m, k), rnd(n, k)
+        cases.append((f"gemv M={m} N={n} K={k}{' +bias' if bias is not None else ''}",
+                       lambda xs=xs, wm=wm, b=bias: mod["matvec"].gemv(xs * 2, wm, b),
+                       lambda xs=xs, wm=wm, b=bias: K.gemv_ref(f(xs * 2), f(wm), None if b is None else f(b))))
     return cases
 
 
