@@ -1,4 +1,4 @@
-"""Prepared in session 37 for a later GPU session (NOT RUN yet): can the one-row GEMV (kernels/matvec.py) hide
+"""Prepared in session 37, run in session 47 (gpu9.sh; results/gemv-ab-nvidia-h100.json): can the one-row GEMV (kernels/matvec.py) hide
 its ~3.5 us of fixed cost per launch (ramp-up, tail, launch latency; 129 launches a batch-1 step of the 8B shape)?
 Variants of the kernel, defined here (the production kernel is untouched):
   base  - kernels/matvec.py's kernel;

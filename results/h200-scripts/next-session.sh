@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared in session 37 for the next GPU session; NOT RUN yet. From the repository root on the device machine:
+# Prepared in session 37 for the next GPU session; run in session 47 as gpu9.sh (with score_check.py added). From the repository root on the device machine:
 #   bash results/h200-scripts/next-session.sh      (about 7-8 minutes; timeout_s 600)
 # 1. gpu-check (full) on the current code (one-row GEMV, sampler kernel at <= 8 rows);
 # 2. throughput, old behaviour against new on one engine, the OLD arm first this time (session 37 ran new first:
