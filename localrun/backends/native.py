@@ -326,7 +326,7 @@ class NativeBackend:
             return await asyncio.to_thread(self.engine.embed, ids)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        except RuntimeError as exc:
+        except RuntimeError:
             if self.engine.fatal:
                 self.fatal = self.engine.fatal
                 raise BackendError(self.engine.fatal) from None

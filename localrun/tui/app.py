@@ -42,7 +42,7 @@ def describe_processor(entry: dict | None) -> str:
         device = device or backend.get("device")
         backend = backend.get("name")
     if backend and device:
-        return f"CUDA native" if backend == "native" and str(device).upper().startswith("CUDA") else f"{backend} {device}"
+        return "CUDA native" if backend == "native" and str(device).upper().startswith("CUDA") else f"{backend} {device}"
     if backend:
         return str(backend)
     if entry.get("processor"):
