@@ -54,6 +54,19 @@ def fim_gguf(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_ggufs(tmp_path_factory, request) -> tuple[Path, Path]:
+    """(a LoRA adapter GGUF for the bundled SmolLM2-135M, one for another llama that does not fit it): random PEFT
+    adapters (tests/lora_model.py) converted by llama.cpp's own converter, built once and kept in the pytest cache."""
+    from lora_model import build_loras
+
+    try:
+        cache = request.config.cache.mkdir("tiny-lora")
+    except AttributeError:  # the cache plugin is off
+        cache = tmp_path_factory.mktemp("tiny-lora")
+    return build_loras(cache)
+
+
+@pytest.fixture(scope="session")
 def xlmr_ggufs(tmp_path_factory, request) -> tuple[Path, Path, Path]:
     """(embedding model GGUF, reranker GGUF, the reranker with a rerank template): the tiny XLM-RoBERTa models of
     tests/xlmr_model.py (bge-m3's and bge-reranker-v2-m3's layouts), built once and kept in the pytest cache."""

@@ -1,5 +1,5 @@
 """Library hardening (issue 13): imported files are copies the user cannot change later,
-ADAPTER is refused until a backend applies adapters, hostile FROM paths are 400s that
+an ADAPTER that is no LoRA adapter is refused, hostile FROM paths are 400s that
 name no server path (library API and a real daemon over HTTP), and temp files left by
 a SIGKILLed create are cleaned while live writers' temps and partial pulls are kept."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fakehub import FakeHub
-from localrun.errors import InvalidRequest, LocalrunError
+from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import Library, read_gguf_info
 from test_library import make_gguf
 
@@ -105,11 +105,14 @@ def test_source_changed_during_the_copy(tmp_path, lib):
     assert lib.list() == [] and not any(lib.store.blobs.iterdir()) and not any(lib.store.tmp.iterdir())
 
 
-def test_adapter_refused_until_supported(tmp_path, lib):
+def test_an_adapter_that_is_no_lora_adapter_is_refused(tmp_path, lib):
+    """(tests/test_lora.py applies real ones.)"""
     make_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "lora.bin").write_bytes(b"anything at all")
-    for adapter in ("./tiny.gguf", "./lora.bin", "./missing.gguf"):
-        with pytest.raises(InvalidRequest, match="ADAPTER is not supported yet"):
+    (tmp_path / "adir").mkdir()
+    for adapter, words in (("./tiny.gguf", "is not a LoRA adapter but a model"), ("./lora.bin", "not a valid GGUF"),
+                           ("./missing.gguf", "missing.gguf"), ("./adir", "convert_lora_to_gguf.py")):
+        with pytest.raises((InvalidRequest, NotFound), match=words):
             lib.create("x", f"FROM ./tiny.gguf\nADAPTER {adapter}\n", base_dir=tmp_path)
     assert lib.list() == []
     assert not lib.store.blobs.exists() or not any(lib.store.blobs.iterdir())  # nothing stored

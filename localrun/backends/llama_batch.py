@@ -77,6 +77,21 @@ def pieces_text(lib, vocab, ids: list[int]) -> str:
     return b"".join(token_piece(lib, vocab, t, special=True) for t in ids).decode("utf-8", "replace")
 
 
+def load_lora(lib, model, ctx, path: str, name: str):
+    """A LoRA adapter (a GGUF) loaded for ``model`` and set on ``ctx`` at scale 1, as Ollama applies a Modelfile's
+    ADAPTER; llama.cpp frees it with the model. An adapter whose tensors do not fit the model is a BackendError
+    (llama.cpp returns no adapter; llama-cpp-python's Llama(lora_path=...) went on with the null pointer and
+    crashed the process)."""
+    adapter = lib.llama_adapter_lora_init(model, path.encode("utf-8"))
+    if not adapter:
+        raise BackendError(f"llama.cpp could not load the LoRA adapter of {name} ({path}; see the runner's log): "
+                           "was it trained on this model? Its tensors must fit the model's")
+    if lib.llama_set_adapters_lora(ctx, (lib.llama_adapter_lora_p_ctypes * 1)(adapter), 1,
+                                   (ctypes.c_float * 1)(1.0)) != 0:
+        raise BackendError(f"llama.cpp could not apply the LoRA adapter of {name} ({path})")
+    return adapter
+
+
 def longest_piece(lib, vocab, n_vocab: int) -> int:
     """The most bytes one token of the vocabulary stands for (BackendInfo.max_token_bytes)."""
     return max((len(token_piece(lib, vocab, t, special=True)) for t in range(n_vocab)), default=0)

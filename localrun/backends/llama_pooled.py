@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 from localrun.backends.base import (CONTEXT_EXCEEDED, POOLED_WINDOW, BackendInfo, Chunk, GenerationRequest, LoadSpec,
                                     check_token_ids)
-from localrun.backends.llama_batch import longest_piece, pieces_text
+from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -180,6 +180,15 @@ class Pooled:
                     except ValueError as exc:  # llama-cpp-python's word for a failed load or context
                         raise BackendError(f"llama.cpp could not load {self.spec.name} for "
                                            f"{POOLING_NAMES[self.pooling]} pooling: {exc}") from None
+            if self.spec.extra.get("adapter"):  # the model's LoRA adapter (set here: Llama's lora_path crashes on
+                import llama_cpp.llama_cpp as lib  # an adapter that does not fit)
+
+                try:
+                    load_lora(lib, self.llm.model, self.llm.ctx, str(self.spec.extra["adapter"]), self.spec.name)
+                except BackendError:
+                    self.llm.close()
+                    self.llm = None
+                    raise
         return self.llm
 
     def close(self) -> None:

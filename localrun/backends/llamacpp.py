@@ -37,7 +37,7 @@ from localrun.backends.base import (
     merge_chunks,
 )
 from localrun.backends.fresh_threads import FreshThreadExecutor
-from localrun.backends.llama_batch import longest_piece, pieces_text, prompt_logprobs_rows
+from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
 from localrun.backends.llama_pooled import (MAX_WINDOW as EMBED_WINDOW, Pooled, backend_pooling, is_causal, load_options,
                                            pooled_ubatch, pooled_window)
 from localrun.errors import BackendError, InvalidRequest
@@ -173,6 +173,8 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     """Weights + the KV cache (LOCALRUN_KV_CACHE_TYPE) for num_ctx x slots + compute buffers, from the GGUF header."""
     info = spec_gguf_info(spec)
     weights = int(getattr(info, "tensor_bytes", 0) or 0) or Path(spec.weights).stat().st_size
+    if spec.extra.get("adapter"):  # a LoRA adapter's tensors sit beside the model's
+        weights += Path(spec.extra["adapter"]).stat().st_size
     layers = int(getattr(info, "block_count", 0) or 0)
     hidden = int(getattr(info, "embedding_length", 0) or 0)
     heads = int(getattr(info, "head_count", 0) or 0)
@@ -364,13 +366,16 @@ class LlamaCppBackend:
             raise BackendError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {spec.name}; "
                                "use a smaller num_ctx or LOCALRUN_NUM_PARALLEL")
         self._mtmd = None  # llama.cpp's multimodal context: the vision projector (LoadSpec.extra["projector"])
-        if spec.extra.get("projector"):
-            try:
+        adapter = None  # the LoRA adapter (LoadSpec.extra["adapter"]), applied to every sequence of the context
+        try:
+            if spec.extra.get("adapter"):
+                adapter = load_lora(lib, model, ctx, str(spec.extra["adapter"]), spec.name)
+            if spec.extra.get("projector"):
                 self._mtmd = self._load_projector(str(spec.extra["projector"]), model)
-            except BaseException:
-                lib.llama_free(ctx)
-                lib.llama_model_free(model)
-                raise
+        except BaseException:
+            lib.llama_free(ctx)
+            lib.llama_model_free(model)  # (and the adapter with it)
+            raise
         images = dict(encode=self._encode_image, decode_image=self._decode_image) if self._mtmd else {}
         self._n_batch = int(cparams.n_batch)
         # a thread count chosen here gives way to other processes' load (cpu_share); one the model's
@@ -394,7 +399,8 @@ class LlamaCppBackend:
         size = int(spec.extra.get("size_bytes") or 0) or estimate_memory(spec).total_bytes
         device = spec.extra.get("device", "CPU")
         how = (f"{self.n_threads} threads, {self.extra_bufts_reason}; one batched context: {parallel} parallel "
-               f"sequences of {spec.num_ctx} KV cells each ({self.kv_type})" + (", cached prefixes" if share else ""))
+               f"sequences of {spec.num_ctx} KV cells each ({self.kv_type})" + (", cached prefixes" if share else "")
+               + (", a LoRA adapter" if adapter else ""))
         self.info = BackendInfo(
             name="llama.cpp",
             device=device,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -220,24 +221,25 @@ class Library:
     # ------------------------------------------------------------------ create
     def create(self, name: str, modelfile: str | Modelfile, base_dir: Path | None = None,
                progress: ProgressFn = None, cancel: threading.Event | None = None,
-               files: dict[str, str] | None = None) -> ResolvedModel:
+               files: dict[str, str] | None = None, adapters: dict[str, str] | None = None) -> ResolvedModel:
         """A model from a Modelfile: its FROM (a model, a GGUF file, a safetensors directory), or
         `files`: {file name: digest} of blobs already in the store (Ollama's /api/create after
-        POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...)."""
+        POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...).
+        A LoRA adapter (a GGUF, llama.cpp applies it at load) comes as the Modelfile's ADAPTER or as
+        `adapters` (one {file name: digest} uploaded as `files` are); it replaces the base model's."""
         mn = parse_name(name)
         if mn.is_hf:
             raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
         mf = modelfile if isinstance(modelfile, Modelfile) else parse_modelfile(modelfile, require_from=files is None)
         if files is not None and mf.from_ is not None:
             raise InvalidRequest("give the model as FROM or as 'files', not both")
-        if mf.adapter:
-            raise InvalidRequest(
-                "ADAPTER is not supported yet: no backend applies LoRA adapters, so the model would silently "
-                "run without it. Remove the ADAPTER line, or merge the adapter into the GGUF first "
-                "(llama.cpp's llama-export-lora)")
+        if adapters is not None and mf.adapter is not None:
+            raise InvalidRequest("give the adapter as ADAPTER or as 'adapters', not both")
+        base = Path(base_dir) if base_dir is not None else Path.cwd()
+        # an ADAPTER that is no LoRA adapter file is refused before the model is copied in
+        adapter_file = self._adapter_file(mf.adapter, base) if mf.adapter is not None else None
         prog = Progress(progress, cancel)
         prog.emit("parsing modelfile")
-        base = Path(base_dir) if base_dir is not None else Path.cwd()
         self.store.ensure()
         pins: list[str] = []
         try:
@@ -248,6 +250,11 @@ class Library:
             if mf.projector is not None:  # the second FROM replaces any projector the base model had
                 layers = [l for l in layers if l["mediaType"] != MT_PROJECTOR]
                 layers.append(self._import_projector(mf.projector, base, prog, pins))
+            if mf.adapter is not None or adapters is not None:  # it replaces any adapter the base model had
+                model = self._adapter_base(layers)
+                layers = [l for l in layers if l["mediaType"] != MT_ADAPTER]
+                layers.append(self._import_adapter(*adapter_file, prog, pins, model) if adapter_file is not None
+                              else self._adapter_from_blobs(adapters, prog, pins, model))
             params = dict(extra.get("parameters") or {})
             params.update(mf.parameters)
             extra["parameters"] = params
@@ -295,23 +302,23 @@ class Library:
         extra["source"] = cfg.get("source") or {}
         return layers, extra
 
-    def check_files(self, files: Any) -> dict[str, tuple[str, Path]]:
-        """Ollama's create `files` checked: {file name: (digest, blob path)}, each name a plain file name,
-        each digest one the store holds (uploaded first); InvalidRequest saying what is wrong otherwise.
-        The daemon calls it before it answers 200, and create again before it uses them."""
+    def check_files(self, files: Any, field: str = "files") -> dict[str, tuple[str, Path]]:
+        """Ollama's create `files` (or `adapters`) checked: {file name: (digest, blob path)}, each name a plain
+        file name, each digest one the store holds (uploaded first); InvalidRequest saying what is wrong
+        otherwise. The daemon calls it before it answers 200, and create again before it uses them."""
         if not isinstance(files, dict) or not files:
-            raise InvalidRequest("'files' must be an object mapping file names to blob digests (sha256:...), "
+            raise InvalidRequest(f"'{field}' must be an object mapping file names to blob digests (sha256:...), "
                                  "each uploaded first with POST /api/blobs/<digest>")
         if len(files) > MAX_FILES:
-            raise InvalidRequest(f"'files' names {len(files)} files: at most {MAX_FILES}")
+            raise InvalidRequest(f"'{field}' names {len(files)} files: at most {MAX_FILES}")
         blobs: dict[str, tuple[str, Path]] = {}
         for fn, digest in files.items():
             fn = validate_filename(fn)
             if not isinstance(digest, str):
-                raise InvalidRequest(f"'files': the digest of {fn} must be a string like 'sha256:<64 hex digits>'")
+                raise InvalidRequest(f"'{field}': the digest of {fn} must be a string like 'sha256:<64 hex digits>'")
             d = validate_digest(digest)
             if not self.store.has_blob(d):
-                raise InvalidRequest(f"'files': no blob {d} for {fn}: upload the file first "
+                raise InvalidRequest(f"'{field}': no blob {d} for {fn}: upload the file first "
                                      f"(POST /api/blobs/{d} with the file as the body)")
             blobs[fn] = (d, self.store.blob_path(d))
         return blobs
@@ -339,6 +346,9 @@ class Library:
         model, projector = [], []
         for fn in ggufs:
             info = read_gguf_info(blobs[fn][1], display_name=fn)
+            if info.adapter_type is not None:
+                raise InvalidRequest(f"'files': {fn} is a {info.adapter_type} adapter, not a model: send it in "
+                                     "'adapters' beside the model's files")
             (projector if info.architecture == "clip" else model).append(fn)
         if len(model) != 1 or len(projector) > 1:
             raise InvalidRequest(f"'files' must hold one GGUF model (and at most one vision projector), not "
@@ -366,7 +376,11 @@ class Library:
                 self._pin(pins, digest)
                 layers.append(_layer(MT_FILE, digest, size, fn))
             return layers, {"source": {"import": _safe_name(path.name, "model")}}
-        size = read_gguf_info(path, display_name=shown).file_size  # refuse a broken file before copying it
+        info = read_gguf_info(path, display_name=shown)  # refuse a broken file before copying it
+        if info.adapter_type is not None:
+            raise InvalidRequest(f"{shown} is a {info.adapter_type} adapter, not a model: write FROM <the model it was "
+                                 f"trained on> and ADAPTER {shown.removeprefix('FROM ')} below it")
+        size = info.file_size
         prog.emit("copying file")
         digest, size = self.store.import_file(
             path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying file", None, size),
@@ -395,6 +409,88 @@ class Library:
             check=lambda p: read_gguf_info(p, display_name=shown))
         self._pin(pins, digest)
         return _layer(MT_PROJECTOR, digest, size, _safe_name(path.name, "mmproj.gguf"))
+
+    def _adapter_base(self, layers: list[dict]) -> GGUFInfo:
+        """The GGUF header of the model an adapter goes on (llama.cpp applies LoRA adapters to GGUF models only)."""
+        model = [l for l in layers if l["mediaType"] == MT_MODEL]
+        if not model:
+            raise InvalidRequest("a LoRA adapter needs a GGUF model: llama.cpp applies adapters, and this model is "
+                                 "safetensors (the native engine applies none). Import a GGUF of the model, or merge "
+                                 "the adapter into the safetensors weights (PEFT's merge_and_unload) first")
+        return _gguf_info(self.store.blob_path(model[0]["digest"]))
+
+    @staticmethod
+    def _check_lora(info: GGUFInfo, shown: str) -> None:
+        """A LoRA adapter GGUF, not a model or another kind of adapter."""
+        kind = info.adapter_type
+        if kind is None:
+            raise InvalidRequest(f"{shown} is not a LoRA adapter but a model (a GGUF of architecture "
+                                 f"{info.architecture!r}). ADAPTER takes a LoRA adapter in GGUF: llama.cpp's "
+                                 "convert_lora_to_gguf.py makes one from a PEFT adapter directory")
+        if kind != "lora":
+            raise InvalidRequest(f"{shown} is a {kind!r} adapter: only LoRA adapters are applied")
+
+    @classmethod
+    def _check_adapter(cls, info: GGUFInfo, shown: str, model: GGUFInfo) -> None:
+        """An adapter GGUF that fits `model`: a LoRA adapter of the model's architecture and shapes."""
+        cls._check_lora(info, shown)
+        if info.architecture != model.architecture:
+            raise InvalidRequest(f"{shown} is a LoRA adapter for {info.architecture!r} models, but the model is "
+                                 f"{model.architecture!r}: FROM must name the model the adapter was trained on")
+        # each pair (X.lora_a [in, r], X.lora_b [r, out], ggml's order) must fit the model's X [in, out], as
+        # llama.cpp checks when it loads the adapter: a misfit found here is a 400, not a failed load later
+        pairs = [n[:-len(".lora_a")] for n in info.tensor_dims if n.endswith(".lora_a")]
+        if not pairs:
+            raise InvalidRequest(f"{shown} holds no LoRA tensors (no .lora_a / .lora_b pairs)")
+        for name in pairs:
+            a, b, w = info.tensor_dims[name + ".lora_a"], info.tensor_dims.get(name + ".lora_b"), model.tensor_dims.get(name)
+            if w is None:
+                raise InvalidRequest(f"{shown} adapts {name}, which the model does not have: FROM must name the model "
+                                     "the adapter was trained on")
+            if b is None or len(a) != 2 or len(b) != 2 or len(w) < 2 or a[1] != b[0] or a[0] != w[0] or b[1] != w[1]:
+                fits = "x".join(str(d) for d in (a[0], b[1] if b and len(b) > 1 else "?"))
+                raise InvalidRequest(f"{shown} does not fit the model: its {name} update is {fits}, the model's "
+                                     f"{name} is {'x'.join(str(d) for d in w)}; FROM must name the model the "
+                                     "adapter was trained on")
+
+    def _adapter_file(self, text: str, base: Path) -> tuple[Path, GGUFInfo, str]:
+        """ADAPTER <path>: (the file, its GGUF header, the words errors name it by), a LoRA adapter GGUF."""
+        if "\x00" in text:
+            raise InvalidRequest("ADAPTER contains a NUL byte")
+        shown = f"ADAPTER {shown_path(text)}"
+        path = Path(os.path.expanduser(text))
+        path = path if path.is_absolute() else base / path
+        with user_path_errors(shown):
+            if path.is_dir():
+                raise InvalidRequest(f"{shown}: a directory; ADAPTER takes a LoRA adapter in GGUF (llama.cpp's "
+                                     "convert_lora_to_gguf.py converts a PEFT adapter directory: "
+                                     "convert_lora_to_gguf.py --base <the base model's directory> <the adapter's>)")
+        info = read_gguf_info(path, display_name=shown)
+        self._check_lora(info, shown)
+        return path, info, shown
+
+    def _import_adapter(self, path: Path, info: GGUFInfo, shown: str, prog: Progress, pins: list[str],
+                        model: GGUFInfo) -> dict:
+        """The adapter layer for ADAPTER <path>: the LoRA adapter, checked against the model and copied into the store."""
+        self._check_adapter(info, shown, model)
+        prog.emit("copying adapter")
+        digest, size = self.store.import_file(
+            path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying adapter", None, info.file_size),
+            check=lambda p: read_gguf_info(p, display_name=shown))
+        self._pin(pins, digest)
+        return _layer(MT_ADAPTER, digest, size, _safe_name(path.name, "adapter.gguf"))
+
+    def _adapter_from_blobs(self, adapters: Any, prog: Progress, pins: list[str], model: GGUFInfo) -> dict:
+        """The adapter layer for Ollama's `adapters`: one uploaded LoRA adapter GGUF by file name."""
+        if not isinstance(adapters, dict) or len(adapters) != 1:
+            raise InvalidRequest("'adapters' must map one file name to its blob digest (sha256:...): one LoRA "
+                                 "adapter in GGUF, uploaded first with POST /api/blobs/<digest>")
+        (fn, (digest, path)), = self.check_files(adapters, "adapters").items()
+        self._pin(pins, digest)
+        shown = f"'adapters': {fn}"
+        self._check_adapter(read_gguf_info(path, display_name=shown), shown, model)
+        prog.emit(f"using adapter {digest[:19]}")
+        return _layer(MT_ADAPTER, digest, path.stat().st_size, fn)
 
     # ------------------------------------------------------------------ manifests
     def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:

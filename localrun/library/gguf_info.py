@@ -62,6 +62,8 @@ class GGUFInfo:
     tokenizer_model: str | None = None
     # per-layer tensor bytes ("blk.N" -> bytes), for the daemon's memory planning
     layer_bytes: dict[int, int] = field(default_factory=dict, repr=False)
+    # each tensor's dimensions, innermost first (ggml's ne), e.g. for checking that a LoRA adapter fits a model
+    tensor_dims: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def quantization(self) -> str:
@@ -70,6 +72,14 @@ class GGUFInfo:
     @property
     def parameter_size(self) -> str:
         return format_parameter_count(self.parameter_count)
+
+    @property
+    def adapter_type(self) -> str | None:
+        """"lora" (or another adapter.type) for an adapter GGUF (general.type "adapter", as llama.cpp's
+        convert_lora_to_gguf.py writes it), None for a model."""
+        if self.metadata.get("general.type") != "adapter":
+            return None
+        return str(self.metadata.get("adapter.type") or "unknown")
 
     def model_info(self) -> dict[str, Any]:
         """Ollama /api/show 'model_info': scalar metadata plus the parameter count."""
@@ -328,6 +338,7 @@ def _walk(buf, size: int) -> GGUFInfo:
         raise _Bad(f"general.alignment {alignment!r} is not a power of two")
 
     tensors = []
+    dims_of: dict[str, tuple[int, ...]] = {}
     names: set[str] = set()
     for i in range(n_tensors):
         name = w.string(f"tensor #{i} name", limit=MAX_KEY_LEN)
@@ -358,6 +369,7 @@ def _walk(buf, size: int) -> GGUFInfo:
             raise _Bad(f"tensor {name!r} offset {offset} is not aligned to {alignment}")
         nbytes = n_el // block * type_size
         tensors.append((name, ttype, n_el, offset, nbytes))
+        dims_of[name] = tuple(dims)
 
     data_start = (w.pos + alignment - 1) // alignment * alignment
     data_size = size - data_start
@@ -423,6 +435,7 @@ def _walk(buf, size: int) -> GGUFInfo:
         file_size=size,
         tokenizer_model=meta.get("tokenizer.ggml.model") if isinstance(meta.get("tokenizer.ggml.model"), str) else None,
         layer_bytes=layer_bytes,
+        tensor_dims=dims_of,
     )
 
 

@@ -6,8 +6,8 @@
     SYSTEM \"\"\"You are ...\"\"\"   # \"\"\"...\"\"\" spans lines; "..." is one line
     TEMPLATE ...  MESSAGE user ...  LICENSE ...  ADAPTER ./lora.gguf
 
-ADAPTER parses (Ollama's Modelfiles carry it) but Library.create refuses it until a
-backend applies adapters. Errors raise InvalidRequest naming the line ("Modelfile line 3: ...").
+ADAPTER names one LoRA adapter in GGUF (llama.cpp applies it when the model loads). Errors raise
+InvalidRequest naming the line ("Modelfile line 3: ...").
 """
 
 from __future__ import annotations

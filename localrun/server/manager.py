@@ -436,7 +436,8 @@ class ModelManager:
         return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                       arch=model_architecture(resolved.format, resolved.weights, resolved.info),
                       vision=getattr(resolved, "projector", None) is not None,
-                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion")
+                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion",
+                      adapter=bool(getattr(resolved, "adapter", None)))
 
     def _may_fall_back(self, resolved: Any, choice: Choice) -> bool:
         """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""
@@ -453,6 +454,8 @@ class ModelManager:
                         embedding=model_kind(resolved) != "completion")
         if getattr(resolved, "projector", None) is not None:
             spec.extra["projector"] = str(resolved.projector)
+        if getattr(resolved, "adapter", None):
+            spec.extra["adapter"] = str(resolved.adapter)
         if resolved.parameters:
             for k in ("repeat_last_n", "num_thread", "num_gpu", "main_gpu", "use_mmap", "tensor_parallel",
                       "kv_cache_type", "weight_dtype", "speculative", "num_speculative_tokens"):

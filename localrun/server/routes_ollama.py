@@ -244,13 +244,11 @@ async def create(request: Request):
         raise InvalidRequest("'quantize' is not supported: localrun does not quantize models. Quantize the GGUF "
                              "with llama.cpp's llama-quantize (e.g. `llama-quantize model-f16.gguf model-q4_k_m.gguf "
                              "Q4_K_M`) and create the model from the result")
-    if body.get("adapters"):
-        raise InvalidRequest("'adapters' is not supported yet: no backend applies LoRA adapters, so the model would "
-                             "silently run without them. Merge the adapter into the GGUF first (llama.cpp's "
-                             "llama-export-lora) and create the model from the result")
-    files = body.get("files")
+    files, adapters = body.get("files"), body.get("adapters") or None
     if files is not None:  # bad names or digests, and a file never uploaded, are a 400 before any 200 too
         await asyncio.to_thread(st.library.check_files, files)
+    if adapters is not None:  # (a LoRA adapter in GGUF; `ollama create` uploads a Modelfile's ADAPTER so)
+        await asyncio.to_thread(st.library.check_files, adapters, "adapters")
     modelfile = body.get("modelfile")
     if modelfile is None:
         modelfile = _modelfile_from_fields(body, files is not None)
@@ -270,7 +268,7 @@ async def create(request: Request):
     stream = c.get_bool(body, "stream", True)
 
     def work(progress, cancel):
-        st.library.create(name, mf, base_dir=base_dir, progress=progress, files=files)
+        st.library.create(name, mf, base_dir=base_dir, progress=progress, files=files, adapters=adapters)
 
     return await _progress(request, work, stream)
 

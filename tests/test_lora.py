@@ -1,0 +1,193 @@
+"""LoRA adapters (a Modelfile's ADAPTER, Ollama's create `adapters`) through the real daemon on the bundled
+SmolLM2-135M, against llama.cpp's own llama-server with --lora on the same files: generation and embeddings equal
+llama-server's with the adapter (and differ from the model without it); `localrun create` and the ollama SDK's
+create(from_, adapters) both make the model; an adapter that is a model, fits another model, is missing or is a
+directory is a 400 that says so, before anything is stored; one that does not fit is a clear error from the
+backend, never a crashed process (llama-cpp-python's own Llama(lora_path=...) segfaults on it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+from daemon import MODEL, Daemon
+
+pytestmark = pytest.mark.timeout(600)
+pytest.importorskip("llama_cpp")
+
+N_CTX = 1024
+N = 24
+PROMPTS = ["Once upon a time", "<|im_start|>user\nTell me a story about a dragon.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, lora_ggufs):
+    d = Daemon(tmp_path_factory.mktemp("home_lora"), LOCALRUN_NUM_PARALLEL="2", LOCALRUN_CONTEXT_LENGTH=str(N_CTX))
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def tuned(daemon, lora_ggufs, tmp_path_factory):
+    """`localrun create tuned -f Modelfile`: the bundled model with SmolLM2's adapter, by the CLI."""
+    d = tmp_path_factory.mktemp("modelfile")
+    (d / "Modelfile").write_text(f"FROM {MODEL}\nADAPTER {lora_ggufs[0]}\n")
+    env = {**__import__("os").environ, "LOCALRUN_HOST": daemon.url.removeprefix("http://")}
+    r = subprocess.run([sys.executable, "-m", "localrun", "create", "tuned", "-f", str(d / "Modelfile")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return "tuned:latest"
+
+
+@pytest.fixture(scope="module")
+def llama_srv(llama_server_bin, smollm2_gguf, lora_ggufs):
+    """llama-server on the bundled GGUF with --lora (one slot of the daemon's context, the same threads)."""
+    from llama_server import running_llama_server
+
+    from localrun.backends.llamacpp import physical_cores
+
+    with running_llama_server(llama_server_bin, smollm2_gguf, N_CTX, physical_cores(),
+                              args=("--lora", str(lora_ggufs[0]))) as url:
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
+            yield h
+
+
+def _generate(daemon, model: str, prompt: str) -> list:
+    """The greedy answer as (token text, logprob, [(text, logprob), ...]) per token (OpenAI's completions)."""
+    r = daemon.http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": N,
+                                                  "temperature": 0, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return [(t, x, list(top.items())) for t, x, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
+
+
+def _reference(h: httpx.Client, prompt: str) -> list:
+    """llama-server's greedy answer, in the same shape."""
+    r = h.post("/completion", json={"prompt": prompt, "n_predict": N, "temperature": 0, "n_probs": 3,
+                                    "cache_prompt": False})
+    assert r.status_code == 200, r.text
+    return [(p["token"], p["logprob"], [(t["token"], t["logprob"]) for t in p["top_logprobs"]])
+            for p in r.json()["completion_probabilities"]]
+
+
+def _agree(reference: list, got: list) -> None:
+    """The same answer, up to a near tie that llama.cpp's batch-dependent arithmetic may flip (bench.greedy)."""
+    from localrun.bench.greedy import compare
+
+    cmp = compare(reference, got)
+    assert cmp.acceptable, cmp
+    if cmp.verdict == "same":
+        assert len(got) == N
+
+
+def _text(tokens: list) -> str:
+    return "".join(t for t, _, _ in tokens)
+
+
+def test_generation_with_the_adapter_is_llama_servers(daemon, tuned, llama_srv):
+    for prompt in PROMPTS:
+        _agree(_reference(llama_srv, prompt), _generate(daemon, tuned, prompt))
+    # the adapter changes the answer: without it the model says something else
+    assert _text(_generate(daemon, tuned, PROMPTS[0])) != _text(_generate(daemon, MODEL, PROMPTS[0]))
+    assert "\nADAPTER " in daemon.http.post("/api/show", json={"model": tuned}).json()["modelfile"]
+
+
+def test_two_streams_through_the_adapter_each_get_their_own_answer(daemon, tuned):
+    import concurrent.futures as cf
+
+    alone = [_generate(daemon, tuned, p) for p in PROMPTS]
+    with cf.ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda p: _generate(daemon, tuned, p), PROMPTS))
+    for a, b in zip(alone, both):
+        _agree(a, b)
+
+
+def test_embeddings_with_the_adapter_are_llama_servers(daemon, tuned, llama_server_bin, smollm2_gguf, lora_ggufs):
+    from llama_server import running_llama_server
+
+    from localrun.backends.llamacpp import physical_cores
+
+    texts = ["The sea is calm tonight.", "Three colors: red, green and blue."]
+    r = daemon.http.post("/api/embed", json={"model": tuned, "input": texts})
+    assert r.status_code == 200, r.text
+    mine = r.json()["embeddings"]
+    base = daemon.http.post("/api/embed", json={"model": MODEL, "input": texts}).json()["embeddings"]
+    with running_llama_server(llama_server_bin, smollm2_gguf, N_CTX, physical_cores(),
+                              args=("--lora", str(lora_ggufs[0]), "--embedding", "--pooling", "mean")) as url:
+        ref = httpx.post(url + "/v1/embeddings", json={"input": texts}, timeout=120).json()["data"]
+    for m, b, want in zip(mine, base, sorted(ref, key=lambda d: d["index"])):
+        assert max(abs(x - y) for x, y in zip(m, want["embedding"])) < 1e-4
+        assert max(abs(x - y) for x, y in zip(m, b)) > 1e-3  # the adapter is applied
+
+
+def test_the_ollama_sdk_creates_a_model_from_a_base_and_an_uploaded_adapter(daemon, tuned, lora_ggufs):
+    import ollama
+
+    client = ollama.Client(host=daemon.url)
+    digest = client.create_blob(lora_ggufs[0])
+    events = list(client.create(model="tuned2", from_=MODEL, adapters={lora_ggufs[0].name: digest}, stream=True))
+    assert events[-1].status == "success"
+    assert "ADAPTER " in client.show("tuned2").modelfile
+    _agree(_generate(daemon, tuned, PROMPTS[0]), _generate(daemon, "tuned2", PROMPTS[0]))
+    # a model made FROM the tuned one keeps its adapter
+    r = daemon.http.post("/api/create", json={"model": "tuned3", "from": "tuned2", "system": "Be brief.",
+                                              "stream": False})
+    assert r.status_code == 200, r.text
+    _agree(_generate(daemon, tuned, PROMPTS[0]), _generate(daemon, "tuned3", PROMPTS[0]))
+
+
+def test_bad_adapters_are_a_400_that_says_what_is_wrong(daemon, tuned, lora_ggufs, smollm2_gguf, tmp_path):
+    h = daemon.http
+    before = sorted(m["name"] for m in h.get("/api/tags").json()["models"])
+    (tmp_path / "adir").mkdir()
+    cases = [
+        (f"FROM {MODEL}\nADAPTER {smollm2_gguf}\n", "is not a LoRA adapter but a model"),
+        (f"FROM {MODEL}\nADAPTER {lora_ggufs[1]}\n", "does not fit the model"),
+        (f"FROM {MODEL}\nADAPTER {tmp_path / 'nope.gguf'}\n", "nope.gguf"),
+        (f"FROM {MODEL}\nADAPTER {tmp_path / 'adir'}\n", "convert_lora_to_gguf.py"),
+        (f"FROM {lora_ggufs[0]}\n", "adapter, not a model"),
+        (f"FROM {MODEL}\nADAPTER {lora_ggufs[0]}\nADAPTER {lora_ggufs[0]}\n", "only one ADAPTER"),
+    ]
+    for modelfile, words in cases:
+        r = h.post("/api/create", json={"model": "bad", "modelfile": modelfile, "stream": False})
+        assert 400 <= r.status_code < 500 and words in r.json()["error"], (modelfile, r.status_code, r.text)
+    digest = "sha256:" + "0" * 64
+    for body, words in [({"from": MODEL, "adapters": {"a.gguf": digest}}, "upload the file first"),
+                        ({"from": MODEL, "adapters": "a.gguf"}, "'adapters' must be an object"),
+                        ({"modelfile": f"FROM {MODEL}\nADAPTER {lora_ggufs[0]}\n", "adapters": {"a.gguf": digest}},
+                         "upload the file first")]:
+        r = h.post("/api/create", json={"model": "bad", "stream": False, **body})
+        assert r.status_code == 400 and words in r.json()["error"], (body, r.text)
+    assert sorted(m["name"] for m in h.get("/api/tags").json()["models"]) == before
+    assert _generate(daemon, tuned, PROMPTS[1])  # what was there still works
+
+
+def test_an_adapter_that_does_not_fit_is_a_clear_load_error_not_a_crash(smollm2_gguf, lora_ggufs):
+    """The backends load an adapter llama.cpp refuses (the daemon's create checks shapes first; a hand-made
+    manifest or a changed file could still get here) as a BackendError, in this very process."""
+    from localrun.backends.base import LoadSpec
+    from localrun.backends.llama_pooled import Pooled
+    from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.errors import BackendError
+
+    spec = LoadSpec(name="misfit", weights=smollm2_gguf, format="gguf", num_ctx=256, num_parallel=1,
+                    extra={"adapter": str(lora_ggufs[1])})
+    with pytest.raises(BackendError, match="could not load the LoRA adapter of misfit"):
+        LlamaCppBackend(spec)
+    pooled = Pooled(spec, window=256, pooling=1, n_threads=2, n_gpu_layers=0, extra_bufts=False)
+    with pytest.raises(BackendError, match="was it trained on this model"):
+        pooled.embed(["hello"])
+
+
+def test_native_engine_does_not_take_an_adapter():
+    from localrun.backends.select import choose
+    from localrun.errors import BackendError
+
+    with pytest.raises(BackendError, match="LoRA adapter.*native engine does not apply"):
+        choose("native", "gguf", adapter=True)
+    assert choose("auto", "gguf", adapter=True).backend == "llamacpp"
