@@ -191,3 +191,18 @@ def test_native_engine_does_not_take_an_adapter():
     with pytest.raises(BackendError, match="LoRA adapter.*native engine does not apply"):
         choose("native", "gguf", adapter=True)
     assert choose("auto", "gguf", adapter=True).backend == "llamacpp"
+
+
+def test_an_adapter_that_does_not_fit_a_model_file_stores_nothing(tmp_path, lora_ggufs, monkeypatch):
+    """FROM a GGUF file with an ADAPTER that does not fit it: refused before the model file is copied in."""
+    from test_library import make_gguf
+
+    from localrun.errors import InvalidRequest
+    from localrun.library.api import Library
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    lib = Library(tmp_path / "models")
+    make_gguf(tmp_path / "tiny.gguf")  # a llama whose blk.0.attn_q is 32 x 32
+    with pytest.raises(InvalidRequest, match="FROM must name the model the adapter was trained on"):
+        lib.create("x", f"FROM ./tiny.gguf\nADAPTER {lora_ggufs[1]}\n", base_dir=tmp_path)
+    assert lib.list() == [] and (not lib.store.blobs.exists() or not any(lib.store.blobs.iterdir()))

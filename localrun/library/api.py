@@ -236,8 +236,16 @@ class Library:
         if adapters is not None and mf.adapter is not None:
             raise InvalidRequest("give the adapter as ADAPTER or as 'adapters', not both")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
-        # an ADAPTER that is no LoRA adapter file is refused before the model is copied in
+        # an ADAPTER that is no LoRA adapter file, or does not fit a FROM file, is refused before anything is copied
         adapter_file = self._adapter_file(mf.adapter, base) if mf.adapter is not None else None
+        if adapter_file is not None and files is None and mf.from_ and (src := local_source(mf.from_, base)):
+            with user_path_errors(f"FROM {shown_path(mf.from_)}"):
+                is_file, is_dir = src.is_file(), src.is_dir()
+            if is_dir:
+                self._adapter_base([])  # (a safetensors model: its refusal)
+            if is_file:
+                self._check_adapter(adapter_file[1], adapter_file[2],
+                                    read_gguf_info(src, display_name=f"FROM {shown_path(mf.from_)}"))
         prog = Progress(progress, cancel)
         prog.emit("parsing modelfile")
         self.store.ensure()
