@@ -3,7 +3,8 @@ SmolLM2-135M, against llama.cpp's own llama-server with --lora on the same files
 llama-server's with the adapter (and differ from the model without it); `localrun create` and the ollama SDK's
 create(from_, adapters) both make the model; an adapter that is a model, fits another model, is missing or is a
 directory is a 400 that says so, before anything is stored; one that does not fit is a clear error from the
-backend, never a crashed process (llama-cpp-python's own Llama(lora_path=...) segfaults on it)."""
+backend, never a crashed process (llama-cpp-python's own Llama(lora_path=...) segfaults on it). The native engine
+merges the adapter into the weights at load: the same tokens and logprobs as transformers with the PEFT adapter."""
 
 from __future__ import annotations
 
@@ -184,13 +185,82 @@ def test_an_adapter_that_does_not_fit_is_a_clear_load_error_not_a_crash(smollm2_
         pooled.embed(["hello"])
 
 
-def test_native_engine_does_not_take_an_adapter():
-    from localrun.backends.select import choose
-    from localrun.errors import BackendError
+def _transformers_with_adapter(smollm2_gguf, lora_ggufs):
+    """transformers' SmolLM2 (dequantized from the GGUF, float32) with the PEFT adapter merged in Hugging Face's
+    own layout: W += alpha / r * B @ A, from the adapter as PEFT saved it (before llama.cpp's converter)."""
+    import json
 
-    with pytest.raises(BackendError, match="LoRA adapter.*native engine does not apply"):
-        choose("native", "gguf", adapter=True)
-    assert choose("auto", "gguf", adapter=True).backend == "llamacpp"
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    peft = lora_ggufs[0].parent / "hf" / "smollm2" / "lora"
+    cfg = json.loads((peft / "adapter_config.json").read_text())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                           dtype=torch.float32).eval()
+    state, lora = hf.state_dict(), load_file(str(peft / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in lora.items():
+            if key.endswith(".lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight") + ".weight"
+                b = lora[key.replace(".lora_A.", ".lora_B.")]
+                state[name].add_(cfg["lora_alpha"] / cfg["r"] * (b @ a))
+    return hf
+
+
+def test_native_engine_merges_the_adapter_as_peft_applies_it(smollm2_gguf, lora_ggufs):
+    """The native engine (CPU, float32) with the adapter merged at load: the same greedy tokens and logprobs as
+    transformers with the PEFT adapter applied to the same dequantized weights."""
+    import torch
+
+    from localrun.engine.config import EngineConfig
+    from localrun.engine.engine import LLMEngine
+    from localrun.engine.sampler import SamplingParams
+
+    cfg = EngineConfig(device="cpu", dtype="float32", max_model_len=512)
+    eng = LLMEngine.from_gguf(smollm2_gguf, cfg, adapter=lora_ggufs[0])
+    try:
+        prompts = [eng.tokenizer.encode(p) for p in PROMPTS]
+        outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+    finally:
+        eng.shutdown()
+    hf = _transformers_with_adapter(smollm2_gguf, lora_ggufs)
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=2)[0, len(p):].tolist()
+        assert o.token_ids == ref
+        with torch.inference_mode():
+            lp = torch.log_softmax(hf(torch.tensor([p + ref])).logits[0, len(p) - 1:-1].float(), -1)
+        # (the adapter moves these logprobs by far more: without it the answers differ, test_generation_...)
+        assert max(abs(c - float(lp[j, t])) for j, (t, c, _) in enumerate(o.logprobs)) < 1e-3
+
+
+def test_the_daemon_loads_an_adapted_model_on_the_native_engine(tmp_path, lora_ggufs, smollm2_gguf):
+    """LOCALRUN_BACKEND=native: the same model made by create answers with the native engine's adapted tokens."""
+    from localrun.engine.config import EngineConfig
+    from localrun.engine.engine import LLMEngine
+    from localrun.engine.sampler import SamplingParams
+
+    eng = LLMEngine.from_gguf(smollm2_gguf, EngineConfig(device="cpu", dtype="float32", max_model_len=512),
+                              adapter=lora_ggufs[0])
+    try:
+        want = eng.generate([eng.tokenizer.encode(PROMPTS[0])], SamplingParams(temperature=0, max_tokens=12,
+                                                                                ignore_eos=True))[0].text
+    finally:
+        eng.shutdown()
+    d = Daemon(tmp_path / "home", LOCALRUN_BACKEND="native", LOCALRUN_CONTEXT_LENGTH="512")
+    try:
+        d.pull()
+        r = d.http.post("/api/create", json={"model": "tuned-native", "stream": False,
+                                             "modelfile": f"FROM {MODEL}\nADAPTER {lora_ggufs[0]}\n"})
+        assert r.status_code == 200, r.text
+        r = d.http.post("/api/generate", json={"model": "tuned-native", "prompt": PROMPTS[0], "raw": True,
+                                               "stream": False, "options": {"temperature": 0, "num_predict": 12}})
+        assert r.status_code == 200, r.text
+        assert r.json()["response"] == want
+        m = [m for m in d.ps() if m["name"] == "tuned-native:latest"][0]
+        assert m["backend"] == "native" and m["fallbacks"] == [], m
+    finally:
+        d.stop()
 
 
 def test_an_adapter_that_does_not_fit_a_model_file_stores_nothing(tmp_path, lora_ggufs, monkeypatch):

@@ -388,7 +388,10 @@ def load(spec: LoadSpec) -> NativeBackend:
     cfg.host_cache_bytes = _host_cache_bytes(s.host_cache)
     t0 = time.perf_counter()
     try:
-        engine = (LLMEngine.from_gguf if spec.format == "gguf" else LLMEngine.from_safetensors)(spec.weights, cfg)
+        if spec.format == "gguf":
+            engine = LLMEngine.from_gguf(spec.weights, cfg, adapter=spec.extra.get("adapter"))
+        else:
+            engine = LLMEngine.from_safetensors(spec.weights, cfg)
     except MemoryError as exc:
         raise InsufficientMemory(f"{spec.name} does not fit: {exc}") from None
     except (ValueError, KeyError) as exc:

@@ -206,7 +206,7 @@ def model_architecture(fmt: str, weights: str | Path | None, info=None) -> str |
 
 def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
            llamacpp_gpu: bool | None = None, arch: str | None = None, vision: bool = False,
-           native_on_cpu: bool = False, pooled: bool = False, adapter: bool = False) -> Choice:
+           native_on_cpu: bool = False, pooled: bool = False) -> Choice:
     """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
 
     info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
@@ -215,17 +215,11 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
     model_architecture). llamacpp_gpu: whether llama.cpp's build offloads to GPUs (None: ask it).
     vision: the model has a vision projector (only llama.cpp runs one). native_on_cpu
     (LOCALRUN_NATIVE_ON_CPU): auto without a CUDA GPU picks the native engine for a GGUF it runs. pooled:
-    an embedding model or a reranker, which only llama.cpp runs (whatever the setting). adapter: the model
-    has a LoRA adapter, which only llama.cpp applies."""
+    an embedding model or a reranker, which only llama.cpp runs (whatever the setting). (A LoRA adapter
+    changes nothing here: llama.cpp applies it as it loads the model, the native engine merges it into the
+    weights.)"""
     if pooled and fmt == "gguf":
         return Choice("llamacpp", "llama.cpp: an embedding model or a reranker, which only llama.cpp pools")
-    if adapter:
-        if setting == "native":
-            raise BackendError("LOCALRUN_BACKEND=native: the model has a LoRA adapter (its Modelfile's ADAPTER), "
-                               "which the native engine does not apply; set LOCALRUN_BACKEND=auto or llamacpp, or "
-                               "merge the adapter into the weights (llama.cpp's llama-export-lora)")
-        if fmt == "gguf":
-            return Choice("llamacpp", "llama.cpp: the model has a LoRA adapter, which only llama.cpp applies")
     arch = arch or getattr(info, "architecture", None)
     foreign = bool(arch) and not is_native(arch)  # an architecture the native engine does not run
     if setting == "native" and foreign:

@@ -402,8 +402,10 @@ class LLMEngine:
         return cls._make(mcfg, config, fill, tokenizer, recipe, tp)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None) -> "LLMEngine":
-        return cls.from_recipe(("gguf", str(path)), config)
+    def from_gguf(cls, path: str | Path, config: EngineConfig | None = None,
+                  adapter: str | Path | None = None) -> "LLMEngine":
+        """A GGUF model; with `adapter`, a LoRA adapter GGUF merged into its weights at load (exact, no cost a step)."""
+        return cls.from_recipe(("gguf", str(path), *([str(adapter)] if adapter else [])), config)
 
     @classmethod
     def from_safetensors(cls, directory: str | Path, config: EngineConfig | None = None) -> "LLMEngine":

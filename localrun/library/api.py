@@ -631,6 +631,8 @@ class Library:
                 files.append((l["filename"], l["digest"]))
             elif mt == MT_ADAPTER:
                 adapter = str(self.store.blob_path(l["digest"]))
+                if not Path(adapter).is_file():
+                    raise NotFound(f"the LoRA adapter of '{mn.display}' is missing from the store; create it again")
             elif mt == MT_PROJECTOR:
                 projector = self.store.blob_path(l["digest"])
                 if not projector.is_file():

@@ -436,8 +436,7 @@ class ModelManager:
         return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                       arch=model_architecture(resolved.format, resolved.weights, resolved.info),
                       vision=getattr(resolved, "projector", None) is not None,
-                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion",
-                      adapter=bool(getattr(resolved, "adapter", None)))
+                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion")
 
     def _may_fall_back(self, resolved: Any, choice: Choice) -> bool:
         """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""

@@ -66,8 +66,44 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
-    """(config, getter, names, metadata) for a GGUF file; metadata has tokenizer ids and the template."""
+def _lora_updates(path: str | Path, arch: str, hf_of: dict[str, str]) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+    """A LoRA adapter GGUF (llama.cpp's convert_lora_to_gguf.py) as updates by Hugging Face name: (B [out, r],
+    A [r, in], scale), in the base GGUF's own layout (a llama's Q/K rows permuted as the base's are), so that
+    W + scale * B @ A is the adapted weight as llama.cpp computes it (scale: alpha / rank, 1 without alpha)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file surfaces as a clear error
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+    if _field(reader, "general.type") != "adapter" or _field(reader, "adapter.type") != "lora":
+        raise ValueError(f"{path} is not a LoRA adapter")
+    if (a_arch := _field(reader, "general.architecture")) != arch:
+        raise ValueError(f"the LoRA adapter is for {a_arch!r} models, the model is {arch!r}")
+    alpha = float(_field(reader, "adapter.lora.alpha", 0.0) or 0.0)
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        base, _, kind = t.name.rpartition(".")
+        if kind not in ("lora_a", "lora_b"):
+            raise ValueError(f"the LoRA adapter holds {t.name}, not a lora_a / lora_b tensor: the native engine "
+                             "applies only those")
+        parts.setdefault(base, {})[kind] = np.array(  # (a copy: F32 data comes back as a read-only view)
+            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+    out = {}
+    for base, ab in parts.items():
+        hf = hf_of.get(base)
+        if hf is None or base.startswith("token_embd") or set(ab) != {"lora_a", "lora_b"}:
+            raise ValueError(f"the LoRA adapter updates {base}, which the native engine cannot apply it to")
+        a, b = ab["lora_a"], ab["lora_b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"the LoRA adapter's {base} pair has shapes {b.shape} and {a.shape}, not [out, r] and [r, in]")
+        out[hf] = (b, a, alpha / a.shape[0] if alpha else 1.0)
+    return out
+
+
+def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[ModelConfig, Getter, set[str], dict]:
+    """(config, getter, names, metadata) for a GGUF file; metadata has tokenizer ids and the template. With
+    `adapter` (a LoRA adapter GGUF) the getter gives each adapted weight with its update merged in."""
     import gguf  # only here: engine-only machines may lack it
 
     try:
@@ -130,6 +166,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         **_gguf_attention_extras(reader, arch, a),
     )
     permuted = arch in ("llama", "mistral")
+    updates = _lora_updates(adapter, arch, {t.name: hf for hf, t in tensors.items()}) if adapter else {}
     # llama.cpp's converter stores Gemma's norm weights as 1 + w: back to the Hugging Face form
     # (GemmaModel folds the +1 in again, in float32)
     norm_shift = 1.0 if arch in _GGUF_GEMMA else 0.0
@@ -148,7 +185,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         rows in the HF order; None for any other tensor type (the quantized loader then quantizes
         the dequantized floats itself)."""
         t = tensors.get(name)
-        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0:
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q8_0 or name in updates:
             return None
         rows = int(np.prod(t.shape.tolist()[1:]))
         blocks = np.asarray(t.data).reshape(-1, 34)  # a block: float16 scale, 32 int8 values
@@ -163,14 +200,21 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, Getter, set[str], dict]:
         arr = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             arr = arr.copy()
-        return unpermute(name, torch.from_numpy(arr).reshape(tuple(reversed(t.shape.tolist()))))
+        w = torch.from_numpy(arr).reshape(tuple(reversed(t.shape.tolist())))
+        if name in updates:  # W + scale * B @ A, in the GGUF's layout (before the Q/K rows are unpermuted)
+            b, a, scale = updates[name]
+            if w.dim() != 2 or tuple(w.shape) != (b.shape[0], a.shape[1]):
+                raise ValueError(f"the LoRA adapter does not fit the model: its {t.name} update is "
+                                 f"{b.shape[0]}x{a.shape[1]}, the weight {'x'.join(map(str, w.shape))}")
+            w = w + scale * (torch.from_numpy(b) @ torch.from_numpy(a))
+        return unpermute(name, w)
 
     get.q8_0 = q8_0  # type: ignore[attr-defined] - quant.QuantizedWeight.load looks for it
 
     def part(name: str, dim: int, start: int, n: int) -> torch.Tensor:
         t = tensors.get(name)
-        if t is None or dim != 0:  # columns cut through quantization blocks: dequantize the whole
-            return get(name).narrow(dim, start, n)
+        if t is None or dim != 0 or name in updates:  # columns cut through quantization blocks (or an adapted
+            return get(name).narrow(dim, start, n)  # weight): the whole tensor, then the part
         arr = np.ascontiguousarray(gguf.quants.dequantize(t.data[start:start + n], t.tensor_type), dtype=np.float32)
         w = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr).reshape(
             (n, *reversed(t.shape.tolist()[:-1])))
@@ -289,12 +333,12 @@ def _language_model_names(names: set[str]) -> dict[str, str]:
 
 def recipe_source(recipe: tuple, config: EngineConfig) -> tuple[ModelConfig, Callable[[torch.nn.Module], None],
                                                                 Callable[[], Tokenizer | None]]:
-    """(config, fill(model), tokenizer()) for a recipe: ("gguf", path) | ("safetensors",
+    """(config, fill(model), tokenizer()) for a recipe: ("gguf", path[, adapter]) | ("safetensors",
     directory) | ("random", shape, seed). fill copies the weights in (and closes the files)."""
     kind = recipe[0]
-    if kind == "gguf":
+    if kind == "gguf":  # ("gguf", path) or ("gguf", path, a LoRA adapter GGUF merged in at load)
         path = recipe[1]
-        mcfg, get, names, meta = read_gguf(path)
+        mcfg, get, names, meta = read_gguf(path, recipe[2] if len(recipe) > 2 else None)
         return (mcfg, lambda m: m.load_hf_state(get, names),
                 lambda: Tokenizer.from_gguf(path, meta["eos_token_ids"], meta["chat_template"]))
     if kind == "safetensors":
