@@ -111,7 +111,7 @@ def test_an_adapter_that_is_no_lora_adapter_is_refused(tmp_path, lib):
     (tmp_path / "lora.bin").write_bytes(b"anything at all")
     (tmp_path / "adir").mkdir()
     for adapter, words in (("./tiny.gguf", "is not a LoRA adapter but a model"), ("./lora.bin", "not a valid GGUF"),
-                           ("./missing.gguf", "missing.gguf"), ("./adir", "convert_lora_to_gguf.py")):
+                           ("./missing.gguf", "missing.gguf"), ("./adir", "a directory without adapter_config.json")):
         with pytest.raises((InvalidRequest, NotFound), match=words):
             lib.create("x", f"FROM ./tiny.gguf\nADAPTER {adapter}\n", base_dir=tmp_path)
     assert lib.list() == []

@@ -150,7 +150,7 @@ def test_bad_adapters_are_a_400_that_says_what_is_wrong(daemon, tuned, lora_gguf
         (f"FROM {MODEL}\nADAPTER {smollm2_gguf}\n", "is not a LoRA adapter but a model"),
         (f"FROM {MODEL}\nADAPTER {lora_ggufs[1]}\n", "does not fit the model"),
         (f"FROM {MODEL}\nADAPTER {tmp_path / 'nope.gguf'}\n", "nope.gguf"),
-        (f"FROM {MODEL}\nADAPTER {tmp_path / 'adir'}\n", "convert_lora_to_gguf.py"),
+        (f"FROM {MODEL}\nADAPTER {tmp_path / 'adir'}\n", "a directory without adapter_config.json"),
         (f"FROM {lora_ggufs[0]}\n", "adapter, not a model"),
         (f"FROM {MODEL}\nADAPTER {lora_ggufs[0]}\nADAPTER {lora_ggufs[0]}\n", "only one ADAPTER"),
     ]
@@ -276,3 +276,62 @@ def test_an_adapter_that_does_not_fit_a_model_file_stores_nothing(tmp_path, lora
     with pytest.raises(InvalidRequest, match="FROM must name the model the adapter was trained on"):
         lib.create("x", f"FROM ./tiny.gguf\nADAPTER {lora_ggufs[1]}\n", base_dir=tmp_path)
     assert lib.list() == [] and (not lib.store.blobs.exists() or not any(lib.store.blobs.iterdir()))
+
+
+def _tensors(path) -> tuple[dict, float]:
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(path))
+    alpha = float(r.fields["adapter.lora.alpha"].contents())
+    return {t.name: np.array(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))) for t in r.tensors}, alpha
+
+
+def test_a_peft_adapter_directory_converts_to_what_llama_cpps_converter_writes(daemon, tuned, lora_ggufs, tmp_path):
+    """ADAPTER <a PEFT directory> (as Ollama takes a safetensors adapter): converted here to the same GGUF
+    llama.cpp's convert_lora_to_gguf.py writes (Q/K rows permuted alike), and the model answers as with that GGUF;
+    the ollama SDK's create with the directory's two files uploaded does the same."""
+    import json
+    import shutil
+
+    import numpy as np
+    import ollama
+
+    peft = lora_ggufs[0].parent / "hf" / "smollm2" / "lora"
+    r = daemon.http.post("/api/create", json={"model": "tuned-peft", "stream": False,
+                                              "modelfile": f"FROM {MODEL}\nADAPTER {peft}\n"})
+    assert r.status_code == 200, r.text
+    modelfile = daemon.http.post("/api/show", json={"model": "tuned-peft"}).json()["modelfile"]
+    stored = modelfile.split("\nADAPTER ")[1].split("\n")[0]
+    mine, alpha = _tensors(stored)
+    want, want_alpha = _tensors(lora_ggufs[0])
+    assert sorted(mine) == sorted(want) and alpha == want_alpha == 16.0
+    assert all(np.array_equal(mine[k], want[k]) for k in want)
+    _agree(_generate(daemon, tuned, PROMPTS[0]), _generate(daemon, "tuned-peft", PROMPTS[0]))
+
+    client = ollama.Client(host=daemon.url)
+    files = {fn: client.create_blob(peft / fn) for fn in ("adapter_config.json", "adapter_model.safetensors")}
+    events = list(client.create(model="tuned-peft2", from_=MODEL, adapters=files, stream=True))
+    assert events[-1].status == "success"
+    _agree(_generate(daemon, tuned, PROMPTS[1]), _generate(daemon, "tuned-peft2", PROMPTS[1]))
+
+    # what a LoRA GGUF cannot hold is a 400 that says what to do
+    cfg = json.loads((peft / "adapter_config.json").read_text())
+    for name, change, words in [("dora", {"use_dora": True}, "DoRA"), ("saved", {"modules_to_save": ["lm_head"]},
+                                "modules_to_save"), ("prefix", {"peft_type": "PREFIX_TUNING"}, "only LoRA")]:
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(peft / "adapter_model.safetensors", d)
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        r = daemon.http.post("/api/create", json={"model": "bad", "stream": False,
+                                                  "modelfile": f"FROM {MODEL}\nADAPTER {d}\n"})
+        assert r.status_code == 400 and words in r.json()["error"], r.text
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "head"
+    shutil.copytree(peft, d)
+    save_file({"base_model.model.lm_head.lora_A.weight": np.zeros((8, 576), np.float32)}, str(d / "adapter_model.safetensors"))
+    r = daemon.http.post("/api/create", json={"model": "bad", "stream": False,
+                                              "modelfile": f"FROM {MODEL}\nADAPTER {d}\n"})
+    assert r.status_code == 400 and "convert_lora_to_gguf.py" in r.json()["error"], r.text
+    assert "bad:latest" not in {m["name"] for m in daemon.http.get("/api/tags").json()["models"]}

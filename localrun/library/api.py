@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.library import adapters as _adapters
 from localrun.library import catalog as _catalog
 from localrun.library.capabilities import model_capabilities, tool_format
 from localrun.library.capabilities import model_info as with_ide_keys
@@ -20,7 +22,7 @@ from localrun.library.gguf_info import GGUFInfo, read_gguf_info
 from localrun.library.model import ModelSummary, PullEvent, ResolvedModel
 from localrun.library.modelfile import Modelfile, local_source, parameter_lines, parse_modelfile
 from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
-from localrun.library.paths import shown as shown_path, user_path_errors
+from localrun.library.paths import check_regular, shown as shown_path, user_path_errors
 from localrun.library.pull import (Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors,
                                    is_safetensors_model, kept_safetensors_file)
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
@@ -238,7 +240,8 @@ class Library:
         base = Path(base_dir) if base_dir is not None else Path.cwd()
         # an ADAPTER that is no LoRA adapter file, or does not fit a FROM file, is refused before anything is copied
         adapter_file = self._adapter_file(mf.adapter, base) if mf.adapter is not None else None
-        if adapter_file is not None and files is None and mf.from_ and (src := local_source(mf.from_, base)):
+        if adapter_file is not None and adapter_file[1] is not None and files is None and mf.from_ and (
+                src := local_source(mf.from_, base)):
             with user_path_errors(f"FROM {shown_path(mf.from_)}"):
                 is_file, is_dir = src.is_file(), src.is_dir()
             if is_dir:
@@ -461,25 +464,38 @@ class Library:
                                      f"{name} is {'x'.join(str(d) for d in w)}; FROM must name the model the "
                                      "adapter was trained on")
 
-    def _adapter_file(self, text: str, base: Path) -> tuple[Path, GGUFInfo, str]:
-        """ADAPTER <path>: (the file, its GGUF header, the words errors name it by), a LoRA adapter GGUF."""
+    def _adapter_file(self, text: str, base: Path) -> tuple[Path, GGUFInfo | None, str]:
+        """ADAPTER <path>: (the file, its GGUF header, the words errors name it by) for a LoRA adapter GGUF, or
+        (the directory, None, ...) for a PEFT adapter directory (converted once the model is known)."""
         if "\x00" in text:
             raise InvalidRequest("ADAPTER contains a NUL byte")
         shown = f"ADAPTER {shown_path(text)}"
         path = Path(os.path.expanduser(text))
         path = path if path.is_absolute() else base / path
         with user_path_errors(shown):
-            if path.is_dir():
-                raise InvalidRequest(f"{shown}: a directory; ADAPTER takes a LoRA adapter in GGUF (llama.cpp's "
-                                     "convert_lora_to_gguf.py converts a PEFT adapter directory: "
-                                     "convert_lora_to_gguf.py --base <the base model's directory> <the adapter's>)")
+            is_dir = path.is_dir()
+            if is_dir and not _adapters.is_peft_dir(path):
+                raise InvalidRequest(f"{shown}: a directory without {_adapters.CONFIG}; ADAPTER takes a LoRA "
+                                     f"adapter in GGUF, or a PEFT adapter directory ({_adapters.CONFIG} and "
+                                     f"{_adapters.WEIGHTS})")
+        if is_dir:
+            _adapters.read_config(path / _adapters.CONFIG, shown)  # refused before anything is copied
+            check_regular(path / _adapters.WEIGHTS, f"{shown}: {_adapters.WEIGHTS}")
+            return path, None, shown
         info = read_gguf_info(path, display_name=shown)
         self._check_lora(info, shown)
         return path, info, shown
 
-    def _import_adapter(self, path: Path, info: GGUFInfo, shown: str, prog: Progress, pins: list[str],
+    def _import_adapter(self, path: Path, info: GGUFInfo | None, shown: str, prog: Progress, pins: list[str],
                         model: GGUFInfo) -> dict:
-        """The adapter layer for ADAPTER <path>: the LoRA adapter, checked against the model and copied into the store."""
+        """The adapter layer for ADAPTER <path>: the LoRA adapter (a PEFT directory converted to GGUF first),
+        checked against the model and copied into the store."""
+        if info is None:
+            with tempfile.TemporaryDirectory(prefix="localrun-adapter-") as tmp:
+                prog.emit("converting adapter")
+                out = Path(tmp) / _safe_name(path.name + ".gguf", "adapter.gguf")
+                _adapters.convert(path / _adapters.CONFIG, path / _adapters.WEIGHTS, model, out, shown)
+                return self._import_adapter(out, read_gguf_info(out, display_name=shown), shown, prog, pins, model)
         self._check_adapter(info, shown, model)
         prog.emit("copying adapter")
         digest, size = self.store.import_file(
@@ -489,12 +505,24 @@ class Library:
         return _layer(MT_ADAPTER, digest, size, _safe_name(path.name, "adapter.gguf"))
 
     def _adapter_from_blobs(self, adapters: Any, prog: Progress, pins: list[str], model: GGUFInfo) -> dict:
-        """The adapter layer for Ollama's `adapters`: one uploaded LoRA adapter GGUF by file name."""
-        if not isinstance(adapters, dict) or len(adapters) != 1:
-            raise InvalidRequest("'adapters' must map one file name to its blob digest (sha256:...): one LoRA "
-                                 "adapter in GGUF, uploaded first with POST /api/blobs/<digest>")
-        (fn, (digest, path)), = self.check_files(adapters, "adapters").items()
-        self._pin(pins, digest)
+        """The adapter layer for Ollama's `adapters`: one uploaded LoRA adapter GGUF, or a PEFT adapter's two files
+        (converted to GGUF), by file name."""
+        peft = {_adapters.CONFIG, _adapters.WEIGHTS}
+        if not isinstance(adapters, dict) or not (len(adapters) == 1 or set(adapters) == peft):
+            raise InvalidRequest("'adapters' must map one LoRA adapter GGUF's file name, or a PEFT adapter's "
+                                 f"{_adapters.CONFIG} and {_adapters.WEIGHTS}, to their blob digests (sha256:...), "
+                                 "each uploaded first with POST /api/blobs/<digest>")
+        blobs = self.check_files(adapters, "adapters")
+        for digest, _ in blobs.values():
+            self._pin(pins, digest)
+        if set(blobs) == peft:
+            shown = "'adapters'"
+            with tempfile.TemporaryDirectory(prefix="localrun-adapter-") as tmp:
+                prog.emit("converting adapter")
+                out = Path(tmp) / "adapter.gguf"
+                _adapters.convert(blobs[_adapters.CONFIG][1], blobs[_adapters.WEIGHTS][1], model, out, shown)
+                return self._import_adapter(out, read_gguf_info(out, display_name=shown), shown, prog, pins, model)
+        (fn, (digest, path)), = blobs.items()
         shown = f"'adapters': {fn}"
         self._check_adapter(read_gguf_info(path, display_name=shown), shown, model)
         prog.emit(f"using adapter {digest[:19]}")
