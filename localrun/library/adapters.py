@@ -27,7 +27,7 @@ from localrun.library.paths import open_regular
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20
-MAX_ADAPTER_BYTES = 8 << 30
+MAX_ADAPTER_BYTES = 2 << 30  # read whole (rank 64 on every matrix of a 70B: ~1.7 GB in bf16)
 # the architectures whose Hugging Face module names map one to one onto llama.cpp's; True: Q/K rows permuted
 ARCHS = {"llama": True, "mistral": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
 _MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -74,7 +74,8 @@ def read_safetensors(path: Path, shown: str) -> dict[str, np.ndarray]:
     f, size = open_regular(path, display)
     with f:
         if size > MAX_ADAPTER_BYTES:
-            raise InvalidRequest(f"{display} is {size} bytes: larger than any LoRA adapter ({MAX_ADAPTER_BYTES} at most)")
+            raise InvalidRequest(f"{display} is {size} bytes, more than this conversion reads ({MAX_ADAPTER_BYTES}): "
+                                 f"{_ADVICE}")
         head = f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
