@@ -335,3 +335,23 @@ def test_a_peft_adapter_directory_converts_to_what_llama_cpps_converter_writes(d
                                               "modelfile": f"FROM {MODEL}\nADAPTER {d}\n"})
     assert r.status_code == 400 and "convert_lora_to_gguf.py" in r.json()["error"], r.text
     assert "bad:latest" not in {m["name"] for m in daemon.http.get("/api/tags").json()["models"]}
+
+
+def test_pulling_a_repo_of_only_a_lora_adapter_says_what_it_is(tmp_path, lora_ggufs, monkeypatch):
+    from fakehub import FakeHub
+
+    from localrun.errors import InvalidRequest
+    from localrun.library.api import Library
+
+    hub = FakeHub()
+    hub.add_path("org/Tiny-LoRA-GGUF", lora_ggufs[0], "tiny-lora-F32.gguf")
+    hub.start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        lib = Library(tmp_path / "models")
+        with pytest.raises(InvalidRequest, match="tiny-lora-F32.gguf is a lora adapter, not a model: pull the model"):
+            lib.pull("hf.co/org/Tiny-LoRA-GGUF")
+        assert lib.list() == []
+    finally:
+        hub.stop()

@@ -175,7 +175,14 @@ class Library:
             else:
                 layers, more = self._download_safetensors(hub, chosen, prog, pins)
                 return layers, {"source": {**source, "revision": hub.commit}, **more}
-        digest, _ = hub.download(self.store, rf, prog, check=lambda p: read_gguf_info(p, display_name=rf.filename))
+        def check(p: Path) -> None:
+            kind = read_gguf_info(p, display_name=rf.filename).adapter_type
+            if kind is not None:
+                raise InvalidRequest(f"hf.co/{repo}: {rf.filename} is a {kind} adapter, not a model: pull the model it "
+                                     f"was trained on, then create a model FROM it with ADAPTER <this file>")
+
+        digest, _ = hub.download(self.store, rf, prog, check=check)
+        check(self.store.blob_path(digest))  # also when those bytes were already in the store
         self._pin(pins, digest)
         layers = [self._gguf_layer(digest, rf.filename)]
         source.update({"file": rf.filename, "revision": hub.commit})
