@@ -234,8 +234,8 @@ class Library:
         """A model from a Modelfile: its FROM (a model, a GGUF file, a safetensors directory), or
         `files`: {file name: digest} of blobs already in the store (Ollama's /api/create after
         POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...).
-        A LoRA adapter (a GGUF, llama.cpp applies it at load) comes as the Modelfile's ADAPTER or as
-        `adapters` (one {file name: digest} uploaded as `files` are); it replaces the base model's."""
+        A LoRA adapter (a GGUF, or a PEFT directory converted to one) comes as the Modelfile's ADAPTER or as
+        `adapters` (uploaded as `files` are); it replaces the base model's."""
         mn = parse_name(name)
         if mn.is_hf:
             raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
@@ -245,17 +245,7 @@ class Library:
         if adapters is not None and mf.adapter is not None:
             raise InvalidRequest("give the adapter as ADAPTER or as 'adapters', not both")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
-        # an ADAPTER that is no LoRA adapter file, or does not fit a FROM file, is refused before anything is copied
-        adapter_file = self._adapter_file(mf.adapter, base) if mf.adapter is not None else None
-        if adapter_file is not None and adapter_file[1] is not None and files is None and mf.from_ and (
-                src := local_source(mf.from_, base)):
-            with user_path_errors(f"FROM {shown_path(mf.from_)}"):
-                is_file, is_dir = src.is_file(), src.is_dir()
-            if is_dir:
-                self._adapter_base([])  # (a safetensors model: its refusal)
-            if is_file:
-                self._check_adapter(adapter_file[1], adapter_file[2],
-                                    read_gguf_info(src, display_name=f"FROM {shown_path(mf.from_)}"))
+        adapter_file = self._adapter_file(mf.adapter, base, mf.from_) if mf.adapter is not None else None
         prog = Progress(progress, cancel)
         prog.emit("parsing modelfile")
         self.store.ensure()
@@ -471,9 +461,10 @@ class Library:
                                      f"{name} is {'x'.join(str(d) for d in w)}; FROM must name the model the "
                                      "adapter was trained on")
 
-    def _adapter_file(self, text: str, base: Path) -> tuple[Path, GGUFInfo | None, str]:
+    def _adapter_file(self, text: str, base: Path, from_: str | None) -> tuple[Path, GGUFInfo | None, str]:
         """ADAPTER <path>: (the file, its GGUF header, the words errors name it by) for a LoRA adapter GGUF, or
-        (the directory, None, ...) for a PEFT adapter directory (converted once the model is known)."""
+        (the directory, None, ...) for a PEFT adapter directory (converted once the model is known). What is no
+        LoRA adapter, or does not fit a FROM file, is refused here: before anything is copied in."""
         if "\x00" in text:
             raise InvalidRequest("ADAPTER contains a NUL byte")
         shown = f"ADAPTER {shown_path(text)}"
@@ -491,6 +482,14 @@ class Library:
             return path, None, shown
         info = read_gguf_info(path, display_name=shown)
         self._check_lora(info, shown)
+        src = local_source(from_, base) if from_ else None
+        if src is not None:
+            with user_path_errors(f"FROM {shown_path(from_)}"):
+                is_file, is_dir = src.is_file(), src.is_dir()
+            if is_dir:
+                self._adapter_base([])  # (a safetensors model: its refusal)
+            if is_file:
+                self._check_adapter(info, shown, read_gguf_info(src, display_name=f"FROM {shown_path(from_)}"))
         return path, info, shown
 
     def _import_adapter(self, path: Path, info: GGUFInfo | None, shown: str, prog: Progress, pins: list[str],
