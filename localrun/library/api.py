@@ -411,12 +411,18 @@ class Library:
         if info.architecture != "clip":
             raise InvalidRequest(f"{shown}: a second FROM must be a vision projector (a GGUF whose architecture is "
                                  f"clip), but this one's architecture is {info.architecture!r}")
-        prog.emit("copying projector")
+        return self._copy_layer(path, info, shown, MT_PROJECTOR, "mmproj.gguf", "copying projector", prog, pins)
+
+    def _copy_layer(self, path: Path, info: GGUFInfo, shown: str, media_type: str, default_name: str, step: str,
+                    prog: Progress, pins: list[str]) -> dict:
+        """A checked GGUF file (a projector, an adapter) copied into the store (the copy checked again) as a
+        layer of `media_type`; `step` is its progress line."""
+        prog.emit(step)
         digest, size = self.store.import_file(
-            path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying projector", None, info.file_size),
+            path, shown=shown, what=shown_path(path.name), progress=prog.counter(step, None, info.file_size),
             check=lambda p: read_gguf_info(p, display_name=shown))
         self._pin(pins, digest)
-        return _layer(MT_PROJECTOR, digest, size, _safe_name(path.name, "mmproj.gguf"))
+        return _layer(media_type, digest, size, _safe_name(path.name, default_name))
 
     def _adapter_base(self, layers: list[dict]) -> GGUFInfo:
         """The GGUF header of the model an adapter goes on (llama.cpp applies LoRA adapters to GGUF models only)."""
@@ -497,18 +503,19 @@ class Library:
         """The adapter layer for ADAPTER <path>: the LoRA adapter (a PEFT directory converted to GGUF first),
         checked against the model and copied into the store."""
         if info is None:
-            with tempfile.TemporaryDirectory(prefix="localrun-adapter-") as tmp:
-                prog.emit("converting adapter")
-                out = Path(tmp) / _safe_name(path.name + ".gguf", "adapter.gguf")
-                _adapters.convert(path / _adapters.CONFIG, path / _adapters.WEIGHTS, model, out, shown)
-                return self._import_adapter(out, read_gguf_info(out, display_name=shown), shown, prog, pins, model)
+            return self._converted_adapter(path / _adapters.CONFIG, path / _adapters.WEIGHTS,
+                                           _safe_name(path.name + ".gguf", "adapter.gguf"), shown, prog, pins, model)
         self._check_adapter(info, shown, model)
-        prog.emit("copying adapter")
-        digest, size = self.store.import_file(
-            path, shown=shown, what=shown_path(path.name), progress=prog.counter("copying adapter", None, info.file_size),
-            check=lambda p: read_gguf_info(p, display_name=shown))
-        self._pin(pins, digest)
-        return _layer(MT_ADAPTER, digest, size, _safe_name(path.name, "adapter.gguf"))
+        return self._copy_layer(path, info, shown, MT_ADAPTER, "adapter.gguf", "copying adapter", prog, pins)
+
+    def _converted_adapter(self, config: Path, weights: Path, name: str, shown: str, prog: Progress, pins: list[str],
+                           model: GGUFInfo) -> dict:
+        """The adapter layer for a PEFT adapter (its config and weights files): converted to a LoRA GGUF `name`."""
+        with tempfile.TemporaryDirectory(prefix="localrun-adapter-") as tmp:
+            prog.emit("converting adapter")
+            out = Path(tmp) / name
+            _adapters.convert(config, weights, model, out, shown)
+            return self._import_adapter(out, read_gguf_info(out, display_name=shown), shown, prog, pins, model)
 
     def _adapter_from_blobs(self, adapters: Any, prog: Progress, pins: list[str], model: GGUFInfo) -> dict:
         """The adapter layer for Ollama's `adapters`: one uploaded LoRA adapter GGUF, or a PEFT adapter's two files
@@ -522,12 +529,8 @@ class Library:
         for digest, _ in blobs.values():
             self._pin(pins, digest)
         if set(blobs) == peft:
-            shown = "'adapters'"
-            with tempfile.TemporaryDirectory(prefix="localrun-adapter-") as tmp:
-                prog.emit("converting adapter")
-                out = Path(tmp) / "adapter.gguf"
-                _adapters.convert(blobs[_adapters.CONFIG][1], blobs[_adapters.WEIGHTS][1], model, out, shown)
-                return self._import_adapter(out, read_gguf_info(out, display_name=shown), shown, prog, pins, model)
+            return self._converted_adapter(blobs[_adapters.CONFIG][1], blobs[_adapters.WEIGHTS][1], "adapter.gguf",
+                                           "'adapters'", prog, pins, model)
         (fn, (digest, path)), = blobs.items()
         shown = f"'adapters': {fn}"
         self._check_adapter(read_gguf_info(path, display_name=shown), shown, model)
