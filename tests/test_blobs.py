@@ -216,7 +216,7 @@ def test_blob_upload_errors(daemon):
         ({"model": "m", "from": "smollm2:135m", "quantize": "q4_K_M"}, "llama-quantize"),
         ({"model": "m", "from": "smollm2:135m", "adapters": {"lora.gguf": _digest(data)}}, "not a valid GGUF"),
         ({"model": "m", "from": "smollm2:135m", "adapters": {"a.gguf": _digest(data), "b.gguf": _digest(data)}},
-         "one file name"),
+         "must map one LoRA adapter GGUF"),
         ({"model": "m", "files": {"x.bin": _digest(data)}}, "holds no model"),
     ]:
         r = http.post("/api/create", json={**body, "stream": False})
