@@ -355,3 +355,24 @@ def test_pulling_a_repo_of_only_a_lora_adapter_says_what_it_is(tmp_path, lora_gg
         assert lib.list() == []
     finally:
         hub.stop()
+
+
+def test_tensor_parallel_ranks_merge_the_adapter_too(smollm2_gguf, lora_ggufs):
+    """Three ranks (SmolLM2's 9 query and 3 KV heads split three ways; gloo on CPU) each merge the update of their
+    shard of every adapted weight (read whole, then cut): the same tokens and logprobs as one rank."""
+    from localrun.engine.config import EngineConfig
+    from localrun.engine.engine import LLMEngine
+    from localrun.engine.sampler import SamplingParams
+
+    outs = {}
+    for tp in (1, 3):
+        eng = LLMEngine.from_gguf(smollm2_gguf, EngineConfig(device="cpu", dtype="float32", max_model_len=256,
+                                                             kv_cache_tokens=1024, tensor_parallel=tp),
+                                  adapter=lora_ggufs[0])
+        try:
+            ids = eng.tokenizer.encode(PROMPTS[0])
+            outs[tp] = eng.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1))[0]
+        finally:
+            eng.shutdown()
+    assert outs[3].token_ids == outs[1].token_ids
+    assert max(abs(a[1] - b[1]) for a, b in zip(outs[1].logprobs, outs[3].logprobs)) < 1e-4
