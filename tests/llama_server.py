@@ -45,3 +45,18 @@ def running_llama_server(binary: Path, gguf: Path, ctx: int, threads: int, paral
     finally:
         server.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+@contextmanager
+def llama_server_client(binary: Path, gguf: Path, ctx: int, *args: str):
+    """llama-server on ``gguf`` (one slot of ``ctx`` tokens, the physical cores as threads, ``args``) and an httpx
+    client of it that opens a connection per request: llama-server (cpp-httplib) drops a kept-alive connection
+    after 5 s idle, and a request sent as it does so got "Server disconnected without sending a response" (CI,
+    once, while the daemon's routes took their turn between two llama-server requests)."""
+    import httpx
+
+    from localrun.backends.llamacpp import physical_cores
+
+    with running_llama_server(binary, gguf, ctx, physical_cores(), args=args) as url:
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
+            yield h

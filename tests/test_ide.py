@@ -48,16 +48,10 @@ def daemon(tmp_path_factory, fim_gguf):
 @pytest.fixture(scope="module")
 def llama_srv(llama_server_bin, fim_gguf):
     """llama.cpp's own llama-server on the same GGUF, one slot of the daemon's context, the same threads."""
-    from llama_server import running_llama_server
+    from llama_server import llama_server_client
 
-    from localrun.backends.llamacpp import physical_cores
-
-    with running_llama_server(llama_server_bin, fim_gguf, N_CTX, physical_cores()) as url:
-        # a connection per request: llama-server (cpp-httplib) drops a kept-alive connection after 5 s
-        # idle, and a request sent as it does so got "Server disconnected without sending a response"
-        # (CI, once, while the daemon's routes took their turn between two llama-server requests)
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    with llama_server_client(llama_server_bin, fim_gguf, N_CTX) as h:
+        yield h
 
 
 def _version_at_least(v: str, minimum: str) -> bool:

@@ -48,14 +48,10 @@ def tuned(daemon, lora_ggufs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_srv(llama_server_bin, smollm2_gguf, lora_ggufs):
     """llama-server on the bundled GGUF with --lora (one slot of the daemon's context, the same threads)."""
-    from llama_server import running_llama_server
+    from llama_server import llama_server_client
 
-    from localrun.backends.llamacpp import physical_cores
-
-    with running_llama_server(llama_server_bin, smollm2_gguf, N_CTX, physical_cores(),
-                              args=("--lora", str(lora_ggufs[0]))) as url:
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    with llama_server_client(llama_server_bin, smollm2_gguf, N_CTX, "--lora", str(lora_ggufs[0])) as h:
+        yield h
 
 
 def _generate(daemon, model: str, prompt: str) -> list:
@@ -109,18 +105,16 @@ def test_two_streams_through_the_adapter_each_get_their_own_answer(daemon, tuned
 
 
 def test_embeddings_with_the_adapter_are_llama_servers(daemon, tuned, llama_server_bin, smollm2_gguf, lora_ggufs):
-    from llama_server import running_llama_server
-
-    from localrun.backends.llamacpp import physical_cores
+    from llama_server import llama_server_client
 
     texts = ["The sea is calm tonight.", "Three colors: red, green and blue."]
     r = daemon.http.post("/api/embed", json={"model": tuned, "input": texts})
     assert r.status_code == 200, r.text
     mine = r.json()["embeddings"]
     base = daemon.http.post("/api/embed", json={"model": MODEL, "input": texts}).json()["embeddings"]
-    with running_llama_server(llama_server_bin, smollm2_gguf, N_CTX, physical_cores(),
-                              args=("--lora", str(lora_ggufs[0]), "--embedding", "--pooling", "mean")) as url:
-        ref = httpx.post(url + "/v1/embeddings", json={"input": texts}, timeout=120).json()["data"]
+    with llama_server_client(llama_server_bin, smollm2_gguf, N_CTX, "--lora", str(lora_ggufs[0]), "--embedding",
+                             "--pooling", "mean") as h:
+        ref = h.post("/v1/embeddings", json={"input": texts}).json()["data"]
     for m, b, want in zip(mine, base, sorted(ref, key=lambda d: d["index"])):
         assert max(abs(x - y) for x, y in zip(m, want["embedding"])) < 1e-4
         assert max(abs(x - y) for x, y in zip(m, b)) > 1e-3  # the adapter is applied

@@ -6,14 +6,12 @@ cannot do with a clear 400 before loading it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 from daemon import MODEL, Daemon
 
@@ -47,17 +45,11 @@ def daemon(tmp_path_factory, xlmr_ggufs):
         d.stop()
 
 
-@contextlib.contextmanager
 def _server(binary, gguf, *args):
-    """llama-server on `gguf` with `args`, the daemon's window and threads: a client of it (a connection per request:
-    llama-server drops a kept-alive connection after 5 s idle)."""
-    from llama_server import running_llama_server
+    """llama-server on `gguf` with `args`, the daemon's window and threads, and a client of it."""
+    from llama_server import llama_server_client
 
-    from localrun.backends.llamacpp import physical_cores
-
-    with running_llama_server(binary, gguf, N_CTX, physical_cores(), args=args) as url:
-        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:
-            yield h
+    return llama_server_client(binary, gguf, N_CTX, *args)
 
 
 @pytest.fixture(scope="module")
