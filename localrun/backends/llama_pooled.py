@@ -180,8 +180,9 @@ class Pooled:
                     except ValueError as exc:  # llama-cpp-python's word for a failed load or context
                         raise BackendError(f"llama.cpp could not load {self.spec.name} for "
                                            f"{POOLING_NAMES[self.pooling]} pooling: {exc}") from None
-            if self.spec.extra.get("adapter"):  # the model's LoRA adapter (set here: Llama's lora_path crashes on
-                import llama_cpp.llama_cpp as lib  # an adapter that does not fit)
+            # the model's LoRA adapter, set here (Llama's own lora_path crashes on an adapter that does not fit)
+            if self.spec.extra.get("adapter"):
+                import llama_cpp.llama_cpp as lib
 
                 try:
                     load_lora(lib, self.llm.model, self.llm.ctx, str(self.spec.extra["adapter"]), self.spec.name)

@@ -425,12 +425,13 @@ class Library:
         return _layer(media_type, digest, size, _safe_name(path.name, default_name))
 
     def _adapter_base(self, layers: list[dict]) -> GGUFInfo:
-        """The GGUF header of the model an adapter goes on (llama.cpp applies LoRA adapters to GGUF models only)."""
+        """The GGUF header of the model an adapter goes on (adapters go on GGUF models only: llama.cpp applies
+        them, the native engine merges them as it reads the GGUF)."""
         model = [l for l in layers if l["mediaType"] == MT_MODEL]
         if not model:
-            raise InvalidRequest("a LoRA adapter needs a GGUF model: llama.cpp applies adapters, and this model is "
-                                 "safetensors (the native engine applies none). Import a GGUF of the model, or merge "
-                                 "the adapter into the safetensors weights (PEFT's merge_and_unload) first")
+            raise InvalidRequest("a LoRA adapter needs a GGUF model (llama.cpp applies it; the native engine merges "
+                                 "it as it reads a GGUF), and this model is safetensors. Import a GGUF of the model, "
+                                 "or merge the adapter into the safetensors weights (PEFT's merge_and_unload) first")
         return _gguf_info(self.store.blob_path(model[0]["digest"]))
 
     @staticmethod
