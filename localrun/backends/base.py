@@ -53,8 +53,20 @@ class SamplingOptions:
     # means "any valid JSON object". Backends that cannot constrain raise BackendError.
     json_schema: dict[str, Any] | None = None
     json_mode: bool = False
+    # Other constraints (at most one of all of them per request): the whole output matches a regular
+    # expression (Python's syntax, re.fullmatch), is one of these strings, or follows a llama.cpp
+    # grammar (GBNF). vLLM's structured_outputs / guided_*, SGLang's regex / ebnf, llama-server's grammar
+    regex: str | None = None
+    choices: list[str] | None = None
+    grammar: str | None = None
     # token id -> bias added to its logit (OpenAI's logit_bias, -100..100; -100 bans the token)
     logit_bias: dict[int, float] | None = None
+
+    def constraints(self) -> list[str]:
+        """The output constraints set: json_schema / json_mode / regex / choices / grammar."""
+        return [k for k, on in (("json_schema", self.json_schema is not None), ("json_mode", self.json_mode),
+                                ("regex", self.regex is not None), ("choices", self.choices is not None),
+                                ("grammar", self.grammar is not None)) if on]
 
 
 # Where an image goes in a rendered prompt: llama.cpp's multimodal library (mtmd) puts each image's

@@ -128,7 +128,9 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
         g = lib.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
         if not g:
             lib.llama_sampler_free(chain)
-            raise InvalidRequest("llama.cpp cannot parse the JSON schema's grammar")
+            raise InvalidRequest("llama.cpp cannot parse the grammar (GBNF): every rule it names must be defined, "
+                                 "and none may start with itself (left recursion)" if o.grammar is not None else
+                                 "llama.cpp cannot parse the grammar made from the request's output constraint")
     return chain, g
 
 
@@ -244,6 +246,7 @@ class Request:
     queue: Any
     window: int  # the request's context window (num_ctx): prompt + output + drafts stay inside it
     grammar: Any = None  # its JSON grammar's llama_sampler, outside the chain (owned too)
+    matcher: Any = None  # or its own regex / choices / grammar: an llguidance LLMatcher (constraints.Matchers)
     speculative: int = 0  # draft tokens per step (0: off)
     rid: str = ""
     cancelled: bool = False
@@ -326,6 +329,7 @@ class BatchedLlama:
                              spec_steps=0, image_tokens=0, moved_sequences=0,
                              handed_over_prefixes=0, grammar_resamples=0, copied_cells=0, copied_streams=0)
         self._candidates: _Candidates | None = None  # _sample_constrained's arrays, made on first use
+        self._mask: np.ndarray | None = None  # _sample_matched's bitmask of the vocabulary (int32 words)
         # per-token facts asked of llama.cpp once: every ctypes call lets go of the GIL, and the
         # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
@@ -705,7 +709,7 @@ class BatchedLlama:
 
     def _draft(self, r: Request) -> list[int]:
         k = min(r.speculative, r.limit - r.n_out - 1, r.window - r.computed - 2)
-        if k <= 0 or r.options.json_schema is not None or r.options.json_mode:
+        if k <= 0 or r.grammar or r.matcher is not None:
             return []
         draft = lookup_draft(r.history, k)
         cut = next((i for i, t in enumerate(draft) if t < 0), len(draft))  # an image's stand-ins are no tokens
@@ -797,12 +801,19 @@ class BatchedLlama:
                     tok = int(logits[out_row[row]].argmax())
                 elif r.grammar:
                     tok = self._sample_constrained(r, row)
+                elif r.matcher is not None:
+                    tok = self._sample_matched(r, row)
+                    if tok is None:  # past llguidance's bounds: r has its error
+                        sampled = None
+                        break
                 else:
                     tok = lib.llama_sampler_sample(r.sampler, ctx, row)
                 sampled.append((tok, self._logprob(row, tok, r.options.top_logprobs) if r.options.logprobs else None))
                 j = len(sampled) - 1  # the draft token this one is checked against
                 if not (decoding and j < len(r.draft) and tok == r.draft[j]):
                     break
+            if sampled is None:
+                continue
             if decoding:
                 self.counters["decode_tokens"] += len(sampled)
             if r.draft:
@@ -917,6 +928,7 @@ class BatchedLlama:
         if r.grammar:
             self.lib.llama_sampler_free(r.grammar)
             r.grammar = None
+        r.matcher = None
         if r.on_end is not None:
             on_end, r.on_end = r.on_end, None
             on_end()
@@ -952,6 +964,32 @@ class BatchedLlama:
             self.counters["grammar_resamples"] += 1
             tok = c.pick(logits, r.sampler, mask=r.grammar)
         self.lib.llama_sampler_accept(r.grammar, tok)
+        self.lib.llama_sampler_accept(r.sampler, tok)
+        return tok
+
+    def _sample_matched(self, r: Request, row: int) -> int | None:
+        """A token for r (which has an llguidance matcher) at a batch row, as _sample_constrained picks one: the
+        chain picks; the matcher checks that token; only when it refuses does its mask of the vocabulary (tens
+        of microseconds) go over the logits before the chain picks again. None, with r ended with an error,
+        when the grammar went past llguidance's bounds on one token's work."""
+        if self._candidates is None:
+            self._candidates = _Candidates(self.lib, self.n_vocab)
+        c, m = self._candidates, r.matcher
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+        tok = c.pick(logits, r.sampler)
+        if not m.validate_tokens([tok]):
+            self.counters["grammar_resamples"] += 1
+            if self._mask is None:
+                self._mask = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+            m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+            allowed = np.unpackbits(self._mask.view(np.uint8), count=self.n_vocab, bitorder="little").astype(bool)
+            if not m.is_error() and allowed.any():
+                tok = c.pick(np.where(allowed, logits, np.float32("-inf")), r.sampler)
+        if m.is_error() or not m.consume_token(tok):
+            from localrun.backends.constraints import stopped_message
+
+            self._finish_error(r, InvalidRequest(stopped_message(m.get_error())))
+            return None
         self.lib.llama_sampler_accept(r.sampler, tok)
         return tok
 

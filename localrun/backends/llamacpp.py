@@ -33,9 +33,11 @@ from localrun.backends.base import (
     LoadSpec,
     MEDIA_MARKER,
     MemoryEstimate,
+    SamplingOptions,
     fit_window,
     merge_chunks,
 )
+from localrun.backends.constraints import Matchers, constraint_lark
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
 from localrun.backends.llama_pooled import (MAX_WINDOW as EMBED_WINDOW, Pooled, backend_pooling, is_causal, load_options,
@@ -247,6 +249,15 @@ def check_schema_bounds(schema: Any) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
+def request_grammar(o: SamplingOptions) -> str | None:
+    """The llama.cpp grammar (GBNF) of a request's JSON constraint, None without one; InvalidRequest when
+    it cannot be made (or bounded). A regex, choices or a grammar of the request's own go to llguidance
+    (constraints.Matchers)."""
+    if o.json_schema is not None or o.json_mode:
+        return json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
+    return None
+
+
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """llama.cpp grammar text (GBNF) for a JSON schema, built once per schema (cached); InvalidRequest
     when it cannot be built or is over the bounds above."""
@@ -388,6 +399,7 @@ class LlamaCppBackend:
                                    copy_cells=self.n_gpu_layers == 0 and lib.llama_model_n_swa(model) == 0, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
+        self._matchers = Matchers(lib, self._vocab, self._n_vocab)
         self._n_layer = int(lib.llama_model_n_layer(model))
         # a second context for embeddings, made on the first request: mean pooling (a generating model's GGUF
         # sets no pooling; one that does is an embedding model, llama_pooled.PooledBackend's)
@@ -599,9 +611,9 @@ class LlamaCppBackend:
                 if not 0 <= int(t) < self._n_vocab:
                     raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of "
                                          f"{self._n_vocab}")
-            grammar = None
-            if o.json_schema is not None or o.json_mode:
-                grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
+            grammar = request_grammar(o)
+            lark = constraint_lark(o.regex, o.choices, o.grammar)  # a request's own constraint: llguidance runs it
+            matcher = await asyncio.to_thread(self._matchers.matcher, lark) if lark is not None else None
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
             sampler, gsampler = (make_sampler(*args) if len(grammar or "") < 4096
@@ -609,7 +621,7 @@ class LlamaCppBackend:
             req = Request(prompt=tokens, options=o, sampler=sampler, grammar=gsampler, loop=loop, queue=queue,
                           window=window, speculative=self.speculative, rid=request.request_id, images=spans,
                           preserved=self._preserved(request.preserve), cache_key=request.cache_key,
-                          argmax=plain_greedy(o, grammar), sink=sink)
+                          matcher=matcher, argmax=plain_greedy(o, grammar) and matcher is None, sink=sink)
             if sink is not None:
                 req.delivered = sink.delivered  # the daemon's 'delivered' ends the loop's first-token wait
                 sink.shape = shape  # before the loop can emit anything

@@ -260,6 +260,14 @@ class NativeBackend:
         """The compiled grammar of a structured request (None otherwise): the llama.cpp backend's
         bounds on the schema, then a cached compile on a worker thread (never the event loop or
         the engine's loop thread); InvalidRequest (400) when the schema cannot be used."""
+        from localrun.backends.constraints import constraint_lark
+
+        lark = constraint_lark(o.regex, o.choices, o.grammar)  # a regex, choices or a grammar of the request's own
+        if lark is not None:
+            try:
+                return await asyncio.to_thread(self.engine.compile_grammar, lark=lark)
+            except ValueError as exc:
+                raise InvalidRequest(f"{exc}; fix or simplify it") from None
         if o.json_schema is None and not o.json_mode:
             return None
         from localrun.backends.llamacpp import check_schema_bounds
@@ -299,6 +307,8 @@ class NativeBackend:
                         self.fatal = d.error  # tensor-parallel rank: the runner must restart
                     elif d.error_kind == "out_of_memory":  # the engine shrank itself and goes on
                         raise BackendError(d.error, status=503, code="out_of_memory")
+                    elif d.error_kind == "grammar":  # the request's own grammar stopped it
+                        raise InvalidRequest(d.error)
                     raise BackendError(d.error)
                 usage = None
                 if d.usage is not None:

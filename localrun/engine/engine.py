@@ -654,6 +654,9 @@ class LLMEngine:
         if p.max_tokens == 0:  # the prompt scored: the token its last row sampled is not wanted
             self._finish(req, "length")
             return
+        if seq.matcher is not None and seq.matcher.error:  # past llguidance's bounds: its mask let only EOS through
+            self._grammar_failed(req, seq.matcher.error)
+            return
         req.num_tokens += 1
         req.pending_ids.append(tok)
         if lp is not None:
@@ -669,6 +672,9 @@ class LLMEngine:
                     finish = self._cut_stop(req)
             if seq.matcher is not None and finish is None:
                 finish = self._grammar_token(seq, tok)
+                if finish == "grammar":
+                    self._grammar_failed(req, seq.matcher.error)
+                    return
         if finish is None and (req.num_tokens >= p.max_tokens
                                or seq.prompt_len + req.num_tokens >= self.config.max_model_len):
             finish = "length"
@@ -680,17 +686,23 @@ class LLMEngine:
 
     @staticmethod
     def _grammar_token(seq: Sequence, tok: int) -> str | None:
-        """Advance the request's grammar; "stop" once the grammar is complete (nothing may follow)."""
-        if not seq.matcher.consume(tok):  # the mask allowed it, so this is a bug: end the request cleanly
+        """Advance the request's grammar; "stop" once the grammar is complete (nothing may follow), "grammar" when
+        it went past llguidance's bounds."""
+        if not seq.matcher.consume(tok):
+            if seq.matcher.error and "satisfy the grammar" not in seq.matcher.error:  # its bounds, not the token
+                return "grammar"
+            # the mask allowed it, so this is a bug: end the request cleanly
             log.warning("request %s: the grammar rejected sampled token %d (%s)", seq.id, tok, seq.matcher.error)
             return "stop"
+        if seq.matcher.error:
+            return "grammar"
         return "stop" if seq.matcher.is_stopped else None
 
-    def compile_grammar(self, json_schema: dict | None) -> "Grammar":
-        """The grammar for JSON valid under `json_schema` (None: any JSON object), for
-        SamplingParams.grammar. Cached per schema; call it off the engine thread (a new schema
-        takes milliseconds, the first one also indexes the vocabulary: ~1.5 s). ValueError when
-        the schema cannot be compiled."""
+    def compile_grammar(self, json_schema: dict | None = None, *, lark: str | None = None) -> "Grammar":
+        """The grammar for JSON valid under `json_schema` (None: any JSON object), or of llguidance's
+        `lark` text, for SamplingParams.grammar. Cached per schema; call it off the engine thread (a new
+        schema takes milliseconds, the first one also indexes the vocabulary: ~1.5 s). ValueError when
+        it cannot be compiled."""
         if self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
         with self._cv:
@@ -698,7 +710,7 @@ class LLMEngine:
                 from localrun.engine.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
-        return self._grammars.json_schema(json_schema)
+        return self._grammars.lark(lark) if lark is not None else self._grammars.json_schema(json_schema)
 
     @staticmethod
     def _cut_stop(req: _Request) -> str | None:
@@ -737,6 +749,22 @@ class LLMEngine:
         self._requests.pop(seq.id, None)
         if req.stream is not None:
             self._emit(req, len(req.text), seq.finish_reason, self._usage(req))
+        else:
+            self._done[seq.id] = req
+
+    def _grammar_failed(self, req: _Request, why: str) -> None:
+        """End `req` with an error: its grammar stopped the generation (an empty language, or more work for one
+        token than llguidance's bounds allow)."""
+        seq = req.seq
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        req.finish_time = time.perf_counter()
+        self._requests.pop(seq.id, None)
+        from localrun.backends.constraints import stopped_message
+
+        message = stopped_message(why)
+        if req.stream is not None:
+            req.stream._push(StreamDelta([], "", "abort", None, self._usage(req), error=message, error_kind="grammar"))
         else:
             self._done[seq.id] = req
 

@@ -98,6 +98,22 @@ class GrammarCompiler:
         """The grammar of JSON text valid under `schema` (None: any JSON object); ValueError
         with llguidance's reason when the schema cannot be compiled."""
         key = json.dumps(ANY_JSON_OBJECT if schema is None else schema, separators=(",", ":"))  # key order kept: it is the output order
+
+        def text() -> str:
+            import llguidance
+
+            return llguidance.LLMatcher.grammar_from_json_schema(key, defaults=JSON_OPTIONS)
+
+        return self._compile(key, text, "the JSON schema", None)
+
+    def lark(self, lark: str) -> Grammar:
+        """The grammar of llguidance's Lark text (a request's regex, choices or GBNF grammar, through
+        localrun.backends.constraints.constraint_lark); ValueError with llguidance's reason when it cannot be compiled."""
+        from localrun.backends.constraints import PARSER_LIMITS
+
+        return self._compile("lark:" + lark, lambda: lark, "the grammar", PARSER_LIMITS)
+
+    def _compile(self, key: str, text, what: str, limits: dict | None) -> Grammar:
         with self._lock:
             g = self._cache.get(key)
             if g is not None:
@@ -107,12 +123,11 @@ class GrammarCompiler:
             import llguidance
 
             try:
-                text = llguidance.LLMatcher.grammar_from_json_schema(key, defaults=JSON_OPTIONS)
-                m = llguidance.LLMatcher(tokenizer, text)
+                m = llguidance.LLMatcher(tokenizer, text(), limits=llguidance.LLParserLimits(**limits or {}))
             except Exception as exc:  # llguidance reports some bad schemas by raising
-                raise ValueError(f"cannot build a grammar for the JSON schema: {exc}") from None
+                raise ValueError(f"cannot build a grammar for {what}: {exc}") from None
             if m.is_error():
-                raise ValueError(f"cannot build a grammar for the JSON schema: {m.get_error()}")
+                raise ValueError(f"cannot build a grammar for {what}: {m.get_error()}")
             g = self._cache[key] = Grammar(key, m)
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)

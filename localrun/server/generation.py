@@ -393,7 +393,8 @@ class GenerationService:
         if job.images:
             # image tokens are known once the runner has laid the prompt out with the projector: start it
             # (prefill and one token, its prefix then cached for the real request) and read its length
-            opts = replace(job.options, max_tokens=1, json_schema=None, json_mode=False, logit_bias=None,
+            opts = replace(job.options, max_tokens=1, json_schema=None, json_mode=False, regex=None, choices=None,
+                           grammar=None, logit_bias=None,
                            logprobs=False, stop=[], stop_token_ids=[])
             gen = await self.start(replace(job, options=opts, n=1, tools=job.tools))
             try:
@@ -589,9 +590,9 @@ class GenerationService:
     def _check_capabilities(job: Job, lease: Lease) -> None:
         info = lease.backend.info
         o = job.options
-        if (o.json_schema is not None or o.json_mode) and not info.supports_json_schema:
+        if o.constraints() and not info.supports_json_schema:
             raise InvalidRequest(f"{job.resolved.name} runs on the {info.name} backend, which cannot constrain "
-                                 "output to JSON yet; use LOCALRUN_BACKEND=llamacpp for format/response_format")
+                                 "output (JSON, a regex, choices, a grammar) yet; use LOCALRUN_BACKEND=llamacpp")
         if o.logprobs and not info.supports_logprobs:
             raise InvalidRequest(f"the {info.name} backend does not return logprobs")
         if (o.prompt_logprobs is not None or o.max_tokens == 0) and not info.supports_prompt_logprobs:

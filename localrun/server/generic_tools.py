@@ -227,7 +227,7 @@ def prepare(job: Any) -> None:
     tools = job.tools
     job.messages = rewrite_messages(job.messages or [], tools)
     job.tool_format = NAME
-    if job.options.json_schema is None and not job.options.json_mode:
+    if not job.options.constraints():
         job.options.json_schema = _buildable(output_schema(tools), tools)
     log.info("%s: its chat template cannot render tools; using the generic tool format (%d tools)",
              job.resolved.name, len(tools))

@@ -149,6 +149,88 @@ def check_json_schema(schema: Any) -> dict:
     return schema
 
 
+MAX_CHOICES = 1024  # strings a guided_choice may offer
+MAX_CHOICES_BYTES = 64 * 1024
+
+
+def _regex(value: Any, key: str) -> str:
+    from localrun.backends.constraints import regex_lark
+
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{key}' must be a non-empty string: a regular expression the whole output matches")
+    try:
+        regex_lark(value)  # the check every backend shares: Python's syntax, localrun's bounds
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"'{key}': {exc.message}") from None
+    return value
+
+
+def _choices(value: Any, key: str) -> list[str]:
+    if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in value)):
+        raise InvalidRequest(f"'{key}' must be a list of 1 to {MAX_CHOICES} non-empty strings: the output is one of them")
+    if sum(len(c.encode("utf-8")) for c in value) > MAX_CHOICES_BYTES:
+        raise InvalidRequest(f"'{key}' is over {MAX_CHOICES_BYTES} bytes")
+    return list(dict.fromkeys(value))
+
+
+def _grammar(value: Any, key: str) -> str:
+    from localrun.backends.constraints import check_gbnf
+
+    try:
+        return check_gbnf(value)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"'{key}': {exc.message}") from None
+
+
+def _json(value: Any, key: str) -> dict:
+    if isinstance(value, str):  # vLLM takes the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InvalidRequest(f"'{key}' must be a JSON schema (an object, or its JSON text)") from None
+    return check_json_schema(value)
+
+
+# (key, constraint, reader): what each server's extension asks for
+_STRUCTURED = (("guided_json", "json_schema", _json), ("guided_regex", "regex", _regex),  # vLLM (before 0.11)
+               ("guided_choice", "choices", _choices), ("guided_grammar", "grammar", _grammar),
+               ("regex", "regex", _regex), ("ebnf", "grammar", _grammar),  # SGLang
+               ("grammar", "grammar", _grammar), ("json_schema", "json_schema", _json))  # llama-server
+_STRUCTURED_OUTPUTS = (("json", "json_schema", _json), ("regex", "regex", _regex), ("choice", "choices", _choices),
+                       ("grammar", "grammar", _grammar))  # vLLM's structured_outputs
+
+
+def apply_structured(opts: SamplingOptions, body: dict) -> None:
+    """The output constraints that vLLM (structured_outputs, guided_*), SGLang (regex, ebnf) and llama-server
+    (grammar, json_schema) take beside OpenAI's response_format, onto `opts`: at most one constraint per
+    request, response_format's included."""
+    found: list[tuple[str, str, Any]] = []
+    for key, kind, read in _STRUCTURED:
+        if body.get(key) is not None:
+            found.append((key, kind, read(body[key], key)))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise InvalidRequest("'structured_outputs' must be an object")
+        if so.get("structural_tag") is not None:
+            raise InvalidRequest("'structured_outputs.structural_tag' is not supported; use json, regex, choice or "
+                                 "grammar")
+        for key, kind, read in _STRUCTURED_OUTPUTS:
+            if so.get(key) is not None:
+                found.append((f"structured_outputs.{key}", kind, read(so[key], f"structured_outputs.{key}")))
+        if so.get("json_object"):
+            found.append(("structured_outputs.json_object", "json_mode", True))
+    if not found:
+        return
+    given = ["response_format"] if opts.constraints() else []
+    if len(found) + len(given) > 1:
+        names = given + [k for k, _, _ in found]
+        raise InvalidRequest(f"one output constraint per request: {', '.join(repr(n) for n in names)} were given")
+    _, kind, value = found[0]
+    setattr(opts, kind, value)
+
+
 # -- Modelfile / Ollama options --------------------------------------------------------------
 _OPTION_FLOATS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0),
                   "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "typical_p": (0.0, 1.0)}

@@ -94,6 +94,7 @@ def openai_options(body: dict, resolved: Any, chat: bool):
             if not isinstance(js, dict) or "schema" not in js:
                 raise InvalidRequest("'response_format.json_schema' must be {'name': ..., 'schema': {...}}")
             opts.json_schema = p.check_json_schema(js["schema"])
+    p.apply_structured(opts, body)  # vLLM's structured_outputs / guided_*, SGLang's regex / ebnf, llama-server's grammar
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise InvalidRequest("'stream_options' must be an object")
@@ -222,6 +223,9 @@ async def chat_completions(request: Request):
     if tools:
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:
+            if opts.regex is not None or opts.choices is not None or opts.grammar is not None:
+                raise InvalidRequest("'tool_choice' forces a tool call, whose arguments are JSON: it cannot be "
+                                     "combined with a regex, choice or grammar constraint")
             opts.json_schema = forced
     most = None if p.get_bool(body, "parallel_tool_calls", default=True) else 1  # false: one call at most
     think, effort = p.reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
