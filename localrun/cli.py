@@ -836,13 +836,13 @@ def cmd_create(args, client: DaemonClient) -> int:
         raise CLIError(f"cannot read {path}: {exc}") from None
     base = path.resolve().parent
     if client.sees_my_files():  # the daemon reads the files FROM names itself (one copy, no upload)
-        last = show_progress(client.create(args.name, text, base_dir=str(base)))
+        last = show_progress(client.create(args.name, text, base_dir=str(base), quantize=args.quantize))
     else:
-        last = _create_remote(args.name, text, base, client)
+        last = _create_remote(args.name, text, base, client, args.quantize)
     return 0 if last and last.get("status") == "success" else 1
 
 
-def _create_remote(name: str, text: str, base: Path, client: DaemonClient) -> dict | None:
+def _create_remote(name: str, text: str, base: Path, client: DaemonClient, quantize: str | None = None) -> dict | None:
     """A daemon on another machine (or in a container) cannot read this one's files: as `ollama create` does, the files
     FROM names are uploaded (POST /api/blobs/<sha256>, skipped when the daemon has them) and the
     create names them in `files`; a FROM that names a model goes as it is."""
@@ -858,13 +858,13 @@ def _create_remote(name: str, text: str, base: Path, client: DaemonClient) -> di
         if any(sources[1:]):
             raise CLIError(f"the daemon at {client.base_url} does not see this machine's files: a projector file can only go "
                            "with the model as a file too (FROM ./model.gguf, then FROM ./mmproj.gguf)")
-        return show_progress(client.create(name, text))
+        return show_progress(client.create(name, text, quantize=quantize))
     files: dict[str, Path] = {}
     for src in sources:
         files.update(_files_to_upload(src))
     digests = {fn: _upload(client, fn, p) for fn, p in files.items()}
     rest = render_modelfile(None, mf.parameters, mf.template, mf.system, mf.messages, mf.license, mf.adapter)
-    return show_progress(client.create(name, rest, files=digests))
+    return show_progress(client.create(name, rest, files=digests, quantize=quantize))
 
 
 def _files_to_upload(src: Path) -> dict[str, Path]:
@@ -1038,6 +1038,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("create", "create a model from a Modelfile")
     s.add_argument("name")
     s.add_argument("-f", "--file", default="Modelfile", help="path to the Modelfile (default: ./Modelfile)")
+    s.add_argument("-q", "--quantize", metavar="TYPE",
+                   help="store the GGUF model quantized to TYPE by llama.cpp (e.g. q4_K_M, q8_0; the model must be "
+                        "F16, BF16 or F32), as `ollama create --quantize` does")
 
     s = add("launch", "start a coding agent (Claude Code or Codex CLI) pointed at the daemon, with the model's "
             "full trained context")

@@ -151,10 +151,11 @@ class _Requests:
         return _Call("POST", "/api/pull", _drop_none({"model": name, "insecure": insecure or None, "stream": True}), stream=True)
 
     def create(self, name: str, modelfile: str, base_dir: str | None = None,
-               files: dict[str, str] | None = None) -> _Call:
-        """files: {file name: digest} of blobs uploaded first (upload_blob), for a Modelfile with no FROM."""
+               files: dict[str, str] | None = None, quantize: str | None = None) -> _Call:
+        """files: {file name: digest} of blobs uploaded first (upload_blob), for a Modelfile with no FROM;
+        quantize: the type the GGUF model is stored in (e.g. q4_K_M)."""
         body = _drop_none({"model": name, "modelfile": modelfile, "base_dir": base_dir, "files": files,
-                           "stream": True})
+                           "quantize": quantize, "stream": True})
         return _Call("POST", "/api/create", body, stream=True)
 
     def save_session(self, name: str, model: str, *, system: str | None = None, parameters: dict | None = None,

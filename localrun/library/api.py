@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import threading
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ from typing import Any, Callable
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library import adapters as _adapters
 from localrun.library import catalog as _catalog
+from localrun.library import quantize as _quantize
 from localrun.library.capabilities import model_capabilities, tool_format
 from localrun.library.capabilities import model_info as with_ide_keys
 from localrun.library.create import gguf_details, safetensors_description, safetensors_dir_files, template_from_files
@@ -26,7 +28,7 @@ from localrun.library.paths import check_regular, shown as shown_path, user_path
 from localrun.library.pull import (Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors,
                                    is_safetensors_model, kept_safetensors_file)
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
-                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store)
+                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store, storage_errors)
 
 ProgressFn = Callable[[PullEvent], None] | None
 MAX_FILES = 1000  # files in one create's `files` (a safetensors model has tens)
@@ -230,12 +232,14 @@ class Library:
     # ------------------------------------------------------------------ create
     def create(self, name: str, modelfile: str | Modelfile, base_dir: Path | None = None,
                progress: ProgressFn = None, cancel: threading.Event | None = None,
-               files: dict[str, str] | None = None, adapters: dict[str, str] | None = None) -> ResolvedModel:
+               files: dict[str, str] | None = None, adapters: dict[str, str] | None = None,
+               quantize: str | None = None) -> ResolvedModel:
         """A model from a Modelfile: its FROM (a model, a GGUF file, a safetensors directory), or
         `files`: {file name: digest} of blobs already in the store (Ollama's /api/create after
         POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...).
         A LoRA adapter (a GGUF, or a PEFT directory converted to one) comes as the Modelfile's ADAPTER or as
-        `adapters` (uploaded as `files` are); it replaces the base model's."""
+        `adapters` (uploaded as `files` are); it replaces the base model's. `quantize` (Ollama's: 'q4_K_M', ...)
+        stores the GGUF model quantized to that type by llama.cpp (it must be F16, BF16 or F32)."""
         mn = parse_name(name)
         if mn.is_hf:
             raise InvalidRequest("cannot create a model named hf.co/...: that namespace belongs to the Hugging Face hub")
@@ -245,6 +249,7 @@ class Library:
         if adapters is not None and mf.adapter is not None:
             raise InvalidRequest("give the adapter as ADAPTER or as 'adapters', not both")
         base = Path(base_dir) if base_dir is not None else Path.cwd()
+        target = _quantize.quant_type(quantize) if quantize is not None else None
         adapter_file = self._adapter_file(mf.adapter, base, mf.from_) if mf.adapter is not None else None
         prog = Progress(progress, cancel)
         prog.emit("parsing modelfile")
@@ -254,7 +259,10 @@ class Library:
             if files is not None:
                 layers, extra = self._create_from_files(files, prog, pins)
             else:
-                layers, extra = self._create_from(mf, base, prog, pins)
+                layers, extra = self._create_from(mf, base, prog, pins, target)
+            if target is not None and not extra.get("quantized"):  # a model of the library, or uploaded files
+                layers = self._quantize_layers(layers, target, prog, pins)
+            extra.pop("quantized", None)
             if mf.projector is not None:  # the second FROM replaces any projector the base model had
                 layers = [l for l in layers if l["mediaType"] != MT_PROJECTOR]
                 layers.append(self._import_projector(mf.projector, base, prog, pins))
@@ -282,11 +290,11 @@ class Library:
                 self.store.unpin(d)
         return self.resolve(mn.display)
 
-    def _create_from(self, mf: Modelfile, base: Path, prog: Progress, pins: list[str]):
+    def _create_from(self, mf: Modelfile, base: Path, prog: Progress, pins: list[str], target: str | None = None):
         src = mf.from_ or ""
         path = local_source(src, base)
         if path is not None:
-            return self._import(path, f"FROM {shown_path(src)}", prog, pins)
+            return self._import(path, f"FROM {shown_path(src)}", prog, pins, target)
         base_name = parse_name(src)
         if not self.exists(base_name.display):
             if _catalog.lookup(base_name) is None and not base_name.is_hf:
@@ -368,9 +376,10 @@ class Library:
         prog.emit(f"using layer {blobs[model[0]][0][:19]}")
         return layers, {"source": {"import": model[0]}}
 
-    def _import(self, path: Path, shown: str, prog: Progress, pins: list[str]):
+    def _import(self, path: Path, shown: str, prog: Progress, pins: list[str], target: str | None = None):
         """Layers for FROM <path>: a safetensors directory or a GGUF file, validated and
-        copied into the store. Errors name the path only as the user wrote it (`shown`)."""
+        copied into the store (or, with `target`, quantized into it: the unquantized file is never stored).
+        Errors name the path only as the user wrote it (`shown`)."""
         with user_path_errors(shown):
             is_dir = path.is_dir()
         if is_dir:
@@ -388,6 +397,9 @@ class Library:
         if info.adapter_type is not None:
             raise InvalidRequest(f"{shown} is a {info.adapter_type} adapter, not a model: write FROM <the model it was "
                                  f"trained on> and ADAPTER {shown.removeprefix('FROM ')} below it")
+        if target is not None:
+            layer = self._quantized(path, info, shown, target, _safe_name(path.name), prog, pins)
+            return [layer], {"source": {"import": _safe_name(path.name)}, "quantized": True}
         size = info.file_size
         prog.emit("copying file")
         digest, size = self.store.import_file(
@@ -396,6 +408,45 @@ class Library:
         self._pin(pins, digest)
         prog.emit(f"using layer {digest[:19]}", digest, size, size)
         return [self._gguf_layer(digest, _safe_name(path.name))], {"source": {"import": _safe_name(path.name)}}
+
+    def _quantize_layers(self, layers: list[dict], target: str, prog: Progress, pins: list[str]) -> list[dict]:
+        """`layers` with the GGUF model's layer quantized to `target`."""
+        model = next((l for l in layers if l["mediaType"] == MT_MODEL), None)
+        if model is None:
+            raise InvalidRequest(f"quantizing to {target} needs a GGUF model; this one is safetensors files: convert it "
+                                 "to a GGUF in F16 first (llama.cpp's convert_hf_to_gguf.py), then create from that")
+        path = self.store.blob_path(model["digest"])
+        layer = self._quantized(path, read_gguf_info(path, display_name="the model"), "the model", target,
+                                model.get("filename"), prog, pins)
+        return [layer if l is model else l for l in layers]
+
+    def _quantized(self, path: Path, info: GGUFInfo, shown: str, target: str, filename: str | None, prog: Progress,
+                   pins: list[str]) -> dict:
+        """The model layer of the GGUF at `path` quantized to `target` by llama.cpp (a child process)."""
+        _quantize.check_source(info.file_type, target)
+        status = f"quantizing {info.file_type.upper()} model to {target}"
+        prog.emit(status)
+        bits = _quantize.SOURCE_TYPES[info.file_type.upper()]
+        need = int(info.file_size * _quantize.TYPES[target][1] / bits)
+        with storage_errors("quantize the model"):
+            free = shutil.disk_usage(self.store.root).free
+        if free < need + 64 * 2**20:
+            raise LocalrunError(f"not enough disk space to quantize: about {need / 2**30:.1f} GiB needed in "
+                                f"{self.store.root}, {free / 2**30:.1f} GiB free; free some space or set LOCALRUN_MODELS "
+                                "to a larger disk", status=507, code="insufficient_storage")
+        import psutil
+
+        threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        counter = prog.counter(status, None, need)
+        with self.store.temp_file() as (tmp, _f):
+            _quantize.quantize(path, tmp, target, threads, bits, lambda done, _total: counter(done),
+                               lambda: prog.cancel is not None and prog.cancel.is_set())
+            prog.emit("verifying quantized model")
+            digest, size = self.store.adopt(tmp, what=f"the {target} model",
+                                            check=lambda p: read_gguf_info(p, display_name=f"the {target} model"))
+        self._pin(pins, digest)
+        prog.emit(f"using layer {digest[:19]}", digest, size, size)
+        return _layer(MT_MODEL, digest, size, validate_filename(filename) if filename else None)
 
     def _import_projector(self, text: str, base: Path, prog: Progress, pins: list[str]) -> dict:
         """The projector layer for a second FROM: a local GGUF whose architecture is clip (a vision

@@ -240,10 +240,11 @@ async def create(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     name = _name(body)
-    if body.get("quantize"):
-        raise InvalidRequest("'quantize' is not supported: localrun does not quantize models. Quantize the GGUF "
-                             "with llama.cpp's llama-quantize (e.g. `llama-quantize model-f16.gguf model-q4_k_m.gguf "
-                             "Q4_K_M`) and create the model from the result")
+    quantize = body.get("quantize") or None  # Ollama's: the GGUF (F16, BF16, F32) stored quantized, e.g. q4_K_M
+    if quantize is not None:
+        from localrun.library.quantize import quant_type
+
+        quantize = quant_type(quantize)  # an unknown type is a 400 before any 200
     files, adapters = body.get("files"), body.get("adapters") or None
     if files is not None:  # bad names or digests, and a file never uploaded, are a 400 before any 200 too
         await asyncio.to_thread(st.library.check_files, files)
@@ -268,7 +269,8 @@ async def create(request: Request):
     stream = c.get_bool(body, "stream", True)
 
     def work(progress, cancel):
-        st.library.create(name, mf, base_dir=base_dir, progress=progress, files=files, adapters=adapters)
+        st.library.create(name, mf, base_dir=base_dir, progress=progress, cancel=cancel, files=files, adapters=adapters,
+                          quantize=quantize)
 
     return await _progress(request, work, stream)
 
