@@ -128,9 +128,7 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
         g = lib.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
         if not g:
             lib.llama_sampler_free(chain)
-            raise InvalidRequest("llama.cpp cannot parse the grammar (GBNF): every rule it names must be defined, "
-                                 "and none may start with itself (left recursion)" if o.grammar is not None else
-                                 "llama.cpp cannot parse the grammar made from the request's output constraint")
+            raise InvalidRequest("llama.cpp cannot parse the JSON schema's grammar")
     return chain, g
 
 

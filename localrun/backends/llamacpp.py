@@ -612,8 +612,10 @@ class LlamaCppBackend:
                     raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of "
                                          f"{self._n_vocab}")
             grammar = request_grammar(o)
-            lark = constraint_lark(o.regex, o.choices, o.grammar)  # a request's own constraint: llguidance runs it
-            matcher = await asyncio.to_thread(self._matchers.matcher, lark) if lark is not None else None
+            matcher = None  # a request's own regex / choices / grammar: llguidance runs it (read off the event loop)
+            if o.regex is not None or o.choices is not None or o.grammar is not None:
+                matcher = await asyncio.to_thread(
+                    lambda: self._matchers.matcher(constraint_lark(o.regex, o.choices, o.grammar)))
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
             sampler, gsampler = (make_sampler(*args) if len(grammar or "") < 4096

@@ -262,10 +262,10 @@ class NativeBackend:
         the engine's loop thread); InvalidRequest (400) when the schema cannot be used."""
         from localrun.backends.constraints import constraint_lark
 
-        lark = constraint_lark(o.regex, o.choices, o.grammar)  # a regex, choices or a grammar of the request's own
-        if lark is not None:
+        if o.regex is not None or o.choices is not None or o.grammar is not None:  # the request's own constraint
             try:
-                return await asyncio.to_thread(self.engine.compile_grammar, lark=lark)
+                return await asyncio.to_thread(
+                    lambda: self.engine.compile_grammar(lark=constraint_lark(o.regex, o.choices, o.grammar)))
             except ValueError as exc:
                 raise InvalidRequest(f"{exc}; fix or simplify it") from None
         if o.json_schema is None and not o.json_mode:
