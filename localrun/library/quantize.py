@@ -11,6 +11,7 @@ file's size against the size the type gives the source's weights.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,8 @@ def quantize(src: Path, dst: Path, target: str, threads: int, source_bits: int,
 
     ftype, bits = TYPES[target]
     total = max(1, int(src.stat().st_size * bits / source_bits))
-    cmd = [sys.executable, "-m", "localrun.library.quantize", str(src), str(dst), str(ftype), str(threads)]
+    cmd = [sys.executable, "-m", "localrun.library.quantize", str(src), str(dst), str(ftype), str(threads),
+           str(os.getpid())]
     # llama.cpp logs a line per tensor: to a file (a pipe nobody reads until the end would fill and stall it)
     with tempfile.TemporaryFile() as log, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                                                            stdin=subprocess.DEVNULL) as proc:
@@ -78,8 +80,24 @@ def quantize(src: Path, dst: Path, target: str, threads: int, source_bits: int,
     progress(total, total)
 
 
+def _die_with_parent(parent: int) -> None:
+    """Linux: this process is killed when the daemon's thread that started it goes (a daemon killed outright
+    leaves no quantizer running on; its temp file goes at the next start)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the daemon's cancel still kills it
+        return
+    if os.getppid() != parent:  # the parent went before the prctl
+        os._exit(1)
+
+
 def _main(argv: list[str]) -> int:
     src, dst, ftype, threads = argv[1], argv[2], int(argv[3]), int(argv[4])
+    if len(argv) > 5:
+        _die_with_parent(int(argv[5]))
     import llama_cpp
 
     llama_cpp.llama_backend_init()
