@@ -142,7 +142,8 @@ def _err(msg: str) -> None:
 
 def show_progress(events: Iterable[dict]) -> dict | None:
     """Draw rich progress bars (bytes, speed, ETA) from Ollama-style progress events,
-    one bar per digest; other statuses print as lines. Returns the last event."""
+    one bar per digest (or, without one, per status: a create's copying and quantizing); other statuses print as
+    lines. Returns the last event."""
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)
@@ -157,13 +158,13 @@ def show_progress(events: Iterable[dict]) -> dict | None:
         for ev in events:
             last = ev
             status = str(ev.get("status", ""))
-            total, digest = ev.get("total"), ev.get("digest")
-            if total and digest:
+            total, key = ev.get("total"), ev.get("digest") or (status if "completed" in ev else None)
+            if total and key:
                 if not bars:
                     progress.start()  # only once there is something to draw
-                if digest not in bars:
-                    bars[digest] = progress.add_task(status, total=total)
-                progress.update(bars[digest], total=total, completed=ev.get("completed") or 0)
+                if key not in bars:
+                    bars[key] = progress.add_task(status, total=total)
+                progress.update(bars[key], total=total, completed=ev.get("completed") or 0)
             elif status and status != last_status:
                 console.print(status, markup=False)
             last_status = status
