@@ -185,6 +185,22 @@ RESPONSE_FORMAT = st.one_of(
                                                                 optional={"strict": HOSTILE})}),
     st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["json_object", "text", "bogus"]), HOSTILE)}),
     HOSTILE)
+# a request's own output constraint (vLLM, SGLang, llama-server): plausible, broken and pathological
+REGEX = st.one_of(st.sampled_from([r"\d+", "(a|b)*", "[^x]{0,5}", "(?=a)b", "(", "a{5000}", "(" * 70 + "a" + ")" * 70,
+                                   r"\w+@\w+\.com", ".*", "(?i)yes", "\\", "[z-a]", "(a*)*b", "(a|b)*a(a|b){20}",
+                                   "\ud800", "x{2,1}", "[\\D\\d]", "^a$", "a\\Zb"]),
+                  st.text(max_size=30), HOSTILE)
+GBNF = st.one_of(st.sampled_from(['root ::= "a"', 'root ::= root "a"', "root ::= x", 'x ::= "a"', "root ::= [",
+                                  'root ::= ("a" | "a")*', 'root ::= "a"{5000}', "root ::= " + "(" * 70 + '"a"' + ")" * 70,
+                                  'root ::= "\\u00e9" [\\U0010FFFF]', 'root ::= "\\uD800"', 'root ::= (("a")+)+',
+                                  "root ::= " + " | ".join(f'"w{i}"' for i in range(300))]),
+                 st.text(max_size=60), HOSTILE)
+CHOICES = st.one_of(st.lists(ODD_TEXT, max_size=6), st.lists(st.just("a"), min_size=2000, max_size=2000), HOSTILE)
+CONSTRAINTS = {"guided_regex": REGEX, "regex": REGEX, "guided_choice": CHOICES, "grammar": GBNF, "ebnf": GBNF,
+               "guided_grammar": GBNF, "guided_json": st.one_of(SCHEMA, ODD_TEXT), "json_schema": SCHEMA,
+               "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional={
+                   "regex": REGEX, "choice": CHOICES, "grammar": GBNF, "json": SCHEMA, "json_object": HOSTILE,
+                   "structural_tag": HOSTILE}), HOSTILE)}
 KEEP_ALIVE = st.one_of(NANISH, COUNT, st.sampled_from(["99999999999h", "1e300", "100000000d", "5m", "0", "-1", 0, -1]),
                        HOSTILE)
 MODEL_FIELD = mostly(st.sampled_from([MODEL, "toolsmol"]), NAME)
@@ -207,11 +223,11 @@ ENDPOINTS = {
                 "logprobs": mostly(st.booleans()), "top_logprobs": COUNT, "response_format": RESPONSE_FORMAT,
                 "tools": TOOLS, "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), HOSTILE),
                 "stream_options": HOSTILE, "chat_template_kwargs": HOSTILE, "best_of": COUNT,
-                "logit_bias": HOSTILE, "reasoning_effort": HOSTILE, "user": HOSTILE}),
+                "logit_bias": HOSTILE, "reasoning_effort": HOSTILE, "user": HOSTILE, **CONSTRAINTS}),
     "completions": _e("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 8},
                       {**SAMPLING, "model": MODEL_FIELD, "prompt": st.one_of(ODD_TEXT, HOSTILE, st.lists(ODD_TEXT)),
                        "max_tokens": COUNT, "logprobs": COUNT, "suffix": HOSTILE, "echo": mostly(st.booleans()), "best_of": COUNT,
-                       "stream_options": HOSTILE, "response_format": RESPONSE_FORMAT}),
+                       "stream_options": HOSTILE, "response_format": RESPONSE_FORMAT, **CONSTRAINTS}),
     "embeddings": _e("/v1/embeddings", {"model": MODEL, "input": "Hi"},
                      {"model": MODEL_FIELD, "input": st.one_of(ODD_TEXT, HOSTILE, st.lists(ODD_TEXT, max_size=300)),
                       "encoding_format": st.one_of(st.sampled_from(["float", "base64", "bogus"]), HOSTILE),
@@ -592,3 +608,27 @@ def test_json_schemas_against_llamacpp(real_daemon, schema, api):
     assert took < 60, (took, schema)
     assert d.http.get("/api/version", timeout=5).status_code == 200
     assert d.proc.poll() is None
+
+
+# -- a request's own constraints against the real daemon with llama.cpp (llguidance's bounded matcher) -----------
+@settings(PROPS, max_examples=30)
+@given(key=st.sampled_from(sorted(CONSTRAINTS)), data=st.data(), stream=st.booleans())
+def test_constraints_against_llamacpp(real_daemon, key, data, stream):
+    """Whatever a constraint holds, the answer is a 200 or a 400 in the API's shape within a minute, and the daemon
+    and the model's runner serve on."""
+    d = real_daemon
+    value = data.draw(CONSTRAINTS[key], label=key)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Answer"}], "max_tokens": 6, "stream": stream,
+            key: value}
+    t0 = time.monotonic()
+    r = d.http.post("/v1/chat/completions", content=_serialize(body), headers={"Content-Type": "application/json"},
+                    timeout=60)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:500], key, value)
+    if r.status_code == 400:
+        _error_shape("/v1/chat/completions", r.json())
+    elif stream:
+        _check_stream("/v1/chat/completions", r.text.splitlines())
+    assert time.monotonic() - t0 < 60, (key, value)
+    ok = d.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                   "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text

@@ -31,7 +31,10 @@ def _num(body: dict, key: str, kind: type, lo: float | None = None, hi: float | 
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and isinstance(v, float) and not v.is_integer()):
         raise InvalidRequest(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {json.dumps(v)[:40]}")
-    v = kind(v)
+    try:
+        v = kind(v)
+    except OverflowError:  # an integer past a float's range (JSON numbers have no bound), or inf as an int
+        raise InvalidRequest(f"'{key}' is out of range, got {json.dumps(body.get(key))[:40]}") from None
     if v != v:  # NaN
         raise InvalidRequest(f"'{key}' must be a number")
     if lo is not None and (v <= lo if lo_open else v < lo):
