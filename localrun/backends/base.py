@@ -62,6 +62,10 @@ class SamplingOptions:
     # token id -> bias added to its logit (OpenAI's logit_bias, -100..100; -100 bans the token)
     logit_bias: dict[int, float] | None = None
 
+    def own_constraint(self) -> bool:
+        """A regex, choices or a grammar of the request's own (llguidance runs them: backends/constraints.py)."""
+        return self.regex is not None or self.choices is not None or self.grammar is not None
+
     def constraints(self) -> list[str]:
         """The output constraints set: json_schema / json_mode / regex / choices / grammar."""
         return [k for k, on in (("json_schema", self.json_schema is not None), ("json_mode", self.json_mode),

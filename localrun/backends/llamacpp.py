@@ -33,7 +33,6 @@ from localrun.backends.base import (
     LoadSpec,
     MEDIA_MARKER,
     MemoryEstimate,
-    SamplingOptions,
     fit_window,
     merge_chunks,
 )
@@ -247,15 +246,6 @@ def check_schema_bounds(schema: Any) -> None:
             raise InvalidRequest(f"the JSON schema is too large to build a grammar for (over {SCHEMA_MAX_NODES} "
                                  f"objects or {SCHEMA_MAX_DEPTH} levels deep)")
         stack.extend((c, depth + 1) for c in children)
-
-
-def request_grammar(o: SamplingOptions) -> str | None:
-    """The llama.cpp grammar (GBNF) of a request's JSON constraint, None without one; InvalidRequest when
-    it cannot be made (or bounded). A regex, choices or a grammar of the request's own go to llguidance
-    (constraints.Matchers)."""
-    if o.json_schema is not None or o.json_mode:
-        return json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
-    return None
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
@@ -611,9 +601,11 @@ class LlamaCppBackend:
                 if not 0 <= int(t) < self._n_vocab:
                     raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of "
                                          f"{self._n_vocab}")
-            grammar = request_grammar(o)
+            grammar = None
+            if o.json_schema is not None or o.json_mode:
+                grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
             matcher = None  # a request's own regex / choices / grammar: llguidance runs it (read off the event loop)
-            if o.regex is not None or o.choices is not None or o.grammar is not None:
+            if o.own_constraint():
                 matcher = await asyncio.to_thread(
                     lambda: self._matchers.matcher(constraint_lark(o.regex, o.choices, o.grammar)))
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)

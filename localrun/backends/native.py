@@ -262,7 +262,7 @@ class NativeBackend:
         the engine's loop thread); InvalidRequest (400) when the schema cannot be used."""
         from localrun.backends.constraints import constraint_lark
 
-        if o.regex is not None or o.choices is not None or o.grammar is not None:  # the request's own constraint
+        if o.own_constraint():
             try:
                 return await asyncio.to_thread(
                     lambda: self.engine.compile_grammar(lark=constraint_lark(o.regex, o.choices, o.grammar)))

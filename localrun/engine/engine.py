@@ -694,8 +694,6 @@ class LLMEngine:
             # the mask allowed it, so this is a bug: end the request cleanly
             log.warning("request %s: the grammar rejected sampled token %d (%s)", seq.id, tok, seq.matcher.error)
             return "stop"
-        if seq.matcher.error:
-            return "grammar"
         return "stop" if seq.matcher.is_stopped else None
 
     def compile_grammar(self, json_schema: dict | None = None, *, lark: str | None = None) -> "Grammar":
@@ -723,13 +721,14 @@ class LLMEngine:
         req.text = req.text[:cut]
         return "stop"
 
-    def _emit(self, req: _Request, upto: int, finish: str | None = None, usage: dict | None = None) -> None:
+    def _emit(self, req: _Request, upto: int, finish: str | None = None, usage: dict | None = None,
+              error: str | None = None, error_kind: str | None = None) -> None:
         text = req.text[req.sent:upto] if upto > req.sent else ""
         if not (text or req.pending_ids or finish):
             return
         req.sent = max(req.sent, upto)
-        delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage,
-                            stop_sequence=req.stop_sequence if finish else None)
+        delta = StreamDelta(req.pending_ids, text, finish, req.pending_lp or None, usage, error=error,
+                            error_kind=error_kind, stop_sequence=req.stop_sequence if finish else None)
         if not req.prompt_sent and req.seq.prompt_lps is not None:
             req.prompt_sent, delta.prompt_logprobs = True, req.seq.prompt_lps
         req.pending_ids, req.pending_lp = [], []
@@ -740,7 +739,8 @@ class LLMEngine:
                 self.scheduler.abort(req.seq.id)
                 self._finish(req, "abort", release=False)
 
-    def _finish(self, req: _Request, reason: str, release: bool = True) -> None:
+    def _finish(self, req: _Request, reason: str, release: bool = True, error: str | None = None,
+                error_kind: str | None = None) -> None:
         seq = req.seq
         seq.finish_reason = seq.finish_reason or reason
         if release:
@@ -748,25 +748,16 @@ class LLMEngine:
         req.finish_time = time.perf_counter()
         self._requests.pop(seq.id, None)
         if req.stream is not None:
-            self._emit(req, len(req.text), seq.finish_reason, self._usage(req))
+            self._emit(req, len(req.text), seq.finish_reason, self._usage(req), error, error_kind)
         else:
             self._done[seq.id] = req
 
     def _grammar_failed(self, req: _Request, why: str) -> None:
         """End `req` with an error: its grammar stopped the generation (an empty language, or more work for one
         token than llguidance's bounds allow)."""
-        seq = req.seq
-        seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
-        req.finish_time = time.perf_counter()
-        self._requests.pop(seq.id, None)
         from localrun.backends.constraints import stopped_message
 
-        message = stopped_message(why)
-        if req.stream is not None:
-            req.stream._push(StreamDelta([], "", "abort", None, self._usage(req), error=message, error_kind="grammar"))
-        else:
-            self._done[seq.id] = req
+        self._finish(req, "abort", error=stopped_message(why), error_kind="grammar")
 
     def _usage(self, req: _Request) -> dict:
         first = req.first_token_time or req.finish_time

@@ -223,7 +223,7 @@ async def chat_completions(request: Request):
     if tools:
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:
-            if opts.regex is not None or opts.choices is not None or opts.grammar is not None:
+            if opts.own_constraint():
                 raise InvalidRequest("'tool_choice' forces a tool call, whose arguments are JSON: it cannot be "
                                      "combined with a regex, choice or grammar constraint")
             opts.json_schema = forced
