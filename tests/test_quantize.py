@@ -116,7 +116,10 @@ def test_refusals_leave_the_library_as_it_was(daemon, f16, tmp_path):
     client = ollama.Client(host=daemon.url)
     with pytest.raises(ollama.ResponseError, match="F16, BF16 or F32; this one is Q4_1"):
         client.create(model="x", from_=MODEL, quantize="q8_0")
-    (tmp_path / "st").mkdir()
+    (tmp_path / "st").mkdir()  # a safetensors model's folder: refused before anything is read or copied
+    r = daemon.http.post("/api/create", json={"model": "x", "modelfile": f"FROM {tmp_path / 'st'}\n", "quantize": "q8_0",
+                                              "stream": False})
+    assert r.status_code == 400 and "needs a GGUF model" in r.json()["error"], r.text
     env = {**os.environ, "LOCALRUN_HOST": daemon.url.removeprefix("http://")}
     (tmp_path / "Modelfile").write_text(f"FROM {MODEL}\n")
     r = subprocess.run([sys.executable, "-m", "localrun", "create", "x", "-f", str(tmp_path / "Modelfile"), "-q",

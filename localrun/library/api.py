@@ -72,6 +72,11 @@ def _layer(media_type: str, digest: str, size: int, filename: str | None = None)
     return d
 
 
+def _not_gguf(target: str) -> InvalidRequest:
+    return InvalidRequest(f"quantizing to {target} needs a GGUF model; this one is safetensors files: convert it to a "
+                          "GGUF in F16 first (llama.cpp's convert_hf_to_gguf.py), then create from that")
+
+
 class Library:
     def __init__(self, root: Path | None = None):
         if root is None:
@@ -258,11 +263,10 @@ class Library:
         try:
             if files is not None:
                 layers, extra = self._create_from_files(files, prog, pins)
+                if target is not None:
+                    layers = self._quantize_layers(layers, target, prog, pins)
             else:
                 layers, extra = self._create_from(mf, base, prog, pins, target)
-            if target is not None and not extra.get("quantized"):  # a model of the library, or uploaded files
-                layers = self._quantize_layers(layers, target, prog, pins)
-            extra.pop("quantized", None)
             if mf.projector is not None:  # the second FROM replaces any projector the base model had
                 layers = [l for l in layers if l["mediaType"] != MT_PROJECTOR]
                 layers.append(self._import_projector(mf.projector, base, prog, pins))
@@ -316,7 +320,7 @@ class Library:
                 extra["messages"] = json.loads(self.store.read_small(l["digest"]))
         cfg = self._config(m)
         extra["source"] = cfg.get("source") or {}
-        return layers, extra
+        return (self._quantize_layers(layers, target, prog, pins) if target is not None else layers), extra
 
     def check_files(self, files: Any, field: str = "files") -> dict[str, tuple[str, Path]]:
         """Ollama's create `files` (or `adapters`) checked: {file name: (digest, blob path)}, each name a plain
@@ -383,6 +387,8 @@ class Library:
         with user_path_errors(shown):
             is_dir = path.is_dir()
         if is_dir:
+            if target is not None:
+                raise _not_gguf(target)
             files = safetensors_dir_files(path, shown)
             safetensors_description(files)  # refuse a broken model before copying gigabytes
             layers = []
@@ -398,8 +404,8 @@ class Library:
             raise InvalidRequest(f"{shown} is a {info.adapter_type} adapter, not a model: write FROM <the model it was "
                                  f"trained on> and ADAPTER {shown.removeprefix('FROM ')} below it")
         if target is not None:
-            layer = self._quantized(path, info, shown, target, _safe_name(path.name), prog, pins)
-            return [layer], {"source": {"import": _safe_name(path.name)}, "quantized": True}
+            layer = self._quantized(path, info, target, _safe_name(path.name), prog, pins)
+            return [layer], {"source": {"import": _safe_name(path.name)}}
         size = info.file_size
         prog.emit("copying file")
         digest, size = self.store.import_file(
@@ -413,21 +419,19 @@ class Library:
         """`layers` with the GGUF model's layer quantized to `target`."""
         model = next((l for l in layers if l["mediaType"] == MT_MODEL), None)
         if model is None:
-            raise InvalidRequest(f"quantizing to {target} needs a GGUF model; this one is safetensors files: convert it "
-                                 "to a GGUF in F16 first (llama.cpp's convert_hf_to_gguf.py), then create from that")
+            raise _not_gguf(target)
         path = self.store.blob_path(model["digest"])
-        layer = self._quantized(path, read_gguf_info(path, display_name="the model"), "the model", target,
-                                model.get("filename"), prog, pins)
+        layer = self._quantized(path, read_gguf_info(path, display_name="the model"), target, model.get("filename"),
+                                prog, pins)
         return [layer if l is model else l for l in layers]
 
-    def _quantized(self, path: Path, info: GGUFInfo, shown: str, target: str, filename: str | None, prog: Progress,
+    def _quantized(self, path: Path, info: GGUFInfo, target: str, filename: str | None, prog: Progress,
                    pins: list[str]) -> dict:
         """The model layer of the GGUF at `path` quantized to `target` by llama.cpp (a child process)."""
         _quantize.check_source(info.file_type, target)
         status = f"quantizing {info.file_type.upper()} model to {target}"
         prog.emit(status)
-        bits = _quantize.SOURCE_TYPES[info.file_type.upper()]
-        need = int(info.file_size * _quantize.TYPES[target][1] / bits)
+        need = _quantize.expected_bytes(info.file_size, info.file_type, target)
         with storage_errors("quantize the model"):
             free = shutil.disk_usage(self.store.root).free
         if free < need + 64 * 2**20:
@@ -439,7 +443,7 @@ class Library:
         threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         counter = prog.counter(status, None, need)
         with self.store.temp_file() as (tmp, _f):
-            _quantize.quantize(path, tmp, target, threads, bits, lambda done, _total: counter(done),
+            _quantize.quantize(path, tmp, target, threads, need, counter,
                                lambda: prog.cancel is not None and prog.cancel.is_set())
             prog.emit("verifying quantized model")
             digest, size = self.store.adopt(tmp, what=f"the {target} model",

@@ -47,15 +47,19 @@ def check_source(file_type: str, target: str) -> None:
                              "create it from the unquantized GGUF (or without --quantize)")
 
 
-def quantize(src: Path, dst: Path, target: str, threads: int, source_bits: int,
-             progress: Callable[[int, int], None], cancelled: Callable[[], bool]) -> None:
-    """Quantize `src` into `dst` (a path on the library's disk) in a child process; progress(done, total) with the
-    bytes written against the expected size, every POLL_S. LocalrunError with llama.cpp's last words when it fails;
-    Cancelled once `cancelled()` is true (the child killed)."""
+def expected_bytes(size: int, file_type: str, target: str) -> int:
+    """About how large a model file of `size` bytes in `file_type` (F16, BF16, F32) is once quantized to `target`."""
+    return max(1, int(size * TYPES[target][1] / SOURCE_TYPES[file_type.upper()]))
+
+
+def quantize(src: Path, dst: Path, target: str, threads: int, total: int, progress: Callable[[int], None],
+             cancelled: Callable[[], bool]) -> None:
+    """Quantize `src` into `dst` (a path on the library's disk) in a child process; progress(bytes written, at most
+    `total`, the expected size: expected_bytes) every POLL_S. LocalrunError with llama.cpp's last words when it
+    fails; Cancelled once `cancelled()` is true (the child killed)."""
     from localrun.library.model import Cancelled
 
-    ftype, bits = TYPES[target]
-    total = max(1, int(src.stat().st_size * bits / source_bits))
+    ftype = TYPES[target][0]
     cmd = [sys.executable, "-m", "localrun.library.quantize", str(src), str(dst), str(ftype), str(threads),
            str(os.getpid())]
     # llama.cpp logs a line per tensor: to a file (a pipe nobody reads until the end would fill and stall it)
@@ -66,7 +70,7 @@ def quantize(src: Path, dst: Path, target: str, threads: int, source_bits: int,
                 if cancelled():
                     raise Cancelled("create cancelled while quantizing; nothing was stored")
                 with contextlib.suppress(OSError):
-                    progress(min(dst.stat().st_size, total - 1), total)
+                    progress(min(dst.stat().st_size, total - 1))
                 time.sleep(POLL_S)
         finally:
             if proc.poll() is None:  # cancelled (or the progress callback raised): the child goes at once
@@ -77,7 +81,7 @@ def quantize(src: Path, dst: Path, target: str, threads: int, source_bits: int,
             last = " ".join(log.read().decode("utf-8", "replace").strip().splitlines()[-3:])[-600:]
             raise LocalrunError(f"quantizing to {target} failed (llama.cpp, exit {proc.returncode}): {last}",
                                 status=500, code="quantize_failed")
-    progress(total, total)
+    progress(total)
 
 
 def _die_with_parent(parent: int) -> None:
