@@ -328,6 +328,7 @@ class BatchedLlama:
                              handed_over_prefixes=0, grammar_resamples=0, copied_cells=0, copied_streams=0)
         self._candidates: _Candidates | None = None  # _sample_constrained's arrays, made on first use
         self._mask: np.ndarray | None = None  # _sample_matched's bitmask of the vocabulary (int32 words)
+        self._logits_view: tuple | None = None  # ((address, rows), array): _logits's view of llama.cpp's buffer
         # per-token facts asked of llama.cpp once: every ctypes call lets go of the GIL, and the
         # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
@@ -406,14 +407,16 @@ class BatchedLlama:
                 self._admit()
                 self._compact()
                 if self._running:
-                    if self.governor is not None and (n := self.governor.poll()) is not None:
-                        self.lib.llama_set_n_threads(self.ctx, n, n)
-                        log.info("%s: llama.cpp computes with %d of %d threads now (other processes use %.1f "
-                                 "CPUs)", self.name, n, self.governor.n_max, self.governor.others)
                     worked = self._step()
                     for r in [r for r in self._running if r.finished]:  # e.g. an image that failed to encode
                         self._end(r)
                     self._flush()
+                    # after the step, its chunks handed on: a spell's first poll reads /proc (~0.3 ms with
+                    # the caches cold after an idle spell), which before the step delayed each prefill
+                    if self.governor is not None and (n := self.governor.poll()) is not None:
+                        self.lib.llama_set_n_threads(self.ctx, n, n)
+                        log.info("%s: llama.cpp computes with %d of %d threads now (other processes use %.1f "
+                                 "CPUs)", self.name, n, self.governor.n_max, self.governor.others)
                     if not worked:  # every running request waits for its image to encode
                         with self._cv:
                             self._cv.wait(0.05)
@@ -733,11 +736,23 @@ class BatchedLlama:
         b.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self._batch = b
 
+    def _logits(self, rows: int) -> np.ndarray:
+        """The step's first `rows` output rows of logits, a view of llama.cpp's buffer. The view is kept
+        while the buffer's address and the row count stay (every decode step: one row): numpy's
+        ctypeslib.as_array makes ctypes types each call, ~0.2 ms on the first token after an idle spell."""
+        addr = ctypes.cast(self.lib.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        if self._logits_view is None or self._logits_view[0] != (addr, rows):
+            buf = (ctypes.c_float * (rows * self.n_vocab)).from_address(addr)
+            self._logits_view = ((addr, rows), np.frombuffer(buf, dtype=np.float32).reshape(rows, self.n_vocab))
+        return self._logits_view[1]
+
     def _fill(self, rows: list[tuple[Request, list[int], bool]]) -> None:
         n = sum(len(t) for _, t, _ in rows)
         if n > self._cap:
             self._alloc_batch(n)
         i = 0
+        outs = self._outs = []  # per row: the index of its first output row (logits), counted here in Python
+        n_out = 0
         for r, toks, decoding in rows:
             k = len(toks)
             self._tok[i:i + k] = toks
@@ -745,10 +760,16 @@ class BatchedLlama:
             self._seq[i:i + k] = r.sid
             # logits for every token a decoding sequence feeds (its drafts are checked), every prompt
             # token of a request for their logprobs, and a prompt's last token
-            self._out[i:i + k] = 1 if decoding or r.prompt_lps is not None else 0
-            if not decoding and r.computed + k == len(r.prompt):
+            every = decoding or r.prompt_lps is not None
+            self._out[i:i + k] = 1 if every else 0
+            outs.append(n_out)
+            if every:
+                n_out += k
+            elif r.computed + k == len(r.prompt):
                 self._out[i + k - 1] = 1
+                n_out += 1
             i += k
+        self._n_out = n_out
         self._batch.n_tokens = n
 
     def _decode_failed(self, ret: int, rows) -> None:
@@ -769,20 +790,16 @@ class BatchedLlama:
     def _after(self, rows) -> None:
         lib, ctx = self.lib, self.ctx
         firsts: list[Request] = []
-        logits = out_row = None
-        if any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
-            # the step's output rows, in batch order (one ctypes call)
-            out_row = np.cumsum(self._out[:self._batch.n_tokens], dtype=np.int64) - 1  # batch row -> output row
-            if out_row[-1] >= 0:  # (a step of prompt chunks only has none)
-                logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(int(out_row[-1]) + 1, self.n_vocab))
+        logits = None
+        if self._n_out and any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
+            logits = self._logits(self._n_out)  # the step's output rows, in batch order
         i = 0
-        for r, toks, decoding in rows:
+        for (r, toks, decoding), o0 in zip(rows, self._outs):  # o0: the row's first output row
             k = len(toks)
             first_row = i
             i += k
             self.slots[r.sid].tokens += toks
             if not decoding and r.prompt_lps is not None:
-                o0 = int(out_row[first_row])
                 self._score_prompt(r, r.computed, logits[o0:o0 + k])
             r.computed += k
             if not decoding:
@@ -796,7 +813,8 @@ class BatchedLlama:
             sampled: list[tuple[int, TokenLogprob | None]] = []
             for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
                 if r.argmax:
-                    tok = int(logits[out_row[row]].argmax())
+                    # (a prompt without prompt logprobs has one output row: its last token's)
+                    tok = int(logits[o0 + row - first_row if decoding or r.prompt_lps is not None else o0].argmax())
                 elif r.grammar:
                     tok = self._sample_constrained(r, row)
                 elif r.matcher is not None:
