@@ -796,7 +796,14 @@ async def until_disconnected(request: Any, coro) -> Any:
     read the body by then, so that is the next message): no polling. Starlette's
     ``is_disconnected()`` polled every 50 ms per waiting stream, each poll a cancel scope whose
     message formats the task's repr: 40% of the daemon's CPU with 8 streams on 2 cores, taken from
-    llama.cpp's threads."""
+    llama.cpp's threads.
+
+    On Python 3.11+ `coro` runs in the caller's own task, which the watcher cancels (and the
+    cancel is taken back here): no task started for it, no turn of the event loop to hand its
+    result back, on the path of every streamed request's first token."""
+    current = asyncio.current_task()
+    if current is not None and hasattr(current, "uncancel"):
+        return await _in_this_task(request, coro, current)
     task = asyncio.ensure_future(coro)
     gone = False
 
@@ -817,6 +824,33 @@ async def until_disconnected(request: Any, coro) -> Any:
             raise ClientGone("the client closed the connection") from None
         raise
     finally:
+        watcher.cancel()
+
+
+async def _in_this_task(request: Any, coro, current: asyncio.Task) -> Any:
+    """until_disconnected's way on Python 3.11+. The watcher runs only while this task waits inside
+    `coro`, so its cancel lands there; once `coro` is over (``done``), it cancels nothing."""
+    gone = done = False
+
+    async def watch():
+        nonlocal gone
+        while not done:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                if not done:
+                    gone = True
+                    current.cancel()
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if gone and not current.uncancel():
+            raise ClientGone("the client closed the connection") from None
+        raise
+    finally:
+        done = True
         watcher.cancel()
 
 
