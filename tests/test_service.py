@@ -352,3 +352,51 @@ def test_langchain_openai_and_ollama_chat_models(daemon):
     thinker = ChatOllama(base_url=daemon.url, model="thinker", reasoning=True)
     msg = thinker.invoke("A puzzle: 2+2?")
     assert msg.content == "Four." and msg.additional_kwargs["reasoning_content"] == "Two and two."
+
+
+# -- exact routes: the router's front for fixed paths ------------------------------------------------
+def test_exact_routes_answer_as_fastapis_router_does(daemon):
+    from localrun.server.app import ExactRoutes, exact_routes
+
+    table = exact_routes(daemon.app)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+                 "/api/chat", "/api/generate", "/api/embed", "/api/show"):
+        assert ("POST", path) in table, path
+    assert not any("{" in p for _, p in table) and ("GET", "/api/tags") in table
+
+    def strip(obj):  # what differs between two answers anyway: ids, times, durations, the prompt found cached
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items() if k not in ("id", "created", "created_at", "cached_tokens",
+                                                                      "prompt_eval_count") and not k.endswith("_duration")}
+        return [strip(v) for v in obj] if isinstance(obj, list) else obj
+
+    calls = [("POST", "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 5, "temperature": 0}),
+             ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}),  # 400, OpenAI's shape
+             ("POST", "/v1/completions", {"model": "nope:1b", "prompt": "hi"}),  # 404 naming the pull
+             ("POST", "/api/chat", {"model": MODEL, "messages": MSGS, "stream": False, "options": {"temperature": 0}}),
+             ("POST", "/api/chat", {"model": MODEL, "messages": MSGS, "stream": True, "options": {"temperature": 0}}),
+             ("POST", "/api/generate", "not json"),  # 400, Ollama's shape
+             ("GET", "/v1/chat/completions", None),  # 405: a method the exact route has not
+             ("GET", "/api/tags", None), ("POST", "/api/show", {"model": MODEL}), ("GET", "/api/version", None)]
+
+    def answers():
+        out = []
+        with httpx.Client(base_url=daemon.url, timeout=30) as c:
+            for method, path, body in calls:
+                kw = {"content": body} if isinstance(body, str) else {"json": body} if body is not None else {}
+                r = c.request(method, path, **kw)
+                lines = [strip(json.loads(x)) for x in r.text.splitlines() if x.strip()]
+                out.append((r.status_code, r.headers.get("content-type"), lines))
+        return out
+
+    stack = daemon.app.router.middleware_stack
+    assert isinstance(stack, ExactRoutes)
+    fast = answers()
+    daemon.app.router.middleware_stack = stack.app  # FastAPI's router alone
+    try:
+        slow = answers()
+    finally:
+        daemon.app.router.middleware_stack = stack
+    assert [a[0] for a in fast] == [200, 400, 404, 200, 200, 400, 405, 200, 200, 200]
+    for a, b in zip(fast, slow):
+        assert a == b

@@ -181,10 +181,13 @@ class Generation:
                 return Chunk(finish_reason="stop", usage=Usage(prompt_tokens=self.prompt_tokens))
 
         try:
-            chunks = await asyncio.gather(*(first(st) for st in streams), return_exceptions=True)
-            failed = next((c for c in chunks if isinstance(c, BaseException)), None)
-            if failed is not None:
-                raise failed
+            if len(streams) == 1:  # awaited here: no task, and no loop turn to hand the chunk back (TTFT)
+                chunks = [await first(streams[0])]
+            else:
+                chunks = await asyncio.gather(*(first(st) for st in streams), return_exceptions=True)
+                failed = next((c for c in chunks if isinstance(c, BaseException)), None)
+                if failed is not None:
+                    raise failed
         except BaseException:
             for st in streams:
                 await st.aclose()
