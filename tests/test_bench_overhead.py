@@ -24,6 +24,8 @@ def test_the_overhead_benchmark_runs(tmp_path):
     for client in ("stdlib", "httpx"):
         assert f"daemon overhead ({client} client): tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout
         assert "TTFT alone (2 prompts x 2 tokens, order alternating)" in r.stdout, r.stdout
+        assert re.search(r"90% intervals of those medians \(bootstrap\): tok/s [-+][\d.]+% to [-+][\d.]+% \(2 pairs\), "
+                         r"TTFT [-+][\d.]+ to [-+][\d.]+ ms \(2 pairs\)", r.stdout), r.stdout
         # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
         # token on any CPU), and so are the daemon's and the client's
         m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +
@@ -32,3 +34,14 @@ def test_the_overhead_benchmark_runs(tmp_path):
         direct, total, runner, daemon, client_us = map(int, m.groups())
         assert direct > 1000 and runner > 1000 and client_us > 0, r.stdout
         assert total == pytest.approx(runner + daemon + client_us, abs=2), r.stdout
+
+
+def test_median_interval():
+    from localrun.bench.overhead import median_ci
+
+    xs = [float(x) for x in range(1, 101)]
+    lo, hi = median_ci(xs)
+    assert lo < 50.5 < hi and hi - lo < 20 and (lo, hi) == median_ci(xs)  # around the median, seeded
+    assert median_ci([3.0]) == (3.0, 3.0)
+    wide = median_ci([0.0, 100.0] * 5)
+    assert wide[0] == 0.0 and wide[1] == 100.0  # two camps: one run's median could be either

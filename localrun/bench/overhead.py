@@ -208,10 +208,26 @@ class CpuTally:
             return 1e6 * self.sums[key] / max(1, self.tokens[side])
 
         parts = [us(f"{client}.{k}", client) for k in ("runner", "daemon", "client")]
-        return (f"CPU per generated token: direct {us('direct', 'direct'):.0f} us (llama.cpp's threads + "
+        direct = us("direct", "direct")
+        more = 100.0 * (sum(parts) - direct) / direct if direct else 0.0
+        return (f"CPU per generated token: direct {direct:.0f} us (llama.cpp's threads + "
                 f"llama-cpp-python); through the daemon with {client} {sum(parts):.0f} us = runner {parts[0]:.0f} "
                 f"(llama.cpp's threads + the loop) + daemon {parts[1]:.0f} + HTTP client {parts[2]:.0f} "
-                f"(sums over all prompts, prefill included)")
+                f"(sums over all prompts, prefill included): {more:+.1f}%, what the daemon costs a box whose "
+                f"cores all compute, steadier than its tok/s")
+
+
+def median_ci(xs: list[float], level: float = 0.9, draws: int = 2000) -> tuple[float, float]:
+    """A bootstrap interval of the median of `xs` (seeded: the same numbers give the same interval): how far
+    one run's median could be from the box's own, when single prompts swing by more than the budget."""
+    import random
+
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (0.0, 0.0)
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    lo = int((1 - level) / 2 * draws)
+    return meds[lo], meds[draws - 1 - lo]
 
 
 def add_parser(sub) -> None:
@@ -344,6 +360,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"daemon overhead ({c} client): tok/s {overhead:+.1f}% of medians, {pair:+.1f}% median of "
                   f"per-prompt pairs (limit {args.max_overhead:g}%); TTFT {ttft_pair:+.1f} ms median of the short "
                   f"requests' pairs (limit {args.max_ttft:g} ms; {long_pair:+.1f} ms on the long prompts)")
+            # how sure one run is: a 2-vCPU VM's prefill of the same prompt swings by +-10 ms, its decode speed
+            # by 10-20% from minute to minute (the same code has measured +1 to +13 ms in runs of 100 pairs)
+            lo, hi = median_ci([100.0 * (1 - r[1][1] / r[0][1]) for r in rs])
+            tlo, thi = median_ci([1000 * (b - a) for a, b in ts])
+            print(f"  90% intervals of those medians (bootstrap): tok/s {lo:+.1f}% to {hi:+.1f}% ({len(rs)} pairs), "
+                  f"TTFT {tlo:+.1f} to {thi:+.1f} ms ({len(ts)} pairs)")
             print(cpu.report(c))
             # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
             # neighbour or a slow minute shifts both halves of a pair rather than one side's median. They
