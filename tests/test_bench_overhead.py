@@ -26,6 +26,9 @@ def test_the_overhead_benchmark_runs(tmp_path):
         assert "TTFT alone (2 prompts x 2 tokens, order alternating)" in r.stdout, r.stdout
         assert re.search(r"90% intervals of those medians \(bootstrap\): tok/s [-+][\d.]+% to [-+][\d.]+% \(2 pairs\), "
                          r"TTFT [-+][\d.]+ to [-+][\d.]+ ms \(2 pairs\)", r.stdout), r.stdout
+        # each side's prefill compute found (the runner's from /metrics, the direct one's around its decode)
+        assert re.search(r"TTFT less each side's own prefill compute .*: daemon [-+][\d.]+ ms over direct, median of "
+                         r"2 pairs", r.stdout), r.stdout
         # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
         # token on any CPU), and so are the daemon's and the client's
         m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +

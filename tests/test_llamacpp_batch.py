@@ -621,8 +621,10 @@ def _metric(samples: dict, name: str, **labels) -> float:
 def test_eight_concurrent_streams_each_get_their_own_answer(daemon):
     alone = [_chat(daemon, q) for q in QUESTIONS]  # one at a time: the references
     m0 = _metrics(daemon)
+    t0 = time.monotonic()
     with ThreadPoolExecutor(8) as ex:
         together = list(ex.map(lambda q: _chat(daemon, q), QUESTIONS))
+    wall = time.monotonic() - t0
     m1 = _metrics(daemon)
     for q, a, t in zip(QUESTIONS, alone, together):
         cmp = compare(a["tokens"], t["tokens"])
@@ -632,6 +634,10 @@ def test_eight_concurrent_streams_each_get_their_own_answer(daemon):
     steps = _metric(m1, "localrun_engine_steps_total") - _metric(m0, "localrun_engine_steps_total")
     decoded = _metric(m1, "localrun_decode_tokens_total") - _metric(m0, "localrun_decode_tokens_total")
     assert decoded / steps > 3, (decoded, steps)  # the streams were decoded together, not one by one
+    # llama_decode's time by step: the prompts' steps and the decode-only ones, within the phase's wall time
+    prefill, decode = (_metric(m1, "localrun_compute_seconds_total", step=k) -
+                       _metric(m0, "localrun_compute_seconds_total", step=k) for k in ("prefill", "decode"))
+    assert prefill > 0 and decode > 0 and prefill + decode < wall, (prefill, decode, wall)
 
 
 def test_a_cancelled_stream_frees_its_sequence(daemon):

@@ -325,7 +325,8 @@ class BatchedLlama:
         self.counters = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0,
                              copied_prefixes=0, shared_waits=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                              spec_steps=0, image_tokens=0, moved_sequences=0,
-                             handed_over_prefixes=0, grammar_resamples=0, copied_cells=0, copied_streams=0)
+                             handed_over_prefixes=0, grammar_resamples=0, copied_cells=0, copied_streams=0,
+                             prefill_seconds=0.0, decode_seconds=0.0)
         self._candidates: _Candidates | None = None  # _sample_constrained's arrays, made on first use
         self._mask: np.ndarray | None = None  # _sample_matched's bitmask of the vocabulary (int32 words)
         self._logits_view: tuple | None = None  # ((address, rows), array): _logits's view of llama.cpp's buffer
@@ -656,7 +657,12 @@ class BatchedLlama:
         # pass; in arrival order 8 streams took 2-3 passes a step (measured 67 ms against 56 ms)
         rows.sort(key=lambda row: row[0].sid)
         self._fill(rows)
+        t0 = time.perf_counter()
         ret = self.lib.llama_decode(self.ctx, self._batch)
+        # compute time by step kind: a step with any prompt tokens is a prefill step (/metrics; bench overhead
+        # takes a request's prefill out of its TTFT with it)
+        kind = "decode_seconds" if all(decoding for _, _, decoding in rows) else "prefill_seconds"
+        self.counters[kind] += time.perf_counter() - t0
         if ret != 0:
             self._decode_failed(ret, rows)
             return True

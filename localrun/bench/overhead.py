@@ -14,7 +14,10 @@ budgets hold the first: they are the daemon's overhead, and on a 2-core box an H
 per token (httpx's is ~1.5x http.client's) is taken from llama.cpp's threads too.
 
 TTFT is judged on its own short requests (--ttft-prompts, --ttft-tokens), which side goes first
-alternating within each pair: one prompt's TTFT swings by +-10 ms on a busy 2-core VM.
+alternating within each pair: one prompt's TTFT swings by +-10 ms on a busy 2-core VM. Beside it, the
+same pairs with each side's own prefill compute taken out (the runner's from /metrics, the direct
+side's timed around its decode): the path around llama.cpp, without the prefill's swing. Bootstrap
+intervals say how far one run's medians may be from the box's own.
 
     localrun bench overhead [--prompts 6] [--max-tokens 128] [--ttft-prompts 24] [--settle 0.1]
                             [--client both|stdlib|httpx]
@@ -149,6 +152,61 @@ def run_daemon_stdlib(client: StdlibClient, model: str, prompt: str, max_tokens:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     return _read_stream(time.perf_counter(), client.stream("/v1/completions", body))
+
+
+class PrefillClock:
+    """Each side's own prefill compute, so a TTFT pair can be compared with it taken out: the seconds
+    in llama_decode of the steps that carry prompt tokens. The direct side: llama-cpp-python's context's
+    decode, timed around the call (as the runner's loop times its own); the daemon side: the runner's
+    `localrun_compute_seconds_total{step="prefill"}` from /metrics, read after each request. A short
+    request's prefill swings by +-10 ms on a 2-vCPU VM and differs between two processes by a few ms
+    from run to run: what is left, TTFT less prefill, is the path around llama.cpp on each side."""
+
+    def __init__(self, llm, http, model: str) -> None:
+        self.http, self.model = http, model
+        self.direct_s = 0.0
+        ctx = getattr(llm, "_ctx", None)
+        decode = getattr(ctx, "decode", None)
+        self.ok = decode is not None
+        if self.ok:
+            def timed(batch):
+                t0 = time.perf_counter()
+                try:
+                    return decode(batch)
+                finally:
+                    if batch.batch.n_tokens > 1:  # a prompt's step (a short request's is one)
+                        self.direct_s += time.perf_counter() - t0
+            ctx.decode = timed
+        self._daemon_last = self._daemon_total() if self.ok else None
+
+    def _daemon_total(self) -> float | None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = self.http.get("/metrics").text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if (sample.name == "localrun_compute_seconds_total" and sample.labels.get("step") == "prefill"
+                            and sample.labels.get("model") == self.model):
+                        return sample.value
+        except Exception:  # noqa: BLE001 - no decomposition then
+            return None
+        return None
+
+    def direct(self, run, *args):
+        """(result, prefill seconds) of `run(*args)` on the direct side."""
+        before = self.direct_s
+        res = run(*args)
+        return res, self.direct_s - before
+
+    def daemon(self, run, *args):
+        """(result, prefill seconds) of `run(*args)` through the daemon (the counter is read after it, not
+        before: nothing of the daemon's runs on the request's way in but the request itself)."""
+        res = run(*args)
+        total = self._daemon_total()
+        took = None if total is None or self._daemon_last is None else total - self._daemon_last
+        self._daemon_last = total
+        return res, took
 
 
 class CpuTally:
@@ -330,15 +388,20 @@ def run(args: argparse.Namespace) -> int:
         # first alternating (whatever the first of a pair leaves behind, a warm cache or a busy CPU, falls
         # on both sides alike)
         ttft: dict[str, list[tuple[float, float]]] = {c: [] for c in clients}
+        outside: dict[str, list[float]] = {c: [] for c in clients}  # (daemon - direct) TTFT less prefill, per pair
+        clock = PrefillClock(llm, http, model)
         for i in range(args.ttft_prompts):
             for k, (c, run_one) in enumerate(clients.items()):
                 p = _prompt(1000 + i + 1000 * k)
-                pair = {}
+                pair, pre = {}, {}
                 for side in (("direct", "daemon") if i % 2 == 0 else ("daemon", "direct")):
-                    pair[side] = (run_direct(llm, p, args.ttft_tokens) if side == "direct"
-                                  else run_one(p, args.ttft_tokens))[0]
+                    res, pre[side] = (clock.direct(run_direct, llm, p, args.ttft_tokens) if side == "direct"
+                                      else clock.daemon(run_one, p, args.ttft_tokens))
+                    pair[side] = res[0]
                     time.sleep(args.settle)
                 ttft[c].append((pair["direct"], pair["daemon"]))
+                if clock.ok and pre["daemon"] is not None and pre["direct"] > 0:
+                    outside[c].append(1000 * ((pair["daemon"] - pre["daemon"]) - (pair["direct"] - pre["direct"])))
         med = statistics.median
         print()
         print(f"machine: {os.cpu_count()} logical CPUs, llama.cpp threads {threads}, SmolLM2-135M Q4_1, "
@@ -366,6 +429,11 @@ def run(args: argparse.Namespace) -> int:
             tlo, thi = median_ci([1000 * (b - a) for a, b in ts])
             print(f"  90% intervals of those medians (bootstrap): tok/s {lo:+.1f}% to {hi:+.1f}% ({len(rs)} pairs), "
                   f"TTFT {tlo:+.1f} to {thi:+.1f} ms ({len(ts)} pairs)")
+            if outside[c]:
+                olo, ohi = median_ci(outside[c])
+                print(f"  TTFT less each side's own prefill compute (llama_decode of the prompt's step): daemon "
+                      f"{med(outside[c]):+.1f} ms over direct, median of {len(outside[c])} pairs (90% interval "
+                      f"{olo:+.1f} to {ohi:+.1f}): the path around llama.cpp, without the prefill's run-to-run swing")
             print(cpu.report(c))
             # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
             # neighbour or a slow minute shifts both halves of a pair rather than one side's median. They

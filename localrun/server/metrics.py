@@ -163,6 +163,9 @@ class _Live:
                                     "num_thread fixes them)", labels=["model"])
         thread_changes = CounterMetricFamily("localrun_compute_thread_changes",
                                              "llama.cpp: times its thread count changed since load", labels=["model"])
+        compute = CounterMetricFamily("localrun_compute_seconds", "llama.cpp: seconds in llama_decode since load, "
+                                      "by step (prefill: a step with prompt tokens; decode: only sampled ones)",
+                                      labels=["model", "step"])
         for r in runners:
             waiting.add_metric([r.name], r.waiting)
             running.add_metric([r.name], r.active)
@@ -183,6 +186,8 @@ class _Live:
                 for state, key in (("running", "running"), ("waiting", "waiting"), ("idle", "idle_sequences")):
                     seqs.add_metric([r.name, state], st[key])
                 steps.add_metric([r.name], st["steps"])
+                for kind in ("prefill", "decode"):
+                    compute.add_metric([r.name, kind], st.get(f"{kind}_seconds", 0.0))
                 decoded.add_metric([r.name], st["decode_tokens"])
                 if st.get("threads") is not None:  # the thread governor's (an automatic thread count)
                     threads.add_metric([r.name], st["threads"])
@@ -200,7 +205,7 @@ class _Live:
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
         yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, prefill, forked, spec_tokens,
-                    spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded, threads, thread_changes)
+                    spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded, threads, thread_changes, compute)
 
 
 class MetricsMiddleware:
