@@ -29,6 +29,7 @@ def test_the_overhead_benchmark_runs(tmp_path):
         # each side's prefill compute found (the runner's from /metrics, the direct one's around its decode)
         assert re.search(r"TTFT less each side's own prefill compute .*: daemon [-+][\d.]+ ms over direct, median of "
                          r"2 pairs", r.stdout), r.stdout
+        assert re.search(r"the prefill itself: direct [\d.]+ ms, daemon's runner [\d.]+ ms", r.stdout), r.stdout
         # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
         # token on any CPU), and so are the daemon's and the client's
         m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +

@@ -180,16 +180,22 @@ class PrefillClock:
         self._daemon_last = self._daemon_total() if self.ok else None
 
     def _daemon_total(self) -> float | None:
+        return self._sample("localrun_compute_seconds_total", step="prefill")
+
+    def thread_changes(self) -> float | None:
+        """How often the daemon's thread governor changed llama.cpp's thread count since the load."""
+        return self._sample("localrun_compute_thread_changes_total")
+
+    def _sample(self, name: str, **labels: str) -> float | None:
         from prometheus_client.parser import text_string_to_metric_families
 
+        want = {"model": self.model, **labels}
         try:
-            text = self.http.get("/metrics").text
-            for family in text_string_to_metric_families(text):
+            for family in text_string_to_metric_families(self.http.get("/metrics").text):
                 for sample in family.samples:
-                    if (sample.name == "localrun_compute_seconds_total" and sample.labels.get("step") == "prefill"
-                            and sample.labels.get("model") == self.model):
+                    if sample.name == name and all(sample.labels.get(k) == v for k, v in want.items()):
                         return sample.value
-        except Exception:  # noqa: BLE001 - no decomposition then
+        except Exception:  # noqa: BLE001 - an older daemon, or none: not shown
             return None
         return None
 
@@ -389,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         # on both sides alike)
         ttft: dict[str, list[tuple[float, float]]] = {c: [] for c in clients}
         outside: dict[str, list[float]] = {c: [] for c in clients}  # (daemon - direct) TTFT less prefill, per pair
+        prefills: dict[str, list[tuple[float, float]]] = {c: [] for c in clients}  # (direct, daemon) prefill seconds
         clock = PrefillClock(llm, http, model)
         for i in range(args.ttft_prompts):
             for k, (c, run_one) in enumerate(clients.items()):
@@ -402,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
                 ttft[c].append((pair["direct"], pair["daemon"]))
                 if clock.ok and pre["daemon"] is not None and pre["direct"] > 0:
                     outside[c].append(1000 * ((pair["daemon"] - pre["daemon"]) - (pair["direct"] - pre["direct"])))
+                    prefills[c].append((pre["direct"], pre["daemon"]))
         med = statistics.median
         print()
         print(f"machine: {os.cpu_count()} logical CPUs, llama.cpp threads {threads}, SmolLM2-135M Q4_1, "
@@ -434,12 +442,20 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  TTFT less each side's own prefill compute (llama_decode of the prompt's step): daemon "
                       f"{med(outside[c]):+.1f} ms over direct, median of {len(outside[c])} pairs (90% interval "
                       f"{olo:+.1f} to {ohi:+.1f}): the path around llama.cpp, without the prefill's run-to-run swing")
+                pd = prefills[c]
+                print(f"  the prefill itself: direct {1000 * med(a for a, _ in pd):.1f} ms, daemon's runner "
+                      f"{1000 * med(b for _, b in pd):.1f} ms (medians), {1000 * med(b - a for a, b in pd):+.1f} ms "
+                      f"median of pairs")
             print(cpu.report(c))
             # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
             # neighbour or a slow minute shifts both halves of a pair rather than one side's median. They
             # hold the lightest client's: the daemon's overhead, not an HTTP library's (httpx's is shown)
             if c == next(iter(rows)):
                 ok = pair <= args.max_overhead and ttft_pair <= args.max_ttft
+        changes = clock.thread_changes()
+        if changes is not None:
+            print(f"the daemon's thread governor changed llama.cpp's thread count {changes:g} times in this run"
+                  + ("" if args.llama_threads else " (--threads N fixes the count on both sides)"))
         return 0 if ok else 1
     finally:
         if stdlib is not None:
