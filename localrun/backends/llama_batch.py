@@ -656,7 +656,7 @@ class BatchedLlama:
         # of consecutive sequence ids in batch order (split_equal, sequential), each a whole forward
         # pass; in arrival order 8 streams took 2-3 passes a step (measured 67 ms against 56 ms)
         rows.sort(key=lambda row: row[0].sid)
-        self._fill(rows)
+        outs, n_out = self._fill(rows)
         t0 = time.perf_counter()
         ret = self.lib.llama_decode(self.ctx, self._batch)
         # compute time by step kind: a step with any prompt tokens is a prefill step (/metrics; bench overhead
@@ -667,7 +667,7 @@ class BatchedLlama:
             self._decode_failed(ret, rows)
             return True
         self.counters["steps"] += 1
-        self._after(rows)
+        self._after(rows, outs, n_out)
         return True
 
     # -- images ---------------------------------------------------------------------------------------
@@ -752,12 +752,14 @@ class BatchedLlama:
             self._logits_view = ((addr, rows), np.frombuffer(buf, dtype=np.float32).reshape(rows, self.n_vocab))
         return self._logits_view[1]
 
-    def _fill(self, rows: list[tuple[Request, list[int], bool]]) -> None:
+    def _fill(self, rows: list[tuple[Request, list[int], bool]]) -> tuple[list[int], int]:
+        """The batch of `rows`; returns each row's first output row (its logits' index, counted here in
+        Python) and the step's number of output rows."""
         n = sum(len(t) for _, t, _ in rows)
         if n > self._cap:
             self._alloc_batch(n)
         i = 0
-        outs = self._outs = []  # per row: the index of its first output row (logits), counted here in Python
+        outs: list[int] = []
         n_out = 0
         for r, toks, decoding in rows:
             k = len(toks)
@@ -775,8 +777,8 @@ class BatchedLlama:
                 self._out[i + k - 1] = 1
                 n_out += 1
             i += k
-        self._n_out = n_out
         self._batch.n_tokens = n
+        return outs, n_out
 
     def _decode_failed(self, ret: int, rows) -> None:
         """The step's requests end with the error; what the step wrote for them is dropped."""
@@ -793,14 +795,14 @@ class BatchedLlama:
         if ret < -1:
             self.fatal = f"llama.cpp reported a compute error (code {ret})"
 
-    def _after(self, rows) -> None:
+    def _after(self, rows, outs: list[int], n_out: int) -> None:
         lib, ctx = self.lib, self.ctx
         firsts: list[Request] = []
         logits = None
-        if self._n_out and any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
-            logits = self._logits(self._n_out)  # the step's output rows, in batch order
+        if n_out and any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
+            logits = self._logits(n_out)  # the step's output rows, in batch order
         i = 0
-        for (r, toks, decoding), o0 in zip(rows, self._outs):  # o0: the row's first output row
+        for (r, toks, decoding), o0 in zip(rows, outs):  # o0: the row's first output row
             k = len(toks)
             first_row = i
             i += k

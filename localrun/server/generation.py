@@ -804,9 +804,9 @@ async def until_disconnected(request: Any, coro) -> Any:
     On Python 3.11+ `coro` runs in the caller's own task, which the watcher cancels (and the
     cancel is taken back here): no task started for it, no turn of the event loop to hand its
     result back, on the path of every streamed request's first token."""
-    current = asyncio.current_task()
-    if current is not None and hasattr(current, "uncancel"):
-        return await _in_this_task(request, coro, current)
+    if CANCEL_IN_TASK:
+        async with disconnect_cancels(request.receive):
+            return await coro
     task = asyncio.ensure_future(coro)
     gone = False
 
@@ -830,26 +830,36 @@ async def until_disconnected(request: Any, coro) -> Any:
         watcher.cancel()
 
 
-async def _in_this_task(request: Any, coro, current: asyncio.Task) -> Any:
-    """until_disconnected's way on Python 3.11+. The watcher runs only while this task waits inside
-    `coro`, so its cancel lands there; once `coro` is over (``done``), it cancels nothing."""
+CANCEL_IN_TASK = hasattr(asyncio.Task, "uncancel")  # Python 3.11+
+
+
+@asynccontextmanager
+async def disconnect_cancels(receive: Callable[[], Awaitable[dict]]):
+    """Inside the block, the client's going (the ASGI ``http.disconnect`` message, awaited by a watcher
+    task) cancels this very task; leaving the block because of it raises ClientGone, the cancel taken
+    back (``Task.uncancel``; Python 3.11+: CANCEL_IN_TASK). A cancel from elsewhere too (the server
+    stopping) stays a cancel. The watcher runs only while this task waits inside the block, so its cancel
+    lands there; once the block is left (``done``) it cancels nothing. Used by until_disconnected and by
+    a streamed response's body (state.ClosingStreamingResponse): no task for the work itself, and no turn
+    of the event loop to hand its result back."""
+    task = asyncio.current_task()
     gone = done = False
 
     async def watch():
         nonlocal gone
         while not done:
-            message = await request.receive()
+            message = await receive()
             if message.get("type") == "http.disconnect":
                 if not done:
                     gone = True
-                    current.cancel()
+                    task.cancel()
                 return
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        return await coro
+        yield
     except asyncio.CancelledError:
-        if gone and not current.uncancel():
+        if gone and not task.uncancel():
             raise ClientGone("the client closed the connection") from None
         raise
     finally:
@@ -858,4 +868,4 @@ async def _in_this_task(request: Any, coro, current: asyncio.Task) -> Any:
 
 
 __all__ = ["Job", "Delta", "ToolCalls", "Done", "Choice", "Generation", "GenerationService", "render_prompt",
-           "until_disconnected"]
+           "until_disconnected", "disconnect_cancels", "ClientGone"]

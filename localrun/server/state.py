@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 
 from localrun.config import Settings
 from localrun.errors import InvalidRequest
-from localrun.server.generation import GenerationService
+from localrun.server.generation import CANCEL_IN_TASK, ClientGone, GenerationService, disconnect_cancels
 from localrun.server.manager import DEFAULT, Loader, ModelManager
 
 
@@ -101,51 +101,38 @@ class ClosingStreamingResponse(StreamingResponse):
     being sent (the response task is cancelled outside the iterator); closing it here runs the
     route's `finally`, so the backend's work is aborted now, not whenever the GC gets to it.
 
-    The body is sent from the route's own task, and a plain asyncio task waits for the client's
-    disconnect and cancels it. Starlette's own way (for uvicorn's ASGI 2.3) starts the body in a new
-    task of an anyio task group beside a disconnect listener: ~0.35 ms between the first token and its
-    response headers after an idle spell, on a daemon whose whole budget over llama.cpp is 5 ms.
+    The body is sent from the route's own task, which the client's going cancels
+    (generation.disconnect_cancels). Starlette's own way (for uvicorn's ASGI 2.3) starts the body in a
+    new task of an anyio task group beside a disconnect listener: ~0.35 ms between the first token and
+    its response headers after an idle spell, on a daemon whose whole budget over llama.cpp is 5 ms.
     (Python 3.10, without Task.uncancel, keeps Starlette's.)"""
 
-    _ended = False  # the last body part is sent: a disconnect from now on is the connection's end, not ours
-
     async def __call__(self, scope, receive, send) -> None:
-        task = asyncio.current_task()
-        if scope["type"] != "http" or task is None or not hasattr(task, "uncancel"):
+        if scope["type"] != "http" or not CANCEL_IN_TASK:
             return await super().__call__(scope, receive, send)
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while not self._ended:
-                if (await receive())["type"] == "http.disconnect":
-                    if not self._ended:
-                        gone = True
-                        task.cancel()
-                    return
-
-        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self.stream_response(send)
-        except asyncio.CancelledError:
-            if not gone or task.uncancel():  # cancelled by someone else too (the server stopping)
-                raise
+            async with disconnect_cancels(receive):
+                await super().stream_response(send)
+        except ClientGone:
+            pass
         finally:
-            watcher.cancel()
+            await self._close()
         if self.background is not None:
             await self.background()
 
-    async def stream_response(self, send) -> None:
+    async def stream_response(self, send) -> None:  # (Starlette's __call__, Python 3.10)
         try:
             await super().stream_response(send)
-            self._ended = True
         finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                try:
-                    await close()
-                except RuntimeError:  # still being iterated: that frame closes it
-                    pass
+            await self._close()
+
+    async def _close(self) -> None:
+        close = getattr(self.body_iterator, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except RuntimeError:  # still being iterated: that frame closes it
+                pass
 
 
 def sse_response(events: AsyncIterator[bytes], release: Callable[[], Awaitable[None]]) -> StreamingResponse:
