@@ -16,16 +16,21 @@ def test_the_overhead_benchmark_runs(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
-    r = subprocess.run([sys.executable, "-m", "localrun.bench", "overhead", "--prompts", "2", "--max-tokens", "8",
-                        "--ttft-prompts", "2", "--max-overhead", "1000", "--max-ttft", "100000"], env={**env, "TMPDIR": str(tmp_path)},
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run([sys.executable, "-m", "localrun.bench", "overhead", "--rounds", "2", "--prompts", "1",
+                        "--max-tokens", "8", "--ttft-prompts", "1", "--max-overhead", "1000", "--max-ttft", "100000"],
+                       env={**env, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("text same") == 4, r.stdout  # 2 prompts x (direct beside stdlib, direct beside httpx)
+    # two rounds, each a fresh daemon and a fresh direct Llama, pulled once into one temporary library
+    assert r.stdout.count("a fresh daemon and a fresh direct Llama") == 2 and r.stdout.count("pulling") == 1, r.stdout
+    assert r.stdout.count("text same") == 4, r.stdout  # 2 rounds x 1 prompt x (direct beside stdlib, beside httpx)
+    assert not list(tmp_path.glob("localrun-bench-*")), "the temporary library is removed"
     for client in ("stdlib", "httpx"):
         assert f"daemon overhead ({client} client): tok/s" in r.stdout and "median of per-prompt pairs" in r.stdout
         assert "TTFT alone (2 prompts x 2 tokens, order alternating)" in r.stdout, r.stdout
         assert re.search(r"90% intervals of those medians \(bootstrap\): tok/s [-+][\d.]+% to [-+][\d.]+% \(2 pairs\), "
                          r"TTFT [-+][\d.]+ to [-+][\d.]+ ms \(2 pairs\)", r.stdout), r.stdout
+        assert re.search(r"each round's pair medians \(tok/s / TTFT\): [-+][\d.]+% / [-+][\d.]+ ms, "
+                         r"[-+][\d.]+% / [-+][\d.]+ ms\n", r.stdout), r.stdout
         # each side's prefill compute found (the runner's from /metrics, the direct one's around its decode)
         assert re.search(r"TTFT less each side's own prefill compute .*: daemon [-+][\d.]+ ms over direct, median of "
                          r"2 pairs", r.stdout), r.stdout
