@@ -54,3 +54,14 @@ def test_median_interval():
     assert median_ci([3.0]) == (3.0, 3.0)
     wide = median_ci([0.0, 100.0] * 5)
     assert wide[0] == 0.0 and wide[1] == 100.0  # two camps: one run's median could be either
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--prompts"])
+def test_no_rounds_or_prompts_is_refused_before_anything_starts(flag):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "localrun.bench", "overhead", flag, "0"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and f"argument {flag}: expected a positive integer, got 0" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "round 1" not in r.stdout

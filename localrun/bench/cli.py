@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from localrun.bench import overhead  # stdlib-only at import
 
-    overhead.add_parser(sub)
+    overhead.add_parser(sub, _positive_int)
 
     from localrun.bench import embed_vs  # stdlib-only at import
 

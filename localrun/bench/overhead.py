@@ -228,10 +228,8 @@ class CpuTally:
     compute for llama.cpp, every CPU-microsecond the other processes spend per token is taken from
     the step: this says where the overhead goes."""
 
-    def __init__(self, clients: tuple[str, ...] = ("daemon",), daemon_pid: int | None = None) -> None:
-        self._daemon = None
-        if daemon_pid is not None:
-            self.watch(daemon_pid)
+    def __init__(self, clients: tuple[str, ...] = ("daemon",)) -> None:
+        self._daemon = None  # (watch: each round's daemon)
         self.sums = {"direct": 0.0}
         self.tokens = {"direct": 0}
         for c in clients:  # the daemon side, per HTTP client
@@ -305,14 +303,15 @@ def median_ci(xs: list[float], level: float = 0.9, draws: int = 2000) -> tuple[f
     return meds[lo], meds[draws - 1 - lo]
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, positive_int) -> None:
+    """The subcommand on `sub`; `positive_int`: the bench CLI's argument type for counts (1 or more)."""
     ap = sub.add_parser("overhead", help="the daemon's overhead: SmolLM2 through it vs llama-cpp-python directly",
                         description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=4,
+    ap.add_argument("--rounds", type=positive_int, default=4,
                     help="pairs of fresh processes (a daemon with its runner, a direct Llama), one after the other, "
                          "each running --prompts and --ttft-prompts: a process's llama.cpp runs a few percent faster "
                          "or slower than another's for its whole life, which one pair would keep in the medians")
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=positive_int, default=6)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-ctx", type=int, default=2048)
     ap.add_argument("--ttft-prompts", type=int, default=50,
@@ -528,9 +527,9 @@ def _report(args, threads, rows, ttft, outside, prefills, cpu, changes) -> int:
         if args.rounds > 1:  # each pair of processes' own medians: how far one draw of them can be from another
             per = []
             for k in range(args.rounds):
-                tk = [1000 * (b - a) for a, b, r in ts if r == k]
-                rk = [100.0 * (1 - r[1][1] / r[0][1]) for r in rs if r[2] == k]
-                per.append(f"{med(rk):+.1f}% / {med(tk):+.1f} ms" if rk and tk else "-")
+                tk = [1000 * (b - a) for a, b, rnd in ts if rnd == k]
+                rk = [100.0 * (1 - s[1] / d[1]) for d, s, rnd in rs if rnd == k]
+                per.append((f"{med(rk):+.1f}%" if rk else "-") + " / " + (f"{med(tk):+.1f} ms" if tk else "-"))
             print(f"  each round's pair medians (tok/s / TTFT): {', '.join(per)}")
         if outside[c]:
             olo, ohi = median_ci(outside[c])
