@@ -321,6 +321,40 @@ def test_a_channel_to_a_dead_peer_drops_messages(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_message_sent_now_goes_out_before_the_turn_ends_after_those_queued_before_it(loop):
+    """The daemon's messages go out together at the end of a turn of the event loop; a request's
+    `generate` (on its way to the first token) goes out at once, behind whatever this turn queued
+    before it, in order; what is queued after it waits for the turn's end as before."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+
+    def framed(data: bytes) -> list[int]:
+        ids, pos = [], 0
+        while pos < len(data):
+            n = int.from_bytes(data[pos:pos + 4], "little")
+            ids.append(wire.loads(data[pos + 4:pos + 4 + n])["id"])
+            pos += 4 + n
+        return ids
+
+    async def main():
+        a, b = socket.socketpair()
+        b.setblocking(False)
+        chan = await wire.Channel.connect(a)
+        chan.send({"op": "abort", "id": 1})
+        chan.send({"op": "generate", "id": 2}, now=True)
+        chan.send({"op": "delivered", "id": 3})
+        now = framed(b.recv(1 << 16))  # before this turn ends: no await since the sends
+        await asyncio.sleep(0.05)
+        later = framed(b.recv(1 << 16))
+        chan.close()
+        b.close()
+        return now, later
+
+    now, later = (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+    assert now == [1, 2] and later == [3]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_direct_channel_takes_whole_messages_from_a_thread_and_the_loop(loop):
     """The runner's end is direct: the llama.cpp loop's thread writes a step's chunks itself while
     the event loop sends its own messages (here large ones, as an embeddings result is, which the

@@ -113,9 +113,9 @@ class RemoteBackend:
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     # -- the pipe ------------------------------------------------------------------------------
-    def _send(self, obj: dict) -> None:
+    def _send(self, obj: dict, now: bool = False) -> None:
         if self.returncode is None:
-            self.chan.send(obj)
+            self.chan.send(obj, now)
 
     async def _read(self) -> None:
         while True:
@@ -251,7 +251,8 @@ class RemoteBackend:
         rid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
-        self._send({"op": "generate", "id": rid, "request": wire.request_to_wire(request)})
+        # at once, not at the end of this turn of the event loop: it is on the way to the first token
+        self._send({"op": "generate", "id": rid, "request": wire.request_to_wire(request)}, now=True)
         finished, first = False, True
         try:
             while True:

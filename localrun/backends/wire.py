@@ -68,11 +68,16 @@ class Channel:
         fd = os.dup(writer.get_extra_info("socket").fileno()) if direct else None
         return cls(reader, writer, fd)
 
-    def send(self, obj: dict) -> None:
+    def send(self, obj: dict, now: bool = False) -> None:
         """Queue one message. The messages sent in one turn of the event loop go out in one write
         (a step of the batched llama.cpp loop yields a chunk for every running request: one system
-        call, not one each). Dropped when the peer is gone (its EOF, or the process watcher, reports
+        call, not one each); `now`: this one (after any queued before it) goes out at once, not at
+        the end of the turn. Dropped when the peer is gone (its EOF, or the process watcher, reports
         that)."""
+        if now:
+            self._out.append(frame(obj))
+            self._flush()
+            return
         if not self._out:
             self._loop.call_soon(self._flush)
         self._out.append(frame(obj))
