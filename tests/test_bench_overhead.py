@@ -35,6 +35,15 @@ def test_the_overhead_benchmark_runs(tmp_path):
         assert re.search(r"TTFT less each side's own prefill compute .*: daemon [-+][\d.]+ ms over direct, median of "
                          r"2 pairs", r.stdout), r.stdout
         assert re.search(r"the prefill itself: direct [\d.]+ ms, daemon's runner [\d.]+ ms", r.stdout), r.stdout
+        # a long stream's time a token split into llama_decode's step and what is around it, each side
+        m = re.search(r"a token's time outside llama_decode .*: direct ([\d.]+) ms, daemon ([\d.]+) ms .*: "
+                      r"[-+][\d.]+ ms a token, [-+][\d.]+% of direct's step \(median of 2 pairs", r.stdout)
+        assert m, r.stdout
+        m2 = re.search(r"the decode step itself: direct ([\d.]+) ms, daemon's runner ([\d.]+) ms", r.stdout)
+        assert m2, r.stdout
+        # the decode step is milliseconds on any CPU; what is around it is less than the step
+        assert all(float(x) > 0.5 for x in m2.groups()), r.stdout
+        assert all(0.0 <= float(x) < 20.0 for x in m.groups()), r.stdout
         # where the overhead goes: the runner's CPU is found (llama.cpp computes there: milliseconds a
         # token on any CPU), and so are the daemon's and the client's
         m = re.search(r"CPU per generated token: direct (\d+) us .* through the daemon with " + client +

@@ -17,7 +17,10 @@ TTFT is judged on its own short requests (--ttft-prompts, --ttft-tokens), which 
 alternating within each pair: one prompt's TTFT swings by +-10 ms on a busy 2-core VM. Beside it, the
 same pairs with each side's own prefill compute taken out (the runner's from /metrics, the direct
 side's timed around its decode): the path around llama.cpp, without the prefill's swing. Bootstrap
-intervals say how far one run's medians may be from the box's own.
+intervals say how far one run's medians may be from the box's own. The long streams' time a token is
+split the same way: the decode step's compute (the runner's from /metrics, the direct side's timed) and
+what is around it, on each side; the difference of the latter is the daemon's own cost in tok/s, without
+the few percent one process's llama.cpp runs faster or slower than another's.
 
     localrun bench overhead [--rounds 4] [--prompts 6] [--max-tokens 128] [--ttft-prompts 50] [--settle 0.1]
                             [--client both|stdlib|httpx]
@@ -159,17 +162,19 @@ def run_daemon_stdlib(client: StdlibClient, model: str, prompt: str, max_tokens:
     return _read_stream(time.perf_counter(), client.stream("/v1/completions", body))
 
 
-class PrefillClock:
-    """Each side's own prefill compute, so a TTFT pair can be compared with it taken out: the seconds
-    in llama_decode of the steps that carry prompt tokens. The direct side: llama-cpp-python's context's
-    decode, timed around the call (as the runner's loop times its own); the daemon side: the runner's
-    `localrun_compute_seconds_total{step="prefill"}` from /metrics, read after each request. A short
-    request's prefill swings by +-10 ms on a 2-vCPU VM and differs between two processes by a few ms
-    from run to run: what is left, TTFT less prefill, is the path around llama.cpp on each side."""
+class StepClock:
+    """Each side's own llama_decode time, so a pair can be compared with it taken out: a TTFT pair
+    less the prefill (the steps that carry prompt tokens), a long stream's time per token less its
+    decode steps. The direct side: llama-cpp-python's context's decode, timed around the call (as the
+    runner's loop times its own); the daemon side: the runner's `localrun_compute_seconds_total` by
+    step and `localrun_decode_tokens_total` from /metrics, read after each request. A short request's
+    prefill swings by +-10 ms on a 2-vCPU VM and a process's decode steps run a few percent faster or
+    slower than another's: what is left, the time around llama_decode, is each side's own path."""
 
     def __init__(self, llm, http, model: str) -> None:
         self.http, self.model = http, model
-        self.direct_s = 0.0
+        self.direct_s = 0.0  # prefill seconds
+        self.direct_dec = [0.0, 0]  # decode seconds, decode steps (one-token batches)
         ctx = getattr(llm, "_ctx", None)
         decode = getattr(ctx, "decode", None)
         self.ok = decode is not None
@@ -181,28 +186,45 @@ class PrefillClock:
                 finally:
                     if batch.batch.n_tokens > 1:  # a prompt's step (a short request's is one)
                         self.direct_s += time.perf_counter() - t0
+                    else:
+                        self.direct_dec[0] += time.perf_counter() - t0
+                        self.direct_dec[1] += 1
             ctx.decode = timed
-        self._daemon_last = self._daemon_total() if self.ok else None
+        self._last = self._daemon_counters() if self.ok else None
 
-    def _daemon_total(self) -> float | None:
-        return self._sample("localrun_compute_seconds_total", step="prefill")
+    def _daemon_counters(self) -> tuple[float | None, float | None, float | None] | None:
+        """(prefill seconds, decode seconds, decode tokens) of the runner since its load, one /metrics read."""
+        got = self._samples(("localrun_compute_seconds_total", {"step": "prefill"}),
+                            ("localrun_compute_seconds_total", {"step": "decode"}),
+                            ("localrun_decode_tokens_total", {}))
+        return None if None in got else got
+
+    def _delta(self) -> tuple[float, float, float] | None:
+        """The daemon's counters' growth since the last read (the request just run)."""
+        now = self._daemon_counters()
+        last, self._last = self._last, now
+        if now is None or last is None:
+            return None
+        return now[0] - last[0], now[1] - last[1], now[2] - last[2]
 
     def thread_changes(self) -> float | None:
         """How often the daemon's thread governor changed llama.cpp's thread count since the load."""
-        return self._sample("localrun_compute_thread_changes_total")
+        return self._samples(("localrun_compute_thread_changes_total", {}))[0]
 
-    def _sample(self, name: str, **labels: str) -> float | None:
+    def _samples(self, *wanted: tuple[str, dict]) -> list[float | None]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        want = {"model": self.model, **labels}
+        out: list[float | None] = [None] * len(wanted)
         try:
             for family in text_string_to_metric_families(self.http.get("/metrics").text):
                 for sample in family.samples:
-                    if sample.name == name and all(sample.labels.get(k) == v for k, v in want.items()):
-                        return sample.value
+                    for i, (name, labels) in enumerate(wanted):
+                        want = {"model": self.model, **labels}
+                        if sample.name == name and all(sample.labels.get(k) == v for k, v in want.items()):
+                            out[i] = sample.value
         except Exception:  # noqa: BLE001 - an older daemon, or none: not shown
-            return None
-        return None
+            pass
+        return out
 
     def direct(self, run, *args):
         """(result, prefill seconds) of `run(*args)` on the direct side."""
@@ -211,13 +233,25 @@ class PrefillClock:
         return res, self.direct_s - before
 
     def daemon(self, run, *args):
-        """(result, prefill seconds) of `run(*args)` through the daemon (the counter is read after it, not
+        """(result, prefill seconds) of `run(*args)` through the daemon (the counters are read after it, not
         before: nothing of the daemon's runs on the request's way in but the request itself)."""
         res = run(*args)
-        total = self._daemon_total()
-        took = None if total is None or self._daemon_last is None else total - self._daemon_last
-        self._daemon_last = total
-        return res, took
+        d = self._delta()
+        return res, None if d is None else d[0]
+
+    def direct_steps(self, run, *args):
+        """(result, mean seconds of its decode steps) of a stream `run(*args)` on the direct side."""
+        s0, n0 = self.direct_dec
+        res = run(*args)
+        n = self.direct_dec[1] - n0
+        return res, (self.direct_dec[0] - s0) / n if n else None
+
+    def daemon_steps(self, run, *args):
+        """(result, mean seconds of its decode steps) of a stream `run(*args)` through the daemon (one
+        stream at a time: each decode step samples one token)."""
+        res = run(*args)
+        d = self._delta()
+        return res, d[1] / d[2] if d is not None and d[2] else None
 
 
 class CpuTally:
@@ -441,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
     ttft: dict[str, list[tuple[float, float, int]]] = {c: [] for c in names}  # (direct, daemon, round)
     outside: dict[str, list[float]] = {c: [] for c in names}  # (daemon - direct) TTFT less prefill, per pair
     prefills: dict[str, list[tuple[float, float]]] = {c: [] for c in names}  # (direct, daemon) prefill seconds
+    # per long-prompt pair: ((direct's seconds a token, its decode step), (the daemon's, its runner's decode step))
+    steps: dict[str, list[tuple[tuple[float, float], tuple[float, float]]]] = {c: [] for c in names}
     cpu = CpuTally(names)
     changes: float | None = None
     try:
@@ -456,22 +492,24 @@ def run(args: argparse.Namespace) -> int:
                 for run_one in clients.values():
                     run_one(_prompt(998), 8)
                 base = 10000 * rnd  # every round its own prompts: none finds another's in a cache
+                clock = StepClock(side.llm, side.http, side.model)
                 for i in range(args.prompts):
                     for k, (c, run_one) in enumerate(clients.items()):  # a direct run beside each daemon run
                         p = _prompt(base + i + 100 * k)  # each client its own prompts too
-                        d = cpu.direct(run_direct, side.llm, p, args.max_tokens)
+                        d, d_dec = clock.direct_steps(cpu.direct, run_direct, side.llm, p, args.max_tokens)
                         time.sleep(args.settle)
-                        r = cpu.daemon(run_one, p, args.max_tokens, client=c)
+                        r, r_dec = clock.daemon_steps(lambda *a: cpu.daemon(run_one, *a, client=c), p, args.max_tokens)
                         time.sleep(args.settle)
                         same = "same" if d[3] == r[3] else "differs"
                         rows[c].append((d, r, rnd))
+                        if d_dec and r_dec and d[1] > 0 and r[1] > 0:  # (step, decode) seconds a token, each side
+                            steps[c].append(((1 / d[1], d_dec), (1 / r[1], r_dec)))
                         print(f"prompt {i}: direct TTFT {d[0] * 1000:7.1f} ms {d[1]:6.1f} tok/s ({d[2]} tok) | "
                               f"daemon ({c:6}) TTFT {r[0] * 1000:7.1f} ms {r[1]:6.1f} tok/s ({r[2]} tok) | text {same}",
                               flush=True)
                 # TTFT on its own: many short requests, each prompt on both sides back to back, which side goes
                 # first alternating (whatever the first of a pair leaves behind, a warm cache or a busy CPU, falls
                 # on both sides alike)
-                clock = PrefillClock(side.llm, side.http, side.model)
                 print(f"TTFT: {args.ttft_prompts} short prompts on both sides, per client ...", flush=True)
                 for i in range(args.ttft_prompts):
                     for k, (c, run_one) in enumerate(clients.items()):
@@ -491,12 +529,12 @@ def run(args: argparse.Namespace) -> int:
                     changes = (changes or 0.0) + n
             finally:
                 side.close()
-        return _report(args, threads, rows, ttft, outside, prefills, cpu, changes)
+        return _report(args, threads, rows, ttft, outside, prefills, cpu, changes, steps)
     finally:
         shutil.rmtree(home, ignore_errors=True)  # the temporary library (a copy of the model)
 
 
-def _report(args, threads, rows, ttft, outside, prefills, cpu, changes) -> int:
+def _report(args, threads, rows, ttft, outside, prefills, cpu, changes, steps=None) -> int:
     med = statistics.median
     print()
     print(f"machine: {os.cpu_count()} logical CPUs, llama.cpp threads {threads}, SmolLM2-135M Q4_1, "
@@ -540,6 +578,21 @@ def _report(args, threads, rows, ttft, outside, prefills, cpu, changes) -> int:
             print(f"  the prefill itself: direct {1000 * med(a for a, _ in pd):.1f} ms, daemon's runner "
                   f"{1000 * med(b for _, b in pd):.1f} ms (medians), {1000 * med(b - a for a, b in pd):+.1f} ms "
                   f"median of pairs")
+        if steps and steps.get(c):
+            sp = steps[c]
+            d_out = [1000 * (a[0] - a[1]) for a, _ in sp]
+            r_out = [1000 * (b[0] - b[1]) for _, b in sp]
+            extra = [y - x for x, y in zip(d_out, r_out)]
+            share = [100.0 * (y - x) / (1000 * a[0]) for (a, _), x, y in zip(sp, d_out, r_out)]
+            slo, shi = median_ci(share)
+            print(f"  a token's time outside llama_decode (its step less the decode step's compute): direct "
+                  f"{med(d_out):.2f} ms, daemon {med(r_out):.2f} ms (the runner's loop and its write, which wakes "
+                  f"the daemon and through it the HTTP client, on a CPU llama.cpp computes on): {med(extra):+.2f} ms "
+                  f"a token, {med(share):+.1f}% of direct's step (median of {len(sp)} pairs, 90% interval "
+                  f"{slo:+.1f}% to {shi:+.1f}%): the daemon's own cost in tok/s, without llama.cpp's run-to-run swing")
+            dd = [100.0 * (b[1] / a[1] - 1) for a, b in sp]
+            print(f"  the decode step itself: direct {1000 * med(a[1] for a, _ in sp):.2f} ms, daemon's runner "
+                  f"{1000 * med(b[1] for _, b in sp):.2f} ms (medians), {med(dd):+.1f}% median of pairs")
         print(cpu.report(c))
         # the budgets hold the paired numbers: each prompt on both sides back to back, so a noisy
         # neighbour or a slow minute shifts both halves of a pair rather than one side's median. They
