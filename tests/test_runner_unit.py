@@ -320,6 +320,16 @@ def test_a_channel_to_a_dead_peer_drops_messages(loop):
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())
 
 
+def _messages(data: bytes) -> list[dict]:
+    """The framed messages (wire.frame) in `data`, in order."""
+    out, pos = [], 0
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 4], "little")
+        out.append(wire.loads(data[pos + 4:pos + 4 + n]))
+        pos += 4 + n
+    return out
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_message_sent_now_goes_out_before_the_turn_ends_after_those_queued_before_it(loop):
     """The daemon's messages go out together at the end of a turn of the event loop; a request's
@@ -329,12 +339,7 @@ def test_a_message_sent_now_goes_out_before_the_turn_ends_after_those_queued_bef
         uvloop = pytest.importorskip("uvloop")
 
     def framed(data: bytes) -> list[int]:
-        ids, pos = [], 0
-        while pos < len(data):
-            n = int.from_bytes(data[pos:pos + 4], "little")
-            ids.append(wire.loads(data[pos + 4:pos + 4 + n])["id"])
-            pos += 4 + n
-        return ids
+        return [m["id"] for m in _messages(data)]
 
     async def main():
         a, b = socket.socketpair()
@@ -373,12 +378,8 @@ def test_a_direct_channel_takes_whole_messages_from_a_thread_and_the_loop(loop):
     def read_all():
         time.sleep(0.3)  # late: both writers meet a full buffer first
         data = b"".join(iter(lambda: b.recv(1 << 20), b""))  # everything, until the runner's end closes
-        pos = 0
-        while pos < len(data):
-            n = int.from_bytes(data[pos:pos + 4], "little")
-            msg = wire.loads(data[pos + 4:pos + 4 + n])
+        for msg in _messages(data):
             got[msg["id"]].append(msg["i"][0] if msg["id"] == 1 else msg["result"])
-            pos += 4 + n
 
     async def main():
         runner = await wire.Channel.connect(a, direct=True)

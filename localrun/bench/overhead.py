@@ -215,11 +215,11 @@ class StepClock:
         from prometheus_client.parser import text_string_to_metric_families
 
         out: list[float | None] = [None] * len(wanted)
+        wants = [(name, {"model": self.model, **labels}) for name, labels in wanted]
         try:
             for family in text_string_to_metric_families(self.http.get("/metrics").text):
                 for sample in family.samples:
-                    for i, (name, labels) in enumerate(wanted):
-                        want = {"model": self.model, **labels}
+                    for i, (name, want) in enumerate(wants):
                         if sample.name == name and all(sample.labels.get(k) == v for k, v in want.items()):
                             out[i] = sample.value
         except Exception:  # noqa: BLE001 - an older daemon, or none: not shown
@@ -246,10 +246,10 @@ class StepClock:
         n = self.direct_dec[1] - n0
         return res, (self.direct_dec[0] - s0) / n if n else None
 
-    def daemon_steps(self, run, *args):
-        """(result, mean seconds of its decode steps) of a stream `run(*args)` through the daemon (one
+    def daemon_steps(self, run, *args, **kw):
+        """(result, mean seconds of its decode steps) of a stream `run(*args, **kw)` through the daemon (one
         stream at a time: each decode step samples one token)."""
-        res = run(*args)
+        res = run(*args, **kw)
         d = self._delta()
         return res, d[1] / d[2] if d is not None and d[2] else None
 
@@ -498,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
                         p = _prompt(base + i + 100 * k)  # each client its own prompts too
                         d, d_dec = clock.direct_steps(cpu.direct, run_direct, side.llm, p, args.max_tokens)
                         time.sleep(args.settle)
-                        r, r_dec = clock.daemon_steps(lambda *a: cpu.daemon(run_one, *a, client=c), p, args.max_tokens)
+                        r, r_dec = clock.daemon_steps(cpu.daemon, run_one, p, args.max_tokens, client=c)
                         time.sleep(args.settle)
                         same = "same" if d[3] == r[3] else "differs"
                         rows[c].append((d, r, rnd))
@@ -534,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(home, ignore_errors=True)  # the temporary library (a copy of the model)
 
 
-def _report(args, threads, rows, ttft, outside, prefills, cpu, changes, steps=None) -> int:
+def _report(args, threads, rows, ttft, outside, prefills, cpu, changes, steps) -> int:
     med = statistics.median
     print()
     print(f"machine: {os.cpu_count()} logical CPUs, llama.cpp threads {threads}, SmolLM2-135M Q4_1, "
@@ -578,7 +578,7 @@ def _report(args, threads, rows, ttft, outside, prefills, cpu, changes, steps=No
             print(f"  the prefill itself: direct {1000 * med(a for a, _ in pd):.1f} ms, daemon's runner "
                   f"{1000 * med(b for _, b in pd):.1f} ms (medians), {1000 * med(b - a for a, b in pd):+.1f} ms "
                   f"median of pairs")
-        if steps and steps.get(c):
+        if steps[c]:
             sp = steps[c]
             d_out = [1000 * (a[0] - a[1]) for a, _ in sp]
             r_out = [1000 * (b[0] - b[1]) for _, b in sp]
