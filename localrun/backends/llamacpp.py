@@ -390,6 +390,7 @@ class LlamaCppBackend:
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._matchers = Matchers(lib, self._vocab, self._n_vocab)
+        self._pieces = None  # llama_pieces.PieceTokenizer, set once the rest of the load is done
         self._n_layer = int(lib.llama_model_n_layer(model))
         # a second context for embeddings, made on the first request: mean pooling (a generating model's GGUF
         # sets no pooling; one that does is an embedding model, llama_pooled.PooledBackend's)
@@ -424,6 +425,7 @@ class LlamaCppBackend:
             bos_token=self._special_text(lib.llama_vocab_bos(self._vocab)),
             eos_token=self._special_text(lib.llama_vocab_eos(self._vocab)),
         )
+        self._pieces = self._piece_tokenizer(model)
 
     @property
     def fatal(self) -> str | None:
@@ -449,8 +451,14 @@ class LlamaCppBackend:
 
     # -- tokens ------------------------------------------------------------------------
     def _tokenize(self, text: str, add_special: bool = False, special: bool = True) -> list[int]:
-        lib = self._lib
         data = text.encode("utf-8")
+        pieces = self._pieces
+        if pieces is not None:  # the text's pieces llama.cpp tokenized before are not tokenized again
+            return pieces.tokenize(data, add_special, special)
+        return self._tokenize_raw(data, add_special, special)
+
+    def _tokenize_raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
+        lib = self._lib
         cap = len(data) + 8
         buf = (lib.llama_token * cap)()
         n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, special)
@@ -461,6 +469,16 @@ class LlamaCppBackend:
             if n < 0:
                 raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
         return list(buf[:n])
+
+    def _piece_tokenizer(self, model):
+        """llama_pieces.PieceTokenizer for this vocabulary, or None (every text to llama.cpp whole)."""
+        from localrun.backends.llama_pieces import PieceTokenizer
+
+        try:
+            return PieceTokenizer.for_vocab(self._lib, model, self._vocab, self._tokenize_raw)
+        except Exception:  # noqa: BLE001 - only a cache: without it llama.cpp tokenizes every text whole
+            log.exception("%s: no piece cache for the tokenizer", self.spec.name)
+            return None
 
     def _special_text(self, token: int) -> str:
         """A special token's text ("" for none: llama.cpp's LLAMA_TOKEN_NULL is -1)."""
