@@ -13,6 +13,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from localrun.backends.llama_pieces import PieceTokenizer  # noqa: E402
+from localrun.bench.tokenize import VocabOnly  # noqa: E402
 
 # the vocabularies whose tokenizing the cache copies (llama.cpp's SentencePiece and byte-level BPE sessions,
 # no whitespace-stripping special tokens): if one of these turned the cache off, it would be off for the
@@ -22,33 +23,12 @@ COPIED = {"llama-spm", "llama-bpe", "qwen2", "qwen35", "gpt-2", "starcoder", "de
 NOT_COPIED = {"bert-bge", "nomic-bert-moe"}  # WordPiece: not cut-then-tokenize-each-piece
 
 
-class Vocab:
-    def __init__(self, path: Path) -> None:
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-        assert self.model, path
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-
-    def raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
-        cap = len(data) + 16
-        buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, special)
-        if n < 0:
-            cap = -n
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, special)
-        assert n >= 0
-        return list(buf[:n])
-
+class Vocab(VocabOnly):
     def pieces(self, **kw) -> PieceTokenizer | None:
-        pt = PieceTokenizer.for_vocab(llama_cpp, self.model, self.vocab, self.raw)
+        pt = super().pieces()
         if pt is not None and kw:
             pt.max_bytes = kw["max_bytes"]
         return pt
-
-    def close(self) -> None:
-        llama_cpp.llama_model_free(self.model)
 
 
 def texts_for(pt: PieceTokenizer, inputs: list[str]) -> list[str]:
@@ -128,7 +108,10 @@ def test_pieces_on_smollm2_a_growing_chat_and_a_small_budget(smollm2_gguf):
             history += f"<|im_start|>assistant\nAnswer {i}: Rayleigh scattering, {i} times over.<|im_end|>\n"
         pieces = pt.pieces(history.encode(), True)
         assert len(pieces) == 4 * 41  # (special, text, special, newline): the system message and 40 turns
-        assert pt.cached_bytes < len(history.encode())  # the pieces, each once
+        # each piece kept once, its text and its ids (4 bytes each) counted
+        kept = {p for p in pt.pieces(prompt.encode(), True) if type(p) is bytes}  # every earlier prompt is in the last
+        assert set(k[1] for k in pt._cache) == kept
+        assert pt.cached_bytes == sum(len(k[1]) + 4 * len(ids) for k, ids in pt._cache.items())
         # a budget smaller than the texts: pieces are dropped, the tokens stay exact, the bytes under it
         small = vocab.pieces(max_bytes=256)
         for i in range(50):
@@ -166,3 +149,13 @@ def test_overlapping_special_texts_turn_the_cache_off():
     assert _overlapping([b"<aa>", b"<bb>"]) is False
     assert _overlapping([b"aaaa", b"bbbb"]) is False  # a text overlapping itself is no order question
     assert _overlapping([b"abab", b"baba"]) is True
+
+
+def test_bench_tokenize_prints_both_ways_and_checks_them_equal(capsys):
+    """`localrun bench tokenize` on the bundled model, a short chat: both timings each turn, the ratio."""
+    from localrun.bench.cli import main
+
+    assert main(["tokenize", "--turns", "6", "--words", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "llama_tokenize ms" in out and "pieces ms" in out
+    assert "last half of the turns, median a turn: llama_tokenize" in out and "bytes of pieces kept" in out

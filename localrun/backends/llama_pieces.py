@@ -20,11 +20,12 @@ tokenizer test vocabulary llama.cpp ships.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 MAX_SPECIALS = 1024  # more special tokens than this: the cut costs more in Python than it saves (one scan each)
-CACHE_BYTES = 16 << 20  # the pieces kept (their text), least recently used dropped first
+CACHE_BYTES = 16 << 20  # the pieces kept (their text and ids), least recently used dropped first
 SESSIONS = {b"llama": 1, b"gpt2": 2}  # tokenizer.ggml.model -> the vocabulary type llama.cpp gives it
 
 
@@ -63,7 +64,7 @@ class PieceTokenizer:
         ordered = sorted(specials, key=lambda s: -len(s[0]))
         self._cut = {True: [(t, i) for t, i, _ in ordered], False: [(t, i) for t, i, user in ordered if user]}
         self._bos, self._eos = bos, eos
-        self._cache: OrderedDict[tuple[bool, bytes], tuple[int, ...]] = OrderedDict()
+        self._cache: OrderedDict[tuple[bool, bytes], array] = OrderedDict()  # (special, piece) -> its ids
         self._bytes = 0
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -138,26 +139,28 @@ class PieceTokenizer:
             ids.append(self._eos)
         return ids
 
-    def _piece(self, p: bytes, special: bool) -> tuple[int, ...]:
+    def _piece(self, p: bytes, special: bool) -> Sequence[int]:
         key = (special, p)
         with self._lock:
             got = self._cache.get(key)
             if got is not None:
                 self._cache.move_to_end(key)
                 return got
-        got = tuple(self._raw(p, False, special))
-        if len(p) <= self.max_bytes // 4:  # one huge text does not empty the cache
+        got = array("i", self._raw(p, False, special))  # 4 bytes a token (a tuple's ints: 36)
+        size = len(p) + 4 * len(got)
+        if size <= self.max_bytes // 4:  # one huge text does not empty the cache
             with self._lock:
                 if key not in self._cache:
                     self._cache[key] = got
-                    self._bytes += len(p)
+                    self._bytes += size
                     while self._bytes > self.max_bytes:
-                        (_, old), _ = self._cache.popitem(last=False)
-                        self._bytes -= len(old)
+                        (_, old), ids = self._cache.popitem(last=False)
+                        self._bytes -= len(old) + 4 * len(ids)
         return got
 
     @property
     def cached_bytes(self) -> int:
+        """The pieces' text and token ids kept (at most max_bytes)."""
         return self._bytes
 
 

@@ -17,6 +17,7 @@
     localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
+    localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -262,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import mixed  # stdlib-only at import
 
     mixed.add_parser(sub)
+
+    from localrun.bench import tokenize  # stdlib-only at import
+
+    tokenize.add_parser(sub)
     sub.add_parser("build-llama-server", help="print llama.cpp's llama-server binary's path: LOCALRUN_LLAMA_SERVER, "
                    "else a cached build, else built once from the llama.cpp that llama-cpp-python vendors")
     return p
@@ -590,6 +595,12 @@ def _cmd_mixed(a: argparse.Namespace) -> int:
     return mixed.run(a)
 
 
+def _cmd_tokenize(a: argparse.Namespace) -> int:
+    from localrun.bench import tokenize
+
+    return tokenize.run(a)
+
+
 def _cmd_build_llama_server(a: argparse.Namespace) -> int:
     from localrun.bench import llama_server_build
 
@@ -606,7 +617,7 @@ COMMANDS = {"throughput": _cmd_throughput, "serve": _cmd_serve, "prefix": _cmd_p
             "startup": _cmd_startup, "sample": _cmd_sample, "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check,
             "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server, "spec": _cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
             "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": _cmd_typing, "overhead": _cmd_overhead, "embed": _cmd_embed, "mixed": _cmd_mixed,
-            "build-llama-server": _cmd_build_llama_server}
+            "tokenize": _cmd_tokenize, "build-llama-server": _cmd_build_llama_server}
 
 
 def main(argv: list[str] | None = None) -> int:
