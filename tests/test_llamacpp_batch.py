@@ -443,6 +443,30 @@ def test_embeddings_leave_no_openmp_team_behind(backend):
     assert run(collect(backend, "Hello", max_tokens=2))[0]
 
 
+def test_the_loop_ends_its_openmp_team_after_first_tokens_and_when_idle(backend):
+    """libgomp's workers spin ~10 ms after each parallel region for the next one. The loop ends its team
+    (llama_batch.omp_release) after a step that gave requests their first tokens and when it runs out of
+    work, where its threads take every CPU, so no worker spins on a CPU the daemon and the client need
+    then; the next decode starts the team again, and a stream's steps keep it."""
+    import os
+
+    if backend.engine._release_threads is None or not os.path.isdir("/proc/self/task"):
+        pytest.skip("llama.cpp's 2 threads leave CPUs to spare or do not compute on libgomp here (or no /proc)")
+    assert run(collect(backend, "Hello", max_tokens=2))[0]
+    idle = _os_threads(settle=0.5, want=0)
+
+    async def counts() -> list[int]:
+        seen = []
+        o = SamplingOptions(temperature=0.0, max_tokens=12, ignore_eos=True)
+        async for _ in backend.generate(GenerationRequest(prompt=chatml("Count to twenty."), options=o)):
+            seen.append(len(os.listdir("/proc/self/task")))
+        return seen
+
+    seen = run(counts())
+    assert len(seen) >= 3 and max(seen[2:]) == idle + 1, (idle, seen)  # the worker of 2 threads, while it streams
+    assert _os_threads(settle=3.0, want=idle) == idle  # and gone once the loop is idle
+
+
 def test_logit_bias_bans_a_token(backend):
     text, last, ids = run(collect(backend, chatml("What is the capital of France?"), max_tokens=8))
     banned = ids[0]

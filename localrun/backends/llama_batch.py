@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import functools
 import logging
+import os
 import random
 import threading
 import time
@@ -285,6 +287,26 @@ class Request:
             self.prompt_lps = []
 
 
+def omp_release():
+    """A call that ends the calling thread's OpenMP team (libgomp's ``omp_pause_resource_all(omp_pause_soft)``),
+    where llama.cpp computes on libgomp (its Linux builds); else None. After a parallel region libgomp's
+    workers spin about 300,000 turns for the next one (~10 ms on a Xeon) before they sleep: right for a
+    stream of decode steps, but after a prompt's first token, while the daemon and the HTTP client take
+    it on, that spinning thread held one of the box's CPUs away from them (2 vCPUs: the daemon's write
+    of a first token to the client's read of it took 0.5 ms, median, and 4-5 ms in one request of ten;
+    0.25 ms and under 1 ms with the team ended). The next llama_decode starts the team again (a thread
+    start per worker)."""
+    if not hasattr(os, "RTLD_NOLOAD"):
+        return None
+    try:  # only the libgomp already loaded (by llama.cpp's CPU library), never a second one
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        fn = gomp.omp_pause_resource_all
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return functools.partial(fn, 1)  # omp_pause_soft
+
+
 class BatchedLlama:
     """The loop (see the module docstring). ``lib`` is ``llama_cpp.llama_cpp``; model and context
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
@@ -298,6 +320,14 @@ class BatchedLlama:
         self.governor = governor
         self.vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        # on the loop's thread only (its team is llama.cpp's), and where llama.cpp's threads take every CPU this
+        # process may use: with a CPU to spare the daemon and the client run there, and a team started again
+        # after each request's first token would cost the streams running beside it a thread start per worker
+        from localrun.backends.cpu_share import usable_cpus
+
+        n_cpus = len(usable_cpus() or range(os.cpu_count() or 1))
+        self._release_threads = omp_release() if lib.llama_n_threads(ctx) >= n_cpus else None
+        self._stepped = False  # a decode ran since the team was last released
         self.score_rows = prompt_logprobs_rows(self.n_vocab)
         self.mem = lib.llama_get_memory(ctx)
         self.n_cells = int(lib.llama_n_ctx(ctx))
@@ -395,8 +425,12 @@ class BatchedLlama:
     def _run(self) -> None:
         try:
             while True:
-                if self.governor is not None and not (self._running or self._waiting):
-                    self.governor.idle()  # until the next step, other programs' load is none of its business
+                if not (self._running or self._waiting):
+                    if self.governor is not None:
+                        self.governor.idle()  # until the next step, other programs' load is none of its business
+                    if self._release_threads is not None and self._stepped:
+                        self._release_threads()  # no worker spins on while the last chunks are taken on
+                        self._stepped = False
                 with self._cv:
                     while not (self._closing or self._inbox or self._running or self._waiting):
                         self._cv.wait()
@@ -659,6 +693,7 @@ class BatchedLlama:
         outs, n_out = self._fill(rows)
         t0 = time.perf_counter()
         ret = self.lib.llama_decode(self.ctx, self._batch)
+        self._stepped = True
         # compute time by step kind: a step with any prompt tokens is a prefill step (/metrics; bench overhead
         # takes a request's prefill out of its TTFT with it)
         kind = "decode_seconds" if all(decoding for _, _, decoding in rows) else "prefill_seconds"
@@ -858,6 +893,8 @@ class BatchedLlama:
         for r in [r for r in self._running if r.finished]:
             self._end(r)
         if firsts:  # let the consumers hand on their first tokens before the next decode takes the CPU
+            if self._release_threads is not None:  # nor a spinning OpenMP worker (before the write that wakes them)
+                self._release_threads()
             self._flush()
             deadline = time.monotonic() + FIRST_CHUNK_WAIT
             for r in firsts:
