@@ -29,6 +29,22 @@ CACHE_BYTES = 16 << 20  # the pieces kept (their text and ids), least recently u
 SESSIONS = {b"llama": 1, b"gpt2": 2}  # tokenizer.ggml.model -> the vocabulary type llama.cpp gives it
 
 
+def llama_tokenize(lib, vocab, data: bytes, add_special: bool, special: bool) -> list[int]:
+    """llama.cpp's llama_tokenize of `data`, whole (one call; a second when the first buffer was short)."""
+    cap = len(data) + 8
+    buf = (lib.llama_token * cap)()
+    n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, special)
+    if n < 0:  # more tokens than bytes (added specials): the exact size comes back negated
+        cap = -n
+        buf = (lib.llama_token * cap)()
+        n = lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, special)
+        if n < 0:
+            from localrun.errors import BackendError
+
+            raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
+    return list(buf[:n])
+
+
 def _meta(lib, model, key: bytes) -> bytes | None:
     import ctypes
 
@@ -164,4 +180,4 @@ class PieceTokenizer:
         return self._bytes
 
 
-__all__ = ["PieceTokenizer", "CACHE_BYTES"]
+__all__ = ["PieceTokenizer", "CACHE_BYTES", "llama_tokenize"]

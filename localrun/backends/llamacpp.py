@@ -458,17 +458,9 @@ class LlamaCppBackend:
         return self._tokenize_raw(data, add_special, special)
 
     def _tokenize_raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
-        lib = self._lib
-        cap = len(data) + 8
-        buf = (lib.llama_token * cap)()
-        n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, special)
-        if n < 0:  # more tokens than bytes (added specials): the exact size comes back negated
-            cap = -n
-            buf = (lib.llama_token * cap)()
-            n = lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, special)
-            if n < 0:
-                raise BackendError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
-        return list(buf[:n])
+        from localrun.backends.llama_pieces import llama_tokenize
+
+        return llama_tokenize(self._lib, self._vocab, data, add_special, special)
 
     def _piece_tokenizer(self, model):
         """llama_pieces.PieceTokenizer for this vocabulary, or None (every text to llama.cpp whole)."""

@@ -32,17 +32,9 @@ class VocabOnly:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
 
     def raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
-        lib = self.lib
-        cap = len(data) + 16
-        buf = (lib.llama_token * cap)()
-        n = lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, special)
-        if n < 0:
-            cap = -n
-            buf = (lib.llama_token * cap)()
-            n = lib.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, special)
-        if n < 0:
-            raise RuntimeError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
-        return list(buf[:n])
+        from localrun.backends.llama_pieces import llama_tokenize
+
+        return llama_tokenize(self.lib, self.vocab, data, add_special, special)
 
     def pieces(self):
         from localrun.backends.llama_pieces import PieceTokenizer
