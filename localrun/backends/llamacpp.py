@@ -39,6 +39,7 @@ from localrun.backends.base import (
 from localrun.backends.constraints import Matchers, constraint_lark
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
+from localrun.backends.llama_pieces import PieceTokenizer, llama_tokenize
 from localrun.backends.llama_pooled import (MAX_WINDOW as EMBED_WINDOW, Pooled, backend_pooling, is_causal, load_options,
                                            pooled_ubatch, pooled_window)
 from localrun.errors import BackendError, InvalidRequest
@@ -458,14 +459,10 @@ class LlamaCppBackend:
         return self._tokenize_raw(data, add_special, special)
 
     def _tokenize_raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
-        from localrun.backends.llama_pieces import llama_tokenize
-
         return llama_tokenize(self._lib, self._vocab, data, add_special, special)
 
     def _piece_tokenizer(self, model):
         """llama_pieces.PieceTokenizer for this vocabulary, or None (every text to llama.cpp whole)."""
-        from localrun.backends.llama_pieces import PieceTokenizer
-
         try:
             return PieceTokenizer.for_vocab(self._lib, model, self._vocab, self._tokenize_raw)
         except Exception:  # noqa: BLE001 - only a cache: without it llama.cpp tokenizes every text whole
