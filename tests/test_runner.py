@@ -275,13 +275,14 @@ CPUINFO_EPYC = "processor\t: 0\nflags\t\t: fpu sse avx2 sha_ni\n"
 
 def test_extra_buffers_auto_follows_the_cpu():
     assert cpu_has_amx(CPUINFO_AMX) and not cpu_has_amx(CPUINFO_EPYC) and not cpu_has_amx("")
-    assert extra_buffers("auto", amx=True)[0] is False
+    assert extra_buffers("auto", amx=True, deny=lambda: False)[0] is False  # AMX that cannot be denied: all off
     assert extra_buffers("auto", amx=False)[0] is True
     assert extra_buffers("on", amx=True)[0] is True and extra_buffers("off", amx=False)[0] is False
-    # on this machine: auto reads /proc/cpuinfo
+    # on this machine: auto reads /proc/cpuinfo (tests/test_amx.py: AMX denied, the rest kept)
     here = Path("/proc/cpuinfo")
     if here.exists():
-        assert extra_buffers("auto")[0] is (not cpu_has_amx(here.read_text()))
+        why = extra_buffers("auto", deny=lambda: True)[1]
+        assert ("AMX denied" in why) is cpu_has_amx(here.read_text())
 
 
 def test_extra_buffers_off_serves_and_says_so(tmp_path):

@@ -36,6 +36,7 @@ from localrun.backends.base import (
     fit_window,
     merge_chunks,
 )
+from localrun.backends.amx import cpu_has_amx, deny_amx
 from localrun.backends.constraints import Matchers, constraint_lark
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
@@ -65,35 +66,20 @@ def physical_cores() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
-_AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_has_amx(cpuinfo: str | None = None) -> bool:
-    """True when the CPU advertises Intel AMX (the amx_* flags in /proc/cpuinfo on Linux)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:  # not Linux: no way to tell here; llama.cpp's default stays
-            return False
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags") and ":" in line:
-            flags = set(line.split(":", 1)[1].split())
-            return any(f in flags for f in _AMX_FLAGS)
-    return False
-
-
-def extra_buffers(setting: str, amx: bool | None = None) -> tuple[bool, str]:
+def extra_buffers(setting: str, amx: bool | None = None, deny=deny_amx) -> tuple[bool, str]:
     """Whether llama.cpp may use its extra buffer types (AMX and repacked CPU weights), and why.
 
-    ``auto`` turns them off on CPUs with AMX: llama-cpp-python 0.3.36 built from source takes a
-    general protection fault at ``ldtilecfg`` in ``ggml_backend_amx_mul_mat`` on the first token
-    there (llama.cpp #20824, Ollama #17249)."""
+    ``auto`` keeps them on CPUs with AMX too, with AMX itself denied to llama.cpp (`deny`, see
+    localrun.backends.amx: llama-cpp-python 0.3.36's AMX path crashes on the first token there,
+    llama.cpp #20824, Ollama #17249), so the repacked weights stay; where that denial cannot be put in
+    place, they go off. ``on`` leaves llama.cpp every type it finds, AMX included."""
     if setting == "on":
         return True, "extra buffer types on (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=on)"
     if setting == "off":
         return False, "extra buffer types off (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=off)"
     if cpu_has_amx() if amx is None else amx:
+        if deny():
+            return True, "extra buffer types on, AMX denied to llama.cpp (its AMX path crashes on this CPU)"
         return False, "extra buffer types off: this CPU has AMX, where llama.cpp's AMX path crashes"
     return True, "extra buffer types on"
 

@@ -20,8 +20,9 @@ latency percentiles; per workload the ratio localrun / llama-server (median over
 
 llama-server is given with ``--llama-server PATH``, else ``LOCALRUN_LLAMA_SERVER``, else built once from
 the very llama.cpp that the installed llama-cpp-python vendors (``localrun bench build-llama-server``:
-the pinned sdist from pip, then cmake; cached). On CPUs where localrun turns llama.cpp's extra buffer types off (Intel AMX),
-llama-server gets ``--no-repack`` to match.
+the pinned sdist from pip, then cmake; cached). On Intel CPUs with AMX, this process denies AMX to itself and to the
+servers it starts (localrun.backends.amx; llama-server inherits the filter), so both keep the repacked weights; where
+that cannot be done, localrun turns llama.cpp's extra buffer types off and llama-server gets ``--no-repack`` to match.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def localrun_server(cfg: Config, home: Path) -> Server:
     env.update(LOCALRUN_HOME=str(home / "localrun-home"), LOCALRUN_HOST=f"127.0.0.1:{port}", LOCALRUN_BACKEND="llamacpp",
                LOCALRUN_NUM_PARALLEL=str(cfg.parallel), LOCALRUN_CONTEXT_LENGTH=str(cfg.ctx),
                LOCALRUN_KEEP_ALIVE="-1", LOCALRUN_MAX_QUEUE="4096", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
-               LOCALRUN_LLAMACPP_EXTRA_BUFFERS="on" if cfg.extra_buffers else "off")
+               LOCALRUN_LLAMACPP_EXTRA_BUFFERS="auto" if cfg.extra_buffers else "off")
     return Server("localrun", [sys.executable, "-m", "localrun.server"], env, port, "bench-model", home)
 
 
