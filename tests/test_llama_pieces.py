@@ -93,6 +93,25 @@ def test_pieces_tokenize_as_llama_cpp_on_its_test_vocabularies(vocab_dir):
     assert checks > 5000
 
 
+def test_longest_piece_counts_every_token_with_one_buffer(vocab_dir, smollm2_gguf):
+    """BackendInfo.max_token_bytes (the bound that refuses a prompt too long for the window before it is
+    tokenized): one reused 256-byte buffer, a longer piece counted by the size llama.cpp asks for; equal
+    to the longest piece written out whole, on vocabularies whose longest is shorter and longer than that."""
+    from localrun.backends.llama_batch import longest_piece, token_piece
+
+    seen = {}
+    for f in [smollm2_gguf, vocab_dir / "ggml-vocab-aquila.gguf", vocab_dir / "ggml-vocab-llama-bpe.gguf"]:
+        vocab = Vocab(f)
+        try:
+            n = llama_cpp.llama_vocab_n_tokens(vocab.vocab)
+            want = max(len(token_piece(llama_cpp, vocab.vocab, t, special=True)) for t in range(n))
+            seen[f.name] = longest_piece(llama_cpp, vocab.vocab, n)
+            assert seen[f.name] == want, (f.name, seen[f.name], want)
+        finally:
+            vocab.close()
+    assert seen["ggml-vocab-aquila.gguf"] > 256 > seen[Path(smollm2_gguf).name]  # both sides of the buffer
+
+
 def test_pieces_on_smollm2_a_growing_chat_and_a_small_budget(smollm2_gguf):
     vocab = Vocab(smollm2_gguf)
     try:
