@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from daemon import Daemon
+from gguf_util import requantize
 
 from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
 
@@ -92,13 +93,7 @@ def test_the_filter_refuses_llama_cpps_amx_request_and_nothing_else():
 @pytest.fixture(scope="module")
 def q4_0(smollm2_gguf, tmp_path_factory) -> Path:
     """The bundled SmolLM2 requantized to Q4_0 by llama.cpp: a type its CPU backend repacks on x86 (Q4_1 is not)."""
-    out = tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf"
-    code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); p.ftype = 2; "
-            "p.allow_requantize = True; p.nthread = 2; "
-            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
-    r = _run(code, str(smollm2_gguf), str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return requantize(smollm2_gguf, tmp_path_factory.mktemp("q4_0") / "smollm2-q4_0.gguf", 2)
 
 
 LOGITS = r"""

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 from daemon import MODEL, Daemon
+from gguf_util import requantize
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -25,13 +26,7 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def f16(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2-135M in F16: llama.cpp's quantizer writes the bundled Q4_1 out unquantized (allow_requantize)."""
-    out = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
-    code = ("import llama_cpp, sys; p = llama_cpp.llama_model_quantize_default_params(); p.ftype = 1; "
-            "p.allow_requantize = True; p.nthread = 2; "
-            "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p))")
-    r = subprocess.run([sys.executable, "-c", code, str(smollm2_gguf), str(out)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out
+    return requantize(smollm2_gguf, tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf", 1)
 
 
 @pytest.fixture(scope="module")
