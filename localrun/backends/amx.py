@@ -33,7 +33,6 @@ _AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16")
 # x86-64 Linux: the syscall numbers, the arch_prctl code llama.cpp asks with, seccomp's constants
 SYS_ARCH_PRCTL, SYS_SECCOMP = 158, 317
 ARCH_REQ_XCOMP_PERM = 0x1023
-XFEATURE_XTILEDATA = 18
 AUDIT_ARCH_X86_64 = 0xC000003E
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_SET_MODE_FILTER = 1

@@ -97,7 +97,7 @@ def load_lora(lib, model, ctx, path: str, name: str):
 def longest_piece(lib, vocab, n_vocab: int) -> int:
     """The most bytes one token of the vocabulary stands for (BackendInfo.max_token_bytes). Every load asks
     this of every token: one buffer for all of them, and a piece longer than it counted by the size
-    llama.cpp says it needs (-n), not written (SmolLM2's 49,152 tokens: 95 -> 45 ms)."""
+    llama.cpp says it needs (-n), not written (SmolLM2's 49,152 tokens: 95 -> 55 ms)."""
     size = 256
     buf = ctypes.create_string_buffer(size)
     to_piece = lib.llama_token_to_piece
