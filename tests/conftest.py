@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,40 @@ def llama_server_bin() -> Path:
     return llama_server_binary()
 
 
+BIG_FILE = 4 << 20
+SESSION_CACHES = ("tiny-", "llama-sdist")  # a model file or blob; logs and manifests are far smaller
+
+
+def _big_files(root: Path):
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_size >= BIG_FILE:
+                yield p, st.st_size
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_a_modules_model_files(tmp_path_factory):
+    """When a module ends, the model files in the temporary directories it made are deleted (logs and
+    everything small stay for a look after a failure). Each test daemon's store holds its own ~100 MB copy
+    of the bundled model, some 80 of them over the suite: kept to the end, they once filled a CI disk."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(os.listdir(base))
+    yield
+    for name in set(os.listdir(base)) - before:
+        if name.startswith(SESSION_CACHES):  # the session fixtures' own, where the pytest cache is off
+            continue
+        for p, _ in _big_files(base / name):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
 @pytest.fixture
 def localrun_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"
@@ -113,3 +148,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     setting = os.environ.get("LOCALRUN_LLAMACPP_EXTRA_BUFFERS", "auto")
     terminalreporter.write_line(f"machine: {model}, {os.cpu_count()} CPUs, AMX {'yes' if cpu_has_amx() else 'no'}; "
                                 f"llama.cpp: {extra_buffers(setting)[1]}")
+    try:
+        import shutil
+
+        base = config._tmp_path_factory.getbasetemp()
+        left = sum(n for _, n in _big_files(base)) >> 20
+        terminalreporter.write_line(f"temporary files: {base}, {left} MiB of model files left; "
+                                    f"{shutil.disk_usage(base).free >> 30} GiB free on its disk")
+    except (AttributeError, OSError):
+        pass

@@ -26,15 +26,13 @@ def _servers(bench: psutil.Process) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("bench", ["llama-server", "typing"])
-def test_sigterm_stops_both_servers(bench, llama_server_bin, smollm2_gguf, tmp_path):
+def test_sigterm_stops_both_servers(bench, llama_server_bin, smollm2_gguf, tmp_path, request):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
     if bench == "llama-server":
         argv = ["llama-server", "--llama-server", str(llama_server_bin), "--gguf", str(smollm2_gguf), "--rounds", "1",
                 "--workloads", "single", "--single-requests", "200", "--threads", "1", "--parallel", "1", "--ctx", "512"]
     else:
-        from fim_model import build_tiny_fim
-
-        argv = ["typing", "--llama-server", str(llama_server_bin), "--gguf", str(build_tiny_fim(tmp_path / "fim")),
+        argv = ["typing", "--llama-server", str(llama_server_bin), "--gguf", str(request.getfixturevalue("fim_gguf")),
                 "--edits", "2000", "--rounds", "1", "--threads", "1", "--parallel", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "localrun.bench", *argv], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,17 +23,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _sdist(cache: Path) -> Path:
-    """The pinned llama-cpp-python sdist, unpacked (pip's cache makes a second download cheap)."""
+    """The pinned llama-cpp-python sdist, unpacked once into ``llama-sdist`` beside ``cache`` (a folder of the
+    pytest cache, or of the run's temporary directory) and shared by every test model built there (~290 MB
+    each, were each to unpack its own); pip's cache makes a second download cheap."""
     version = importlib.metadata.version("llama-cpp-python")
-    root = cache / f"llama_cpp_python-{version}"
+    shared = cache.parent / "llama-sdist"
+    root = shared / f"llama_cpp_python-{version}"
     if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
-        cache.mkdir(parents=True, exist_ok=True)
+        shared.mkdir(parents=True, exist_ok=True)
         r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
-                            str(cache), f"llama-cpp-python=={version}"], capture_output=True, text=True)
+                            str(shared), f"llama-cpp-python=={version}"], capture_output=True, text=True)
         if r.returncode:
             pytest.skip(f"the llama-cpp-python {version} sdist (its converter) cannot be had: {r.stderr[-300:]}")
-        with tarfile.open(cache / f"llama_cpp_python-{version}.tar.gz") as t:
-            t.extractall(cache, filter="data")
+        tar = shared / f"llama_cpp_python-{version}.tar.gz"
+        with tarfile.open(tar) as t:
+            t.extractall(shared, filter="data")
+        tar.unlink()
     return root
 
 
