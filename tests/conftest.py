@@ -89,8 +89,8 @@ def llama_server_bin() -> Path:
     return llama_server_binary()
 
 
-BIG_FILE = 4 << 20
-SESSION_CACHES = ("tiny-", "llama-sdist")  # a model file or blob; logs and manifests are far smaller
+BIG_FILE = 4 << 20  # a model file or blob; logs and manifests are far smaller
+SESSION_CACHES = ("tiny-", "llama-sdist")  # the session fixtures' folders where the pytest cache is off
 
 
 def _big_files(root: Path):
@@ -114,7 +114,7 @@ def _free_a_modules_model_files(tmp_path_factory):
     before = set(os.listdir(base))
     yield
     for name in set(os.listdir(base)) - before:
-        if name.startswith(SESSION_CACHES):  # the session fixtures' own, where the pytest cache is off
+        if name.startswith(SESSION_CACHES):
             continue
         for p, _ in _big_files(base / name):
             try:
