@@ -27,7 +27,7 @@ MAX_STOPS = 16
 
 # name -> (type, minimum, maximum); None bounds are open.
 PARAMETERS: dict[str, tuple[type, float | None, float | None]] = {
-    "num_ctx": (int, 1, 1 << 24),
+    "num_ctx": (int, 16, 1 << 20),
     "temperature": (float, 0.0, 100.0),
     "top_k": (int, 0, 1 << 20),
     "top_p": (float, 0.0, 1.0),
@@ -261,7 +261,7 @@ def _check_template(template: str, lineno: int) -> None:
         raise _err(lineno, "TEMPLATE " + e.message.removeprefix("chat template ")) from None
 
 
-def _quote(text: str) -> str:
+def quote_value(text: str) -> str:
     """Render a value so parse_modelfile reads back exactly the same text. Text the
     parser would change (a CR becomes a line break, a NUL is refused) is JSON-quoted."""
     if "\r" in text or "\x00" in text:
@@ -320,19 +320,19 @@ def render_modelfile(from_: str | None, parameters: dict, template: str | None, 
     if projector:
         out.append(f"FROM {projector}")
     if template:
-        out.append(f"TEMPLATE {_quote(template)}")
+        out.append(f"TEMPLATE {quote_value(template)}")
     if system:
-        out.append(f"SYSTEM {_quote(system)}")
+        out.append(f"SYSTEM {quote_value(system)}")
     for k, v in parameter_lines(parameters):
         out.append(f"PARAMETER {k} {v}")
     for m in messages:
-        out.append(f"MESSAGE {m['role']} {_quote(m['content'])}")
+        out.append(f"MESSAGE {m['role']} {quote_value(m['content'])}")
     if adapter:
         out.append(f"ADAPTER {adapter}")
     if license:
-        out.append(f"LICENSE {_quote(license)}")
+        out.append(f"LICENSE {quote_value(license)}")
     return "\n".join(out) + "\n"
 
 
-__all__ = ["Modelfile", "parse_modelfile", "parse_parameter", "render_modelfile", "parameter_lines",
+__all__ = ["Modelfile", "parse_modelfile", "parse_parameter", "quote_value", "render_modelfile", "parameter_lines",
            "format_parameter_value", "PARAMETERS"]

@@ -96,6 +96,7 @@ class Runner:
     expires_at: float | None = None  # wall clock; None while busy or forever
     last_used: float = field(default_factory=time.monotonic)
     closing: bool = False
+    orphan: bool = False  # its model was deleted from the library: it finishes its requests, then unloads
     fallbacks: list[str] = field(default_factory=list)  # the daemon's own (auto's native -> llama.cpp)
 
     @property
@@ -190,6 +191,7 @@ class ModelManager:
         self._reaper: asyncio.Task | None = None
         self._queued: dict[str, int] = {}
         self._native_failed: dict[str, str] = {}  # model digest -> why auto's native load failed
+        self._forgotten: dict[str, int] = {}  # model name -> how many times it was deleted (see forget)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -351,6 +353,8 @@ class ModelManager:
             runner.active -= 1
             if slot:
                 runner.sem.release()
+            if runner.orphan:
+                ka = 0
             self._set_expiry(runner, ka)
             self._notify()
             if ka == 0 and runner.active == 0 and runner.waiting == 0:
@@ -365,6 +369,22 @@ class ModelManager:
         if ka == 0:
             await self._unload_if_idle(runner)
         return runner, (time.perf_counter() - t0 if did else 0.0)
+
+    def forget(self, name: str) -> None:
+        """`name` was deleted from the library. Its runner (or one that is loading it now) serves the
+        requests it already has, then unloads; nothing waits here (Ollama's delete answers at once). New
+        requests cannot resolve the name, so none loads it again."""
+        self._forgotten[name] = self._forgotten.get(name, 0) + 1
+        r = self.runners.get(name)
+        if r is not None:
+            self._orphan(r)
+
+    def _orphan(self, r: Runner) -> None:
+        r.orphan = True
+        self._set_expiry(r, 0)
+        if not r.active and not r.waiting:
+            asyncio.get_running_loop().create_task(self._unload_if_idle(r))
+        self._notify()
 
     async def _unload_if_idle(self, runner: Runner) -> None:
         if runner.active == 0 and runner.waiting == 0 and self.runners.get(runner.name) is runner:
@@ -491,6 +511,7 @@ class ModelManager:
     async def _load_with(self, resolved: Any, num_ctx: int, gpu: Any, choice: Choice,
                          fallbacks: list[str] | None = None) -> Runner:
         key = resolved.name
+        deleted = self._forgotten.get(key, 0)  # (deleted while loading: see forget)
         module = backend_module(choice.backend)
         spec = self._spec(resolved, num_ctx)
         # what llama.cpp's build can do is asked once, in a child process: off the event loop
@@ -561,6 +582,8 @@ class ModelManager:
         exited = getattr(backend, "exited", None)
         if exited is not None:
             exited.add_done_callback(lambda _f: self._runner_exited(runner))
+        if self._forgotten.get(key, 0) != deleted:  # deleted while it loaded: serve who waits, then unload
+            self._orphan(runner)
         self._notify()
         return runner
 

@@ -14,6 +14,7 @@ from typing import Any
 from localrun.backends.base import SamplingOptions
 from localrun.chat_template import template_supports_tools
 from localrun.errors import InvalidRequest
+from localrun.library.modelfile import PARAMETERS
 from localrun.server import images as img
 
 MAX_N = 16
@@ -235,8 +236,10 @@ def apply_structured(opts: SamplingOptions, body: dict) -> None:
 
 
 # -- Modelfile / Ollama options --------------------------------------------------------------
-_OPTION_FLOATS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0),
-                  "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0), "typical_p": (0.0, 1.0)}
+# one range per option, the Modelfile's (localrun.library.modelfile.PARAMETERS): a value `create` stores is one
+# every request takes, and a request's options are bounded as a Modelfile's are (Ollama caps no temperature)
+_OPTION_FLOATS = {k: PARAMETERS[k][1:] for k in ("temperature", "top_p", "min_p", "repeat_penalty",
+                                                 "presence_penalty", "frequency_penalty", "typical_p")}
 
 
 def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | None:
@@ -250,9 +253,9 @@ def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | No
         v = get_float(params, k, lo, hi)
         if v is not None and k != "typical_p":
             setattr(opts, k, v)
-    if (v := get_int(params, "top_k", 0, 100_000)) is not None:
+    if (v := get_int(params, "top_k", *PARAMETERS["top_k"][1:])) is not None:
         opts.top_k = v
-    if (v := get_int(params, "repeat_last_n", -1, 1_000_000)) is not None:
+    if (v := get_int(params, "repeat_last_n", *PARAMETERS["repeat_last_n"][1:])) is not None:
         opts.repeat_last_n = v
     if (v := get_int(params, "seed")) is not None:
         opts.seed = v if v >= 0 else None
@@ -262,7 +265,7 @@ def apply_ollama_options(opts: SamplingOptions, params: dict | None) -> int | No
         opts.max_tokens = v if v > 0 else None
     if "stop" in params:
         opts.stop = get_stop(params["stop"])
-    return get_int(params, "num_ctx", 16, 1 << 20)
+    return get_int(params, "num_ctx", *PARAMETERS["num_ctx"][1:])
 
 
 MAX_TOKEN_IDS = 1 << 20  # token ids one request may carry (detokenize, a context, a prompt of ids)

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request, Response
 from starlette.requests import ClientDisconnect
 
-from localrun.library.modelfile import parse_modelfile
+from localrun.library.modelfile import PARAMETERS, ROLES, format_parameter_value, parse_modelfile, parse_parameter, quote_value
 from localrun.library.names import parse_name
 from localrun.library.paths import files_view
 from localrun.library.store import DiskFull
@@ -56,13 +56,13 @@ OLLAMA_API_VERSION = "0.12.6"
 FILES_VIEW = files_view()
 
 
-@router.get("/version")
+@router.api_route("/version", methods=["GET", "HEAD"])  # (HEAD: health checks, as Ollama answers them)
 async def version():
     # files_view: the CLI's `create` sends paths only to a daemon that sees this machine's files
     return {"version": OLLAMA_API_VERSION, "localrun_version": localrun.__version__, "files_view": FILES_VIEW}
 
 
-@router.get("/tags")
+@router.api_route("/tags", methods=["GET", "HEAD"])
 async def tags(request: Request):
     st: State = request.app.state.lr
     models = await st.list_models()
@@ -123,8 +123,10 @@ async def delete(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     name = await asyncio.to_thread(st.library.stored_name, _name(body))
-    await st.manager.unload(name)
+    # out of the library first, so no new request loads it; a loaded runner finishes its requests and then
+    # unloads (its weights stay readable to it: an open or mapped file outlives its name)
     await asyncio.to_thread(st.library.remove, name)
+    st.manager.forget(name)
     return Response(status_code=200)
 
 
@@ -211,27 +213,51 @@ async def pull(request: Request):
 
 def _modelfile_from_fields(body: dict, files: bool) -> str:
     """Ollama's newer /api/create fields (from, system, template, parameters, ...) as a Modelfile
-    (with `files`, the model is those uploaded blobs and there is no FROM)."""
+    (with `files`, the model is those uploaded blobs and there is no FROM). Every value is written
+    quoted as the Modelfile parser reads it back exactly (quotes, \"\"\", leading spaces), and each
+    parameter is checked here, so a field can neither fail as "Modelfile line N" nor add a line."""
     src = c.get_str(body, "from", required=not files)
+    if src is not None and ("\n" in src or "\r" in src):
+        raise InvalidRequest("'from' must be one model name or path (it contains a line break)")
     lines = [f"FROM {src}"] if src else []
     for key, word in (("template", "TEMPLATE"), ("system", "SYSTEM"), ("license", "LICENSE")):
         v = body.get(key)
         if isinstance(v, list):
-            v = "\n".join(map(str, v))
+            if not all(isinstance(x, str) for x in v):
+                raise InvalidRequest(f"'{key}' must be a string or a list of strings")
+            v = "\n".join(v)
         if v is not None:
             if not isinstance(v, str):
                 raise InvalidRequest(f"'{key}' must be a string")
-            lines.append(f'{word} """{v}"""')
+            if "\x00" in v:
+                raise InvalidRequest(f"'{key}' contains a NUL character")
+            lines.append(f"{word} {quote_value(v)}")
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidRequest("'parameters' must be an object")
     for k, v in params.items():
+        if k not in PARAMETERS:  # (also keeps a key from carrying a line of its own)
+            raise InvalidRequest(f"unknown parameter {k!r} in 'parameters' (known: {', '.join(sorted(PARAMETERS))})")
+        if isinstance(v, list) and k != "stop":
+            raise InvalidRequest(f"parameter {k} takes one value, not a list")
         for item in v if isinstance(v, list) else [v]:
-            lines.append(f"PARAMETER {k} {item}")
-    for m in body.get("messages") or []:
+            if isinstance(item, (dict, list)) or item is None:
+                raise InvalidRequest(f"parameter {k} must be a {'string' if k == 'stop' else 'number, string or boolean'}")
+            if isinstance(item, str) and "\x00" in item:
+                raise InvalidRequest(f"parameter {k} contains a NUL character")
+            lines.append(f"PARAMETER {k} {format_parameter_value(parse_parameter(k, item))}")
+    messages = body.get("messages") or []
+    if not isinstance(messages, list):
+        raise InvalidRequest("'messages' must be a list of {role, content} objects")
+    for m in messages:
         if not isinstance(m, dict):
             raise InvalidRequest("'messages' entries must be objects")
-        lines.append(f'MESSAGE {m.get("role")} """{m.get("content", "")}"""')
+        role, content = m.get("role"), m.get("content", "")
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise InvalidRequest(f"a message's 'role' must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str) or "\x00" in content:
+            raise InvalidRequest("a message's 'content' must be a string (with no NUL character)")
+        lines.append(f"MESSAGE {role.lower()} {quote_value(content)}")
     return "\n".join(lines) + "\n"
 
 
@@ -412,7 +438,8 @@ async def _run(request: Request, st: State, body: dict, job: Job, chat: bool):
     def final(gen: Generation, reason: str) -> dict:
         out = piece()
         out.update(done=True, done_reason="stop" if reason in ("abort", "tool_calls") else reason, **_stats(gen, t0))
-        if not chat and gen.prompt_ids is not None:  # /api/generate: the prompt's and the answer's token ids
+        if not chat and gen.prompt_ids is not None and not body.get("raw"):
+            # /api/generate: the prompt's and the answer's token ids (none in raw mode, as Ollama's)
             out["context"] = [*gen.prompt_ids, *gen.output_ids.get(0, [])]
         return out
 
@@ -519,6 +546,9 @@ async def generate(request: Request):
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
+    if raw and (body.get("system") or body.get("template") or context):  # as Ollama answers it
+        raise InvalidRequest("raw mode does not support template, system, or context: a raw prompt is sent to "
+                             "the model as it is")
     prompt = prompt or ""
     if images and raw and prompt.count(MEDIA_MARKER) != len(images):
         raise InvalidRequest(f"a raw prompt with images must hold {MEDIA_MARKER} where each image goes "
@@ -577,9 +607,13 @@ async def embed(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     resolved = await st.resolve(_name(body))
-    texts = c.embed_inputs(body.get("input"), "input")
     dims = c.get_int(body, "dimensions", 1)
     t0 = time.perf_counter_ns()
+    if body.get("input") in ("", []):  # as Ollama: nothing to embed, the model loaded (kept as keep_alive says)
+        _, load_s = await st.manager.load(resolved, keep_alive=st.keep_alive(body))
+        return {"model": resolved.name, "embeddings": [], "total_duration": time.perf_counter_ns() - t0,
+                "load_duration": int(load_s * 1e9), "prompt_eval_count": 0}
+    texts = c.embed_inputs(body.get("input"), "input")
     was_loaded = resolved.name in st.manager.runners
     vectors, n = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims,
                                            truncate=_truncate(body))
@@ -595,6 +629,12 @@ async def embeddings_legacy(request: Request):
     st: State = request.app.state.lr
     body = await json_body(request)
     resolved = await st.resolve(_name(body))
-    text = c.embed_inputs(body.get("prompt"), "prompt")
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):  # one text: a list belongs to /api/embed's `input`
+        raise InvalidRequest("'prompt' must be a string (for several texts use /api/embed with 'input')")
+    if not prompt:  # as Ollama: an empty embedding, the model loaded
+        await st.manager.load(resolved, keep_alive=st.keep_alive(body))
+        return {"embedding": []}
+    text = c.embed_inputs(prompt, "prompt")
     vectors, _ = await st.generation.embed(resolved, text, keep_alive=st.keep_alive(body), truncate=_truncate(body))
     return {"embedding": vectors[0]}
