@@ -180,10 +180,21 @@ def test_echo_with_logprobs_through_the_openai_sdk(daemon, smollm2_gguf):
     assert gl.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-9)
     assert "".join(gl.tokens[len(ids):]) == plain.choices[0].text
 
+    # text offsets count from the prompt's start, echoed or not, streamed or not (as OpenAI and vLLM count them)
+    assert gl.text_offset == [sum(len(t) for t in gl.tokens[:i]) for i in range(len(gl.tokens))]
+    p = client.completions.create(model=MODEL, prompt=text, logprobs=1, max_tokens=3, temperature=0).choices[0]
+    assert p.logprobs.tokens == gl.tokens[len(ids):]
+    assert p.logprobs.text_offset == gl.text_offset[len(ids):] == [
+        len(text) + sum(len(t) for t in p.logprobs.tokens[:i]) for i in range(3)]
+
     chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1,
                                                               max_tokens=3, temperature=0, stream=True) if c.choices]
     assert chunks[0].text == text and chunks[0].logprobs.token_logprobs == gl.token_logprobs[:len(ids)]
     assert "".join(c.text for c in chunks) == g.choices[0].text
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == gl.text_offset
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=text, logprobs=1, max_tokens=3,
+                                                              temperature=0, stream=True) if c.choices]
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == p.logprobs.text_offset
 
     # a prompt of token ids echoes their text
     t = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=0)

@@ -608,3 +608,157 @@ def test_ollama_logprobs_on_chat_and_generate(daemon_a):
     assert "logprobs" not in plain
     bad = d.http.post("/api/chat", json={"model": MODEL, "messages": CHAT, "top_logprobs": 3})
     assert bad.status_code == 400 and "needs 'logprobs': true" in bad.text
+
+
+def test_create_fields_are_stored_exactly_as_sent(daemon_a):
+    """/api/create's JSON fields (the ollama SDK's create(from_=, system=, parameters=, messages=)) are
+    values, not Modelfile text: quotes, \"\"\", leading spaces and line breaks come back from /api/show as
+    sent; a parameter every later request would refuse is refused here, and a key cannot add a line."""
+    import ollama
+
+    client = ollama.Client(host=daemon_a.url, headers=daemon_a.headers())
+    system = 'Always answer "yes"\n\"\"\"a docstring\"\"\" '
+    stops = ["\n\n", " Assistant:", '"quoted"', '"""']
+    message = 'He said "hi" \"\"\" and left '
+    try:
+        client.create(model="fields", from_=MODEL, system=system, parameters={"stop": stops, "temperature": 5,
+                                                                             "num_ctx": 512},
+                      messages=[{"role": "user", "content": message}, {"role": "assistant", "content": " ok"}])
+        shown = daemon_a.http.post("/api/show", json={"model": "fields"}).json()
+        assert shown["system"] == system
+        assert shown["messages"] == [{"role": "user", "content": message}, {"role": "assistant", "content": " ok"}]
+        mf = shown["modelfile"]
+        from localrun.library.modelfile import parse_modelfile
+
+        assert parse_modelfile(mf).parameters == {"stop": stops, "temperature": 5.0, "num_ctx": 512}
+        # a Modelfile temperature of 5 (Ollama caps none) is one a request takes too
+        r = daemon_a.http.post("/api/generate", json={"model": "fields", "prompt": "hi", "stream": False,
+                                                      "options": {"num_predict": 2, "temperature": 5}})
+        assert r.status_code == 200, r.text
+    finally:
+        daemon_a.http.request("DELETE", "/api/delete", json={"model": "fields"})
+    for fields, word in [({"parameters": {"num_ctx": 2}}, "num_ctx"),
+                         ({"parameters": {"num_ctx": [512, 1024]}}, "one value"),
+                         ({"parameters": {"temperature 1\nADAPTER /etc/passwd": 1}}, "unknown parameter"),
+                         ({"parameters": {"stop": {"a": 1}}}, "stop"),
+                         ({"from": MODEL + "\nADAPTER /etc/passwd"}, "line break"),
+                         ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+                         ({"system": 5}, "system")]:
+        r = daemon_a.http.post("/api/create", json={"model": "badfields", "from": MODEL, **fields, "stream": False})
+        assert r.status_code == 400 and word in r.json()["error"], (fields, r.text)
+        assert daemon_a.http.post("/api/show", json={"model": "badfields"}).status_code == 404
+    # the Modelfile's ranges are the requests' own: a num_ctx no request could run is refused at create
+    r = daemon_a.http.post("/api/create", json={"model": "badfields", "stream": False,
+                                                "modelfile": f"FROM {MODEL}\nPARAMETER num_ctx 2\n"})
+    assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
+
+
+def test_deleting_a_model_in_use_answers_at_once_and_it_unloads_after(daemon_a):
+    """DELETE while the model streams (and while it loads) answers at once, as Ollama's does; the stream
+    finishes; the runner unloads when its requests end and no later request loads the deleted name. It
+    used to wait for the stream, and a request that came meanwhile loaded it again for good (keep_alive -1),
+    a runner no name could unload."""
+    h = daemon_a.http
+    for name in ("victim", "victim2"):
+        assert h.post("/api/copy", json={"source": MODEL, "destination": name}).status_code == 200
+    body = {"model": "victim", "prompt": "Count from one to fifty:", "keep_alive": -1,
+            "options": {"num_predict": 40, "temperature": 0}}
+    with h.stream("POST", "/api/generate", json=body) as s:
+        lines = s.iter_lines()
+        first = json.loads(next(lines))
+        assert first["done"] is False
+        t0 = time.monotonic()
+        assert h.request("DELETE", "/api/delete", json={"model": "victim"}).status_code == 200
+        took = time.monotonic() - t0
+        later = h.post("/api/generate", json={**body, "options": {"num_predict": 2}})
+        assert later.status_code == 404, later.text
+        rest = [json.loads(x) for x in lines if x]
+    assert rest[-1]["done"] is True and rest[-1]["eval_count"] == 40  # the stream ran to its end
+    assert took < 5, took  # not behind the stream's ~40 tokens
+    daemon_a.wait_ps(lambda ms: all(m["name"] != "victim:latest" for m in ms), timeout=30)
+
+    # deleted while its first request loads it: that request is served, then the runner goes
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=h.post("/api/generate", json={
+        **body, "model": "victim2", "stream": False, "options": {"num_predict": 2}})))
+    t.start()
+    daemon_a.wait_ps(lambda ms: True, timeout=5)
+    time.sleep(0.2)
+    assert h.request("DELETE", "/api/delete", json={"model": "victim2"}).status_code == 200
+    t.join(120)
+    assert result["r"].status_code in (200, 404), result["r"].text  # (404: it had not resolved the name yet)
+    daemon_a.wait_ps(lambda ms: all(m["name"] != "victim2:latest" for m in ms), timeout=30)
+    assert h.post("/api/show", json={"model": "victim2"}).status_code == 404
+
+
+def test_ollama_heads_empty_embeddings_and_raw_mode(daemon_a):
+    """As Ollama answers them: HEAD on /api/version and /api/tags (health checks); an empty input to
+    /api/embed (and an empty prompt to /api/embeddings) is an empty list, the model loaded; a list
+    prompt on the one-text endpoint is a 400, not its first text's vector; raw mode with a system,
+    template or context is a 400, and a raw answer carries no context."""
+    h = daemon_a.http
+    for path in ("/api/version", "/api/tags"):
+        r = h.request("HEAD", path)
+        assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+    for body in ({"input": []}, {"input": ""}):
+        r = h.post("/api/embed", json={"model": MODEL, **body})
+        assert r.status_code == 200 and r.json()["embeddings"] == [], r.text
+    assert h.post("/api/embeddings", json={"model": MODEL, "prompt": ""}).json() == {"embedding": []}
+    r = h.post("/api/embeddings", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert r.status_code == 400 and "/api/embed" in r.json()["error"], r.text
+    assert h.post("/api/embed", json={"model": MODEL, "input": ["a", ""]}).status_code == 400
+    base = {"model": MODEL, "prompt": "<|im_start|>user\nhi<|im_end|>\n", "raw": True, "stream": False,
+            "options": {"num_predict": 2}}
+    for extra in ({"system": "be a pirate"}, {"template": "{{ .Prompt }}"}, {"context": [1, 2]}):
+        r = h.post("/api/generate", json={**base, **extra})
+        assert r.status_code == 400 and "raw mode does not support" in r.json()["error"], (extra, r.text)
+    r = h.post("/api/generate", json=base)
+    assert r.status_code == 200 and "context" not in r.json(), r.text
+    r = h.post("/api/generate", json={**base, "raw": False, "prompt": "hi"})
+    assert r.status_code == 200 and r.json()["context"], r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/responses"])
+def test_a_streamed_request_abandoned_in_the_queue_is_cancelled(daemon_b, route):
+    """Anthropic's and the Responses API's streams, given up by their client while they wait for the only
+    slot (Claude Code's Esc, an SDK timeout): the daemon lets them go at once, as the other routes do;
+    they used to hold their queue place (MAX_QUEUE=1: the next client got a 529/503) until served."""
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}], "stream": True,
+            "max_tokens": 900, "ignore_eos": True}
+    with httpx.Client(base_url=daemon_b.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=long) as r:
+        lines = r.iter_lines()
+        next(lines), next(lines)  # the only slot is taken, for 900 tokens
+        body = ({"model": MODEL, "max_tokens": 8, "stream": True, "messages": CHAT} if route == "/v1/messages" else
+                {"model": MODEL, "max_output_tokens": 16, "stream": True, "input": "hi"})
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(daemon_b.url + route, json=body, timeout=httpx.Timeout(60, read=1.0))
+        # gone from the queue while the long stream still runs: not waiting to be served
+        ms = daemon_b.wait_ps(lambda ms: ms and ms[0]["waiting"] == 0, timeout=3)
+        assert ms[0]["active"] == 1
+    daemon_b.wait_ps(lambda ms: ms and ms[0]["active"] == 0, timeout=10)
+
+
+def test_a_forced_tool_call_cut_by_max_tokens_is_no_text(daemon_a, oai):
+    """tool_choice any / required, max_tokens too small for the call: the answer is cut (max_tokens,
+    length) with no text block: the grammar's {name, arguments} wrapper used to come back as the text."""
+    import anthropic
+
+    tool = {"name": "get_weather", "description": "The weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    client = anthropic.Anthropic(base_url=daemon_a.url, api_key=KEY, max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = client.messages.create(model=MODEL, max_tokens=64, tools=[tool], tool_choice={"type": "any"},
+                                   messages=ask, extra_body={"temperature": 0})
+    assert whole.stop_reason == "tool_use" and [b.type for b in whole.content] == ["tool_use"]
+    for max_tokens in (3, 8, 12):
+        r = client.messages.create(model=MODEL, max_tokens=max_tokens, tools=[tool], tool_choice={"type": "any"},
+                                   messages=ask, extra_body={"temperature": 0})
+        assert r.stop_reason == "max_tokens" and r.content == [], (max_tokens, r.content)
+        with client.messages.stream(model=MODEL, max_tokens=max_tokens, tools=[tool], tool_choice={"type": "any"},
+                                    messages=ask, extra_body={"temperature": 0}) as s:
+            final = s.get_final_message()
+        assert final.stop_reason == "max_tokens" and final.content == [], final.content
+    fn = {"type": "function", "function": {"name": "get_weather", "parameters": tool["input_schema"]}}
+    r = oai.chat.completions.create(model=MODEL, messages=ask, tools=[fn], tool_choice="required", max_tokens=8,
+                                    temperature=0)
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content, r.choices[0]

@@ -43,7 +43,8 @@ from localrun.library.capabilities import KIND_USE, model_kind
 from localrun.server import generic_tools
 from localrun.server.images import load_images
 from localrun.server.manager import DEFAULT, Lease, ModelManager
-from localrun.server.output import HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_harmony, reasoning_for
+from localrun.server.output import (HARMONY_TOKENS, HarmonyParser, OutputParser, Reasoning, is_forced_call, is_harmony,
+                                    reasoning_for)
 from localrun.server.tool_formats import learn as learn_tool_format
 
 log = logging.getLogger("localrun.generation")
@@ -231,7 +232,8 @@ class Generation:
                 generic = self.job.tool_format == generic_tools.NAME
                 parser = HarmonyParser(names) if _harmony(self.job) \
                     else OutputParser(self.reasoning, names, tool_format=learn_tool_format(self.job.resolved.template)
-                                      if self.job.tools and not generic else None, tools=self.job.tools, generic=generic)
+                                      if self.job.tools and not generic else None, tools=self.job.tools, generic=generic,
+                                      forced=bool(self.job.tools) and is_forced_call(self.job.options.json_schema))
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:
@@ -717,8 +719,11 @@ def _context_advice(exc: InvalidRequest, job: Job, lease: Lease) -> InvalidReque
     train = getattr(getattr(job.resolved, "info", None), "context_length", None)
     head = exc.message.split(";")[0]
     if train and lease.num_ctx < train:
+        # where this request's API takes a num_ctx (/v1 and Anthropic: a top-level extension; llama.cpp's: none)
+        where = ("options.num_ctx, " if job.api.startswith("ollama.") else "" if job.api.startswith("llama.")
+                 else "the request's top-level num_ctx, ")
         advice = (f"{job.resolved.name} was trained for {train} tokens: ask for a larger num_ctx (up to {train}: "
-                  "options.num_ctx, PARAMETER num_ctx or LOCALRUN_CONTEXT_LENGTH), or shorten the prompt")
+                  f"{where}PARAMETER num_ctx or LOCALRUN_CONTEXT_LENGTH), or shorten the prompt")
     else:
         advice = (f"{lease.num_ctx} tokens is {job.resolved.name}'s limit (the context it was trained for); shorten "
                   "the prompt (fewer or smaller tools, a shorter system prompt, fewer turns) or use a model with a "

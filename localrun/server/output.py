@@ -190,8 +190,10 @@ class OutputParser:
     """One choice's text -> (reasoning, content) pieces as they stream, then tool calls."""
 
     def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
-                 tool_format: ToolFormat | None = None, tools: list[dict] | None = None, generic: bool = False) -> None:
+                 tool_format: ToolFormat | None = None, tools: list[dict] | None = None, generic: bool = False,
+                 forced: bool = False) -> None:
         self.reasoning = reasoning
+        self.forced = forced  # the output is a call the grammar forces (tool_choice required / any / a name)
         self.generic = generic  # the generic tool format: the output is one JSON object (server/generic_tools.py)
         self.g_mode: str | None = None  # generic: None (not yet known) | "string" (in the answer) | "done" | "json"
         self.g_raw = ""  # generic: the answer's JSON string not yet decoded
@@ -359,8 +361,22 @@ class OutputParser:
                           "arguments": call_arguments(args)} for name, args in found]
                 return reasoning, left.strip(), calls
         content_left, calls = parse_tool_calls(rest, self.tool_names)
-        return (reasoning, content_left, calls) if calls else (reasoning, rest, [])
+        if calls:
+            return reasoning, content_left, calls
+        if self.forced:  # a forced call cut short (max_tokens): never its wrapper as text (no answer was asked)
+            return reasoning, "", []
+        return reasoning, rest, []
 
 
-__all__ = ["OutputParser", "HarmonyParser", "HARMONY_TOKENS", "is_harmony", "Reasoning", "reasoning_for",
+def is_forced_call(schema: object) -> bool:
+    """`schema` is the one params.tool_choice_schema makes for a forced call: {name (a const), arguments},
+    or an anyOf of such objects."""
+    variants = schema.get("anyOf", [schema]) if isinstance(schema, dict) else []
+    return bool(variants) and all(
+        isinstance(v, dict) and v.get("required") == ["name", "arguments"]
+        and isinstance((v.get("properties") or {}).get("name"), dict) and "const" in v["properties"]["name"]
+        for v in variants)
+
+
+__all__ = ["OutputParser", "HarmonyParser", "is_forced_call", "HARMONY_TOKENS", "is_harmony", "Reasoning", "reasoning_for",
            "parse_tool_calls"]

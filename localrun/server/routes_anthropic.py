@@ -40,6 +40,7 @@ from fastapi import APIRouter, Request
 
 from localrun.backends.base import MEDIA_MARKER, SamplingOptions, Usage
 from localrun.errors import Busy, InvalidRequest, LocalrunError
+from localrun.library.modelfile import PARAMETERS
 from localrun.server import params as p
 from localrun.server.error_shapes import anthropic_error
 from localrun.server.images import ImageInput, from_base64, from_url, take_images
@@ -299,6 +300,8 @@ def _options(body: dict, resolved: Any) -> tuple[SamplingOptions, int | None, li
             setattr(opts, key, v)
     if (v := p.get_int(body, "top_k", 0, 100_000)) is not None:
         opts.top_k = v
+    if (v := p.get_int(body, "num_ctx", *PARAMETERS["num_ctx"][1:])) is not None:  # localrun extension, as on /v1
+        num_ctx = v
     stops = p.get_stop(body.get("stop_sequences"), "stop_sequences")
     opts.stop = opts.stop + [s for s in stops if s not in opts.stop]  # the model's own stop strings stay
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
@@ -473,7 +476,8 @@ async def messages(request: Request):
         return _message(f"msg_{gen.id[:24]}", gen.model, content, _stop_reason(ch, stops, max_tokens),
                         _usage(gen.usage))
 
-    gen: Generation = await _service(st.generation.start(job))
+    # the client going away while the request queues, loads or prefills cancels it (an agent's Esc)
+    gen: Generation = await until_disconnected(request, _service(st.generation.start(job)))
     blocks = _Blocks()
 
     async def produce() -> AsyncIterator[bytes]:

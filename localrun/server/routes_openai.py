@@ -358,10 +358,20 @@ async def completions(request: Request):
             return ""
         return x if isinstance(x, str) else await st.generation.detokenize(resolved, x, keep_alive=st.keep_alive(body))
 
-    def logprobs_of(ch) -> dict | None:
+    async def prompt_chars(x: str | list[int]) -> int:
+        """Where the answer's text starts, for logprobs' text_offset (counted from the prompt's start, as
+        OpenAI and vLLM count it, echoed or not)."""
+        if not opts.logprobs:
+            return 0
+        return len(x) if isinstance(x, str) else len(await st.generation.detokenize(
+            resolved, x, keep_alive=st.keep_alive(body)))
+
+    def logprobs_of(ch, start: int) -> dict | None:
         if not opts.logprobs:
             return None
-        return _completion_logprobs(((ch.prompt_logprobs or []) if echo else []) + ch.logprobs)
+        if echo:  # the prompt's tokens from 0, the answer's after them
+            return _completion_logprobs((ch.prompt_logprobs or []) + ch.logprobs)
+        return _completion_logprobs(ch.logprobs, start)
 
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
@@ -369,17 +379,17 @@ async def completions(request: Request):
     if not stream:
         if len(prompts) == 1:
             gen, results = await _collect(request, st, job_for(prompts[0]))
-            text = await echoed(prompts[0])
+            text, start = await echoed(prompts[0]), await prompt_chars(prompts[0])
             choices = [{"index": ch.index, "text": text + ch.content, "finish_reason": _finish(ch.finish_reason),
-                        "logprobs": logprobs_of(ch)} for ch in results]
+                        "logprobs": logprobs_of(ch, start)} for ch in results]
             return _body("text_completion", cid, created, gen, choices)
         runs = await until_disconnected(request, _collect_batch(st, [job_for(x) for x in prompts]))
         choices, usage = [], Usage()
         for k, (x, (gen, results)) in enumerate(zip(prompts, runs)):
-            text = await echoed(x)
+            text, start = await echoed(x), await prompt_chars(x)
             for ch in results:
                 choices.append({"index": k * n + ch.index, "text": text + ch.content,
-                                "finish_reason": _finish(ch.finish_reason), "logprobs": logprobs_of(ch)})
+                                "finish_reason": _finish(ch.finish_reason), "logprobs": logprobs_of(ch, start)})
             usage.prompt_tokens += gen.usage.prompt_tokens
             usage.completion_tokens += gen.usage.completion_tokens
             usage.cached_tokens += gen.usage.cached_tokens
@@ -388,19 +398,25 @@ async def completions(request: Request):
                                                         usage.cached_tokens),
                 "system_fingerprint": "localrun"}
 
-    text0 = await echoed(prompts[0])
+    text0, start0 = await echoed(prompts[0]), await prompt_chars(prompts[0])
     gen = await until_disconnected(request, st.generation.start(job_for(prompts[0])))  # stale IDE completions
     sent: set[int] = set()
+    offset: dict[int, int] = {}  # each choice's next token's text_offset: counted on from chunk to chunk
 
     def render(ev, chunk):
         if echo and ev.index not in sent:
             sent.add(ev.index)
             plps = ev.prompt_logprobs if isinstance(ev, Delta) else None
-            yield chunk([{"index": ev.index, "text": text0, "finish_reason": None,
-                          "logprobs": _completion_logprobs(plps) if opts.logprobs and plps else None}])
+            lp = _completion_logprobs(plps) if opts.logprobs and plps else None
+            if lp:
+                offset[ev.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            yield chunk([{"index": ev.index, "text": text0, "finish_reason": None, "logprobs": lp}])
         if isinstance(ev, Delta) and (ev.content or ev.logprobs):
-            yield chunk([{"index": ev.index, "text": ev.content, "finish_reason": None,
-                          "logprobs": _completion_logprobs(ev.logprobs) if ev.logprobs else None}])
+            lp = None
+            if ev.logprobs:
+                lp = _completion_logprobs(ev.logprobs, offset.get(ev.index, start0))
+                offset[ev.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            yield chunk([{"index": ev.index, "text": ev.content, "finish_reason": None, "logprobs": lp}])
         elif isinstance(ev, Done):
             yield chunk([{"index": ev.index, "text": "", "finish_reason": _finish(ev.finish_reason), "logprobs": None}])
 

@@ -614,7 +614,7 @@ async def create_response(request: Request):
 
         return await until_disconnected(request, run())
 
-    gen = await st.generation.start(job)
+    gen = await until_disconnected(request, st.generation.start(job))  # gone while it queues or prefills: cancelled
 
     async def produce() -> AsyncIterator[bytes]:
         yield _sse(builder.snapshot("response.created"))
