@@ -70,6 +70,8 @@ class FakeModel:
 
     rules: dict[str, str] = field(default_factory=dict)
     token_delay: float = 0.0
+    prefill_delay: float = 0.0  # seconds before the first token (a long prompt's prefill)
+    fail_prefill: str | None = None  # the prefill refuses the request (an InvalidRequest) after prefill_delay
     slots: int = 1
     supports_json_schema: bool = True
     supports_groups: bool = False  # n > 1 arrives as one group (GenerationRequest.group), all started at once
@@ -142,6 +144,10 @@ class FakeBackend:
         t0 = time.perf_counter()
         m.running += 1
         try:
+            if m.prefill_delay:
+                await asyncio.sleep(m.prefill_delay)
+            if m.fail_prefill:
+                raise InvalidRequest(m.fail_prefill)
             for ch in text:
                 if n >= limit:
                     finish = "length"

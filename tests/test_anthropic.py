@@ -160,6 +160,44 @@ def test_keepalive_pings_between_slow_events(home, monkeypatch):
         d.stop()
 
 
+def test_a_long_prefill_starts_the_stream_and_keeps_it_alive(home, monkeypatch):
+    """A prefill longer than PING_EVERY: the stream starts and SSE comments (": ping") keep it alive until
+    message_start (nothing went out before: a client or proxy with an idle timeout gave up); the SDK
+    skips them. A prefill that fails after the stream began ends it with an error event; one that fails
+    at once is still a 400. A client leaving during the long prefill aborts the request."""
+    from localrun.server import routes_anthropic
+
+    monkeypatch.setattr(routes_anthropic, "PING_EVERY", 0.05)
+    fake = FakeModel(prefill_delay=0.4)
+    d = InProcessDaemon(home, fake)
+    try:
+        body = {"model": MODEL, "max_tokens": 6, "messages": HI}
+        with httpx.stream("POST", d.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+            lines = [x for x in r.iter_lines() if x]
+        first_event = lines.index("event: message_start")
+        assert first_event >= 3 and set(lines[:first_event]) == {": ping"}, lines[:first_event + 1]
+        client = _client(d)
+        with client.messages.stream(**body) as s:
+            streamed = s.get_final_message()
+        assert [(b.type, b.text) for b in streamed.content] == [("text", DEFAULT_REPLY[:6])]
+        assert streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens > 0
+
+        fake.fail_prefill = "the prompt is 9000 tokens, longer than the context window of 8192 tokens"
+        events = _events(d, body)
+        assert events[-1][1]["type"] == "error" and "9000 tokens" in events[-1][1]["error"]["message"], events
+        fake.prefill_delay = 0
+        r = httpx.post(d.url + "/v1/messages", json={**body, "stream": True}, timeout=60)
+        assert r.status_code == 400 and "9000 tokens" in r.json()["error"]["message"], r.text
+
+        fake.fail_prefill, fake.prefill_delay = None, 5.0
+        aborted = len(fake.aborted)
+        with httpx.stream("POST", d.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as r:
+            assert next(r.iter_lines()) == ": ping"  # the stream began; the client leaves
+        wait_until(lambda: len(fake.aborted) == aborted + 1 and fake.running == 0, timeout=3)
+    finally:
+        d.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_lone_surrogate_in_a_call_is_replaced_not_a_failed_response(daemon, fake, stream):
     """The JSON grammar lets a sampled model write "\\ud800" alone, which UTF-8 cannot encode: the

@@ -158,6 +158,7 @@ class Generation:
         # without closing its iterator (a cancelled response task) still aborts the work
         self._open: list = []
         self._released = False
+        self._priming: asyncio.Task | None = None  # prime_soon's task, until the first chunk is in
         self._started = False
         self.interrupted: BaseException | None = None  # set when the daemon ends this generation early
         self.prompt_ids: list[int] | None = requests[0].prompt_token_ids if job.prompt_ids else None
@@ -200,9 +201,31 @@ class Generation:
             self.prompt_ids = list(chunks[0].prompt_token_ids)
         self._first = dict(enumerate(zip(streams, chunks)))
 
+    async def prime(self) -> None:
+        """start(prime=False)'s second half: start the backend and take the first chunk; a failure
+        gives the lease back and raises (a prompt over the window with the advice start gives)."""
+        try:
+            await self._prime()
+        except InvalidRequest as exc:
+            await self.release()
+            raise _context_advice(exc, self.job, self.lease) from None
+        except BaseException:
+            await self.release()
+            raise
+
+    def prime_soon(self) -> asyncio.Task:
+        """prime() in a task of its own, for a route that sends something while the prompt prefills
+        (Anthropic's keep-alive); release() cancels it."""
+        self._priming = asyncio.ensure_future(self.prime())
+        return self._priming
+
     async def release(self) -> None:
         if not self._released:
             self._released = True
+            task, self._priming = self._priming, None
+            if task is not None and not task.done() and task is not asyncio.current_task():
+                task.cancel()  # (its stream is being iterated there: closed by _prime as the cancel lands)
+                await asyncio.wait({task})
             self.service.active.discard(self)
             self._first = {}
             for stream in self._open:
@@ -346,9 +369,10 @@ class GenerationService:
             if interrupt is not None:  # wakes the streams waiting on their next token
                 interrupt(exc)
 
-    async def start(self, job: Job) -> Generation:
+    async def start(self, job: Job, *, prime: bool = True) -> Generation:
         """Render, lease, check, tokenize and start `job`; raises (with the lease given back)
-        on anything the request itself got wrong, before any response is sent."""
+        on anything the request itself got wrong, before any response is sent. `prime` False: the
+        backend is not started yet; the caller runs Generation.prime (or prime_soon) next."""
         self._admit()
         t0 = time.perf_counter()
         _check_generates(job)
@@ -378,7 +402,8 @@ class GenerationService:
             self.active.add(gen)
             if self.metrics is not None:
                 self.metrics.started(gen)
-            await gen._prime()
+            if prime:
+                await gen._prime()
         except InvalidRequest as exc:
             if gen is not None:
                 self.active.discard(gen)

@@ -23,8 +23,10 @@ the generation service's events -> Anthropic's SSE events or one message object.
   ``cache_read_input_tokens`` those that were (Anthropic's split: they sum to the prompt).
 - Streaming: message_start, a ping, then each block (content_block_start, its deltas,
   content_block_stop), message_delta (stop reason and the final usage), message_stop, as
-  Anthropic sends them; a ping goes out whenever PING_EVERY seconds pass without an event (a
-  long prefill), so proxies and clients with idle timeouts keep the connection.
+  Anthropic sends them; a ping goes out whenever PING_EVERY seconds pass without an event, so
+  proxies and clients with idle timeouts keep the connection. A prefill longer than PING_EVERY
+  starts the stream first and sends an SSE comment (``: ping``, which clients skip) every
+  PING_EVERY seconds until message_start, whose usage counts the prompt as the backend took it.
 - Errors are Anthropic-shaped (app.py); a full queue is 529 overloaded_error, as Anthropic
   answers (the SDK retries it); an error mid-stream is an ``error`` event.
 """
@@ -52,6 +54,7 @@ log = logging.getLogger("localrun.server")
 
 MAX_TOKENS = 1 << 20
 PING_EVERY = 10.0  # seconds without an event (a long prefill) before a keep-alive ping
+KEEPALIVE = b": ping\n\n"  # an SSE comment (clients skip it): keeps a long prefill's stream alive before message_start
 _THINK = {"enabled": True, "disabled": False, "adaptive": None}
 
 
@@ -477,10 +480,26 @@ async def messages(request: Request):
                         _usage(gen.usage))
 
     # the client going away while the request queues, loads or prefills cancels it (an agent's Esc)
-    gen: Generation = await until_disconnected(request, _service(st.generation.start(job)))
+    gen: Generation = await until_disconnected(request, _service(st.generation.start(job, prime=False)))
+    # the prefill: errors within PING_EVERY are a status (4xx) as before; a longer one starts the stream,
+    # kept alive by SSE comments until message_start, whose usage needs the first chunk (a runner that
+    # tokenizes the prompt itself counts it there)
+    primed = gen.prime_soon()
+    try:
+        await until_disconnected(request, asyncio.wait({primed}, timeout=PING_EVERY))
+    except BaseException:
+        await gen.release()
+        raise
+    if primed.done():
+        primed.result()  # (a failure has given the lease back)
     blocks = _Blocks()
 
     async def produce() -> AsyncIterator[bytes]:
+        if not primed.done():
+            yield KEEPALIVE
+            while not (await asyncio.wait({primed}, timeout=PING_EVERY))[0]:
+                yield KEEPALIVE
+        primed.result()  # a failure now goes out as the stream's error event
         start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None),
                          {"input_tokens": gen.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
                           "cache_read_input_tokens": 0})
