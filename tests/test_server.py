@@ -762,3 +762,28 @@ def test_a_forced_tool_call_cut_by_max_tokens_is_no_text(daemon_a, oai):
     r = oai.chat.completions.create(model=MODEL, messages=ask, tools=[fn], tool_choice="required", max_tokens=8,
                                     temperature=0)
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content, r.choices[0]
+
+
+def test_openai_refuses_what_it_cannot_honour(daemon_a, oai):
+    """What used to be answered silently wrong, refused as OpenAI refuses it: a forced tool call with no
+    tools (it was answered with text), embeddings of more dimensions than the model has (the model's
+    size came back), and a response id localrun could not have made is a 404 (NotFoundError), as an
+    unknown well-formed one is."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="needs 'tools'"):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, tool_choice="required", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="needs 'tools'"):
+        oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                    tool_choice={"type": "function", "function": {"name": "f"}})
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, tool_choice="none", max_tokens=2)
+    assert r.choices[0].message.content is not None
+    size = len(oai.embeddings.create(model=MODEL, input="hi").data[0].embedding)
+    assert len(oai.embeddings.create(model=MODEL, input="hi", dimensions=size).data[0].embedding) == size
+    with pytest.raises(openai.BadRequestError, match=f"have {size}"):
+        oai.embeddings.create(model=MODEL, input="hi", dimensions=size + 1)
+    for rid in ("resp_nope", "resp_" + "0" * 32):
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError):
+            oai.responses.delete(rid)

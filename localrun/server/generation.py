@@ -478,6 +478,9 @@ class GenerationService:
             window = lease.backend.info.embed_window
             n_tokens = sum(min(n, window) for n in counts) if truncate and window else sum(counts)
         if dimensions is not None:
+            if vectors and dimensions > len(vectors[0]):  # (OpenAI refuses a size its model cannot give)
+                raise InvalidRequest(f"'dimensions' is {dimensions}; {resolved.name}'s embeddings have "
+                                     f"{len(vectors[0])}: ask for {len(vectors[0])} or fewer")
             vectors = [_renormalize(v[:dimensions]) for v in vectors]
         return vectors, n_tokens
 

@@ -220,6 +220,9 @@ async def chat_completions(request: Request):
     opts, num_ctx, n = openai_options(body, resolved, chat=True)
     p.apply_logprobs(opts, body)
     tools = p.check_tools(body.get("tools"), resolved.template)
+    if not tools and body.get("tool_choice") not in (None, "auto", "none"):
+        # a call asked for and no tool to call: refused, as OpenAI does, not answered with text
+        raise InvalidRequest("'tool_choice' asks for a tool call, which needs 'tools'")
     if tools:
         tools, forced = p.tool_choice_schema(tools, body.get("tool_choice"))
         if forced is not None:

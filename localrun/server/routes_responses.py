@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from localrun.errors import InvalidRequest
+from localrun.errors import InvalidRequest, NotFound
 from localrun.server import params as p
 from localrun.backends.base import MEDIA_MARKER
 from localrun.server.images import from_url, take_images
@@ -634,15 +634,23 @@ async def create_response(request: Request):
     return generation_response(gen, produce, failed)
 
 
+def _stored_id(response_id: str) -> str:
+    """A path's response id: one that cannot be localrun's names no stored response (404, as OpenAI answers)."""
+    try:
+        return check_id(response_id)
+    except InvalidRequest as exc:
+        raise NotFound(exc.message.replace("is not a valid response id", "names no stored response")) from None
+
+
 @router.get("/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    record = await asyncio.to_thread(responses_store(request).load, check_id(response_id))
+    record = await asyncio.to_thread(responses_store(request).load, _stored_id(response_id))
     return record["response"]
 
 
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
-    await asyncio.to_thread(responses_store(request).delete, check_id(response_id))
+    await asyncio.to_thread(responses_store(request).delete, _stored_id(response_id))
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -650,7 +658,7 @@ async def delete_response(response_id: str, request: Request):
 async def list_input_items(response_id: str, request: Request):
     """The items the model saw before its output (the conversation it continued, then this
     request's input), paged as OpenAI does: limit, order (desc by default), after, before."""
-    record = await asyncio.to_thread(responses_store(request).load, check_id(response_id))
+    record = await asyncio.to_thread(responses_store(request).load, _stored_id(response_id))
     q = request.query_params
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
