@@ -19,9 +19,9 @@ from typing import Iterable
 
 from localrun import __version__
 from localrun.attachments import Attachment, AttachmentError, read_images, split_image_paths
-from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for, normalize_name
+from localrun.client import APIError, DaemonClient, DaemonUnavailable, base_url_for
 from localrun.client import parse_think as client_parse_think
-from localrun.config import ENV_VARS, parse_duration, settings
+from localrun.config import ENV_VARS, parse_duration, parse_hostport, settings
 from localrun.errors import LocalrunError
 
 PROG = "localrun"
@@ -29,6 +29,11 @@ PROG = "localrun"
 
 class CLIError(Exception):
     """A user mistake found by the CLI itself (missing file, bad value)."""
+
+
+class UnknownOption(CLIError):
+    """A generation option name that is no Modelfile PARAMETER (a typo like num_predcit): the daemon would
+    ignore it, so the CLI refuses it (a usage error for `run -o`, a message in the REPL)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -120,11 +125,31 @@ def parse_value(text: str):
     return t
 
 
+def check_option_name(name: str) -> str:
+    """`name` when it is a Modelfile PARAMETER (Ollama's option names); UnknownOption naming the closest
+    known ones otherwise (the daemon passes over an option it does not know, so a typo would go unseen)."""
+    import difflib
+
+    from localrun.library.modelfile import PARAMETERS
+
+    if name in PARAMETERS:
+        return name
+    close = difflib.get_close_matches(name.lower(), list(PARAMETERS), n=3, cutoff=0.6)
+    if close:
+        hint = f"did you mean {close[0]}" + (f" (or {', '.join(close[1:])})" if close[1:] else "") + "?"
+    else:
+        hint = "known options: " + ", ".join(sorted(PARAMETERS))
+    raise UnknownOption(f"unknown option {name!r}; {hint}")
+
+
 def set_option(options: dict, name: str, value: str) -> None:
     """Ollama option names; `stop` accumulates like repeated PARAMETER stop lines."""
     name = name.strip()
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            check_option_name(name)  # e.g. Temperature: say which name is meant
         raise CLIError(f"bad parameter name {name!r}: use an Ollama option name like temperature or num_ctx")
+    check_option_name(name)
     if name == "stop":
         options.setdefault("stop", []).append(str(parse_value(value)))
     else:
@@ -682,6 +707,17 @@ def run_images(args, prompt: str) -> tuple[str, list[Attachment]]:
         raise CLIError(str(e)) from None
 
 
+def run_options(items: list[str] | None) -> dict:
+    """`run -o NAME=VALUE ...` -> the request's options (UnknownOption for a name that is no option)."""
+    options: dict = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
+        set_option(options, name, value)
+    return options
+
+
 def cmd_run(args, client: DaemonClient) -> int:
     if getattr(args, "attachments", None) is None:
         args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
@@ -690,12 +726,9 @@ def cmd_run(args, client: DaemonClient) -> int:
     if piped and not args.plain:
         text = sys.stdin.read()
         prompt = f"{prompt}\n\n{text}" if prompt and text.strip() else (prompt or text)
-    options: dict = {}
-    for item in args.option or []:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise CLIError(f"--option wants NAME=VALUE, got {item!r}")
-        set_option(options, name, value)
+    options = getattr(args, "options", None)
+    if options is None:
+        options = run_options(args.option)
     rs = RunSettings(options, keep_alive=args.keepalive, format=parse_format(args.format), verbose=args.verbose,
                      wordwrap=not args.nowordwrap, think=None if args.think is None else parse_think(args.think),
                      hide_thinking=args.hidethinking)
@@ -801,11 +834,20 @@ def cmd_show(args, client: DaemonClient) -> int:
 
 
 def cmd_stop(args, client: DaemonClient) -> int:
-    want = normalize_name(args.model)
-    running = {normalize_name(m.get("name") or m.get("model", "")) for m in client.ps()}
-    if want not in running:
+    """As `ollama stop`: a generate with keep_alive 0, so the daemon resolves the name as every other verb's
+    (aliases such as smollm2 -> smollm2:135m, case) and answers with the one it unloaded."""
+    running = {m.get("name") or m.get("model") for m in client.ps()}
+    try:
+        answer = client.stop(args.model)
+    except APIError as exc:
+        if exc.status == 404:
+            raise CLIError(f"couldn't find model '{args.model}' to stop (see `localrun list`)") from None
+        raise
+    name = answer.get("model") or args.model
+    if name not in running:  # the daemon's answer is "unload" either way
         raise CLIError(f"model '{args.model}' is not running (see `localrun ps`)")
-    client.stop(args.model)
+    if answer.get("done_reason") not in (None, "unload"):
+        raise CLIError(f"the daemon did not unload {name} (it answered {answer.get('done_reason')!r})")
     return 0
 
 
@@ -976,6 +1018,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-autostart", action="store_true",
                    help="fail instead of starting the daemon in the background when none answers")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    p.set_defaults(verb_parsers=sub.choices)  # each verb's own parser, for its usage errors
 
     def add(name, help_text, **kw):
         return sub.add_parser(name, help=help_text, description=help_text, **kw)
@@ -1116,13 +1159,27 @@ def _dispatch(argv: list[str]) -> int:
     if args.command is None and not args.version:
         parser.print_help()
         return 0
+    if args.command == "serve":
+        args.host = args.serve_host or args.host
+    if args.host:
+        try:
+            parse_hostport(args.host)
+        except ValueError as exc:  # its message names LOCALRUN_HOST; the value came from the flag
+            raise CLIError(f"--host: {str(exc).removeprefix('LOCALRUN_HOST: ')}") from None
+    if args.command == "run":  # before any daemon is asked: a misspelled option is a usage error
+        try:
+            args.options = run_options(args.option)
+        except UnknownOption as exc:
+            try:
+                args.verb_parsers["run"].error(f"argument -o/--option: {exc}")
+            except SystemExit as stop:
+                return stop.code if isinstance(stop.code, int) else 2
     if getattr(args, "keepalive", None) is not None:
         try:
             parse_duration(args.keepalive)
         except ValueError as exc:
             raise CLIError(f"--keepalive: {exc}") from None
     if args.command == "serve":
-        args.host = args.serve_host or args.host
         return cmd_serve(args)
     if args.command == "run":  # a bad image file is the user's to fix before any daemon is asked
         args.prompt_text, args.attachments = run_images(args, " ".join(args.prompt))
@@ -1132,6 +1189,9 @@ def _dispatch(argv: list[str]) -> int:
         client.ensure_running(autostart=not args.no_autostart)
         if client.started_pid:
             print(f"{PROG}: started the daemon at {client.base_url} (pid {client.started_pid})", file=sys.stderr)
+        elif client.started_elsewhere:
+            print(f"{PROG}: a daemon started meanwhile at {client.base_url} (by another command); using it",
+                  file=sys.stderr)
         return VERBS[args.command](args, client)
 
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -197,8 +197,17 @@ class _Requests:
         return _Call("POST", "/api/embed", body, pick=lambda b: b.get("embeddings") or [])
 
     def stop(self, model: str) -> _Call:
-        """Unload a model now (Ollama's way: a generate with no prompt and keep_alive 0)."""
-        return _Call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False}, pick=lambda b: None)
+        """Unload a model now (Ollama's way: a generate with no prompt and keep_alive 0). The daemon
+        resolves the name (aliases, case) and answers with it: {"model": NAME, "done_reason": "unload", ...};
+        404 when no such model is in the library."""
+        return _Call("POST", "/api/generate", {"model": model, "keep_alive": 0, "stream": False},
+                     pick=lambda b: b if isinstance(b, dict) else {})
+
+    def resolve_name(self, model: str) -> _Call:
+        """The library name the daemon resolves `model` to ('smollm2' -> 'smollm2:135m' through its catalog
+        alias, case folded, ...), without loading it: GET /v1/models/NAME's id. 404 when there is none."""
+        return _Call("GET", f"/v1/models/{quote(model, safe='/:@')}",
+                     pick=lambda b: b.get("id") if isinstance(b, dict) and isinstance(b.get("id"), str) else model)
 
 
 _ENDPOINTS = [n for n, v in vars(_Requests).items() if callable(v) and not n.startswith("_")]
@@ -307,6 +316,61 @@ class _Base(_Requests):
         return DaemonUnavailable(f"the localrun daemon exited at start (code {code})"
                                  + (f": {last}" if last else "") + f"; see {_log_path()}")
 
+    # A start can race another command's (`localrun list & localrun ps`): each spawns a daemon, one binds the
+    # port, the others exit with "address already in use". Whoever answers serves all of them, but only the
+    # command whose own child holds the port started it; the others say a daemon started meanwhile.
+    RACE_GRACE_S = 2.0  # a child that exited at start: how long another daemon has to answer instead
+
+    def _child_listens(self, proc: subprocess.Popen) -> bool | None:
+        """Whether `proc` (or a process it started) listens on this client's port: True or False; None
+        where this platform does not say (psutil lacks the permission)."""
+        if proc.poll() is not None:
+            return False
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            return None
+        port = urlsplit(self.base_url).port or 80
+        try:
+            root = psutil.Process(proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return None
+        unknown = False
+        for p in procs:
+            try:
+                conns = (p.net_connections if hasattr(p, "net_connections") else p.connections)(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            except (psutil.Error, NotImplementedError, OSError):
+                unknown = True
+                continue
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+                return True
+        return None if unknown else False
+
+    def _adopt(self, proc: subprocess.Popen, ours: bool) -> None:
+        """A daemon answers: ours (started_pid), or another that started meanwhile (started_elsewhere; our
+        child, which cannot bind the port, is ended rather than left to fail)."""
+        if ours:
+            self.started_pid = proc.pid
+            return
+        self.started_elsewhere = True
+        if proc.poll() is None:
+            try:
+                proc.terminate()
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # pragma: no cover
+                    pass
+            except OSError:  # pragma: no cover - gone meanwhile
+                pass
+
     def _timed_out(self, proc: subprocess.Popen, wait_s: float) -> DaemonUnavailable:
         return DaemonUnavailable(f"started the localrun daemon (pid {proc.pid}) but it did not answer at "
                                  f"{self.base_url} within {wait_s:g}s; see {_log_path()}")
@@ -340,7 +404,8 @@ class DaemonClient(_Base):
     def __init__(self, base_url: str | None = None, api_key: str | None = None, timeout: float = 600):
         super().__init__(base_url, api_key, timeout)
         self._http = httpx.Client(**self._client_kwargs())
-        self.started_pid: int | None = None  # set when ensure_running started a daemon
+        self.started_pid: int | None = None  # set when ensure_running started the daemon that answers
+        self.started_elsewhere = False  # ensure_running spawned one, but another command's daemon answered
 
     def close(self) -> None:
         self._http.close()
@@ -382,14 +447,33 @@ class DaemonClient(_Base):
         proc = self._spawn()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            exited = proc.poll() is not None  # (before asking: a child gone by then did not answer)
             if self.is_up():
-                self.started_pid = proc.pid
+                self._adopt(proc, not exited and self._serves(proc))
                 return
-            err = self._start_failed(proc)
-            if err:
-                raise err
+            if exited:
+                # it may have lost the port to a daemon another command started: give that one a moment
+                grace = time.monotonic() + self.RACE_GRACE_S
+                while time.monotonic() < grace:
+                    time.sleep(0.1)
+                    if self.is_up():
+                        self._adopt(proc, False)
+                        return
+                raise self._start_failed(proc)
             time.sleep(0.1)
         raise self._timed_out(proc, wait_s)
+
+    def _serves(self, proc: subprocess.Popen) -> bool:
+        """Whether our child is the daemon that answers (see _child_listens; where the platform does not
+        say: whether it is still running a moment later, as one that lost the port exits at once)."""
+        ours = self._child_listens(proc)
+        if ours is None:
+            try:
+                proc.wait(timeout=self.RACE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                return True
+            return False
+        return ours
 
     def has_blob(self, digest: str) -> bool:
         try:
@@ -452,6 +536,7 @@ class AsyncDaemonClient(_Base):
         super().__init__(base_url, api_key, timeout)
         self._http = httpx.AsyncClient(**self._client_kwargs())
         self.started_pid: int | None = None
+        self.started_elsewhere = False
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -478,14 +563,34 @@ class AsyncDaemonClient(_Base):
         proc = self._spawn()
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
+            exited = proc.poll() is not None  # (before asking: a child gone by then did not answer)
             if await self.is_up():
-                self.started_pid = proc.pid
+                ours = not exited and await self._serves(proc)
+                await asyncio.to_thread(self._adopt, proc, ours)
                 return
-            err = self._start_failed(proc)
-            if err:
-                raise err
+            if exited:
+                # it may have lost the port to a daemon another command started: give that one a moment
+                grace = time.monotonic() + self.RACE_GRACE_S
+                while time.monotonic() < grace:
+                    await asyncio.sleep(0.1)
+                    if await self.is_up():
+                        self._adopt(proc, False)
+                        return
+                raise self._start_failed(proc)
             await asyncio.sleep(0.1)
         raise self._timed_out(proc, wait_s)
+
+    async def _serves(self, proc: subprocess.Popen) -> bool:
+        """DaemonClient._serves, without blocking the event loop."""
+        ours = self._child_listens(proc)
+        if ours is None:
+            grace = time.monotonic() + self.RACE_GRACE_S
+            while proc.poll() is None:
+                if time.monotonic() > grace:
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+        return ours
 
     def _send(self, call: _Call) -> Any:
         return self._stream(call) if call.stream else self._request(call)
@@ -507,10 +612,3 @@ class AsyncDaemonClient(_Base):
                         yield _check_event(json.loads(line))
         except httpx.TransportError as exc:
             raise self._unavailable(exc) from None
-
-
-def normalize_name(name: str) -> str:
-    """'smollm2' -> 'smollm2:latest'; names with a tag are unchanged (display only: the
-    daemon's library does the real parsing and validation)."""
-    last = name.rsplit("/", 1)[-1]
-    return name if ":" in last else f"{name}:latest"

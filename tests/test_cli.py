@@ -209,6 +209,36 @@ def test_bad_environment_is_one_line(tmp_path):
     assert "LOCALRUN_NUM_PARALLEL" in err
 
 
+def test_misspelled_option_is_a_usage_error(tmp_path):
+    """-o num_predcit=3 (a typo the daemon would pass over: an unbounded answer) is refused before any daemon
+    is asked, argparse-style (exit 2), naming the option meant."""
+    env = make_env(tmp_path, free_port())
+    r = cli(env, "--no-autostart", "run", MODEL, "hi", "-o", "num_predcit=3")
+    err = assert_clean_error(r, code=2)
+    assert "usage:" in err and "num_predcit" in err and "did you mean num_predict" in err, err
+    assert "daemon" not in err, err  # no daemon was needed to say so
+    r = cli(env, "--no-autostart", "run", MODEL, "hi", "-o", "Temperature=0")
+    assert "did you mean temperature" in assert_clean_error(r, code=2)
+    r = cli(env, "--no-autostart", "run", MODEL, "hi", "-o", "frobnicate=1")
+    err = assert_clean_error(r, code=2)
+    assert "known options:" in err and "num_predict" in err and "temperature" in err, err
+    # a known option goes on to the daemon (none answers here)
+    r = cli(env, "--no-autostart", "run", MODEL, "hi", "-o", "num_predict=3", "-o", "stop=x")
+    assert "no localrun daemon answers" in assert_clean_error(r, code=1)
+
+
+def test_bad_host_flag_names_the_flag(tmp_path):
+    env = make_env(tmp_path, free_port())
+    for args in (("--host", "127.0.0.1:99999", "list"), ("--host", "foo:bar", "ps"), ("serve", "--host", "foo:bar")):
+        r = cli(env, *args)
+        err = assert_clean_error(r, code=1)
+        assert "--host:" in err and "LOCALRUN_HOST" not in err, (args, err)
+        assert args[-1] in err or args[1] in err, err
+    # a bad LOCALRUN_HOST is still named as the variable
+    r = cli(dict(env, LOCALRUN_HOST="127.0.0.1:99999"), "list")
+    assert "LOCALRUN_HOST" in assert_clean_error(r, code=1)
+
+
 def test_daemon_that_cannot_start_is_a_clear_error(tmp_path):
     with socket.socket() as squatter:  # something else holds the port and never answers HTTP
         squatter.bind(("127.0.0.1", 0))
@@ -246,6 +276,51 @@ def test_autostart_starts_a_daemon_in_the_background(tmp_path):
     finally:
         if pid:
             stop_pid(pid)
+
+
+def _serve_processes(port: int) -> list:
+    """This machine's `localrun serve` processes bound for 127.0.0.1:`port` (by their LOCALRUN_HOST)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "localrun" in cmd and "serve" in cmd and p.environ().get("LOCALRUN_HOST") == f"127.0.0.1:{port}":
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_racing_autostarts_start_one_daemon(tmp_path):
+    """`(localrun list &); (localrun list &); localrun ps` with no daemon: each spawns one, one binds the
+    port, the others exit ("address already in use"). Only the command whose own child serves says it
+    started the daemon (with the pid that serves); the others say one started meanwhile, and leave no
+    child of theirs behind."""
+    port = free_port()
+    env = make_env(tmp_path, port)
+    procs = [subprocess.Popen([sys.executable, "-m", "localrun", verb], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO) for verb in ("list", "list", "ps")]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs
+        started = [int(m.group(1)) for _, err in outs
+                   for m in re.finditer(r"started the daemon at \S+ \(pid (\d+)\)", err)]
+        assert len(started) == 1, [err for _, err in outs]
+        meanwhile = sum("a daemon started meanwhile" in err for _, err in outs)
+        assert meanwhile + len(started) <= 3
+        deadline = time.monotonic() + 10
+        while len(alive := _serve_processes(port)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p.pid for p in alive] == started, (alive, started, [err for _, err in outs])
+        assert httpx.get(f"http://127.0.0.1:{port}/api/version", timeout=5).status_code == 200
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in _serve_processes(port):
+            stop_pid(p.pid)
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,6 +434,50 @@ def test_ps_stop_and_keepalive(pulled):
         time.sleep(0.3)
     r = cli(env, "stop", MODEL)
     assert "not running" in assert_clean_error(r, code=1)
+
+
+def test_stop_resolves_names_as_the_daemon_does(pulled):
+    """`stop` takes the names every other verb takes (the daemon resolves them: smollm2 is smollm2:135m
+    through its catalog alias, case is folded), and says so when the model is not loaded or not there."""
+    env = pulled["env"]
+
+    def load():
+        r = cli(env, "run", MODEL, "--keepalive", "10m", input="")  # empty stdin: just load the model
+        assert r.returncode == 0, r.stderr
+        assert MODEL in cli(env, "ps").stdout
+
+    for name in ("SMOLLM2:135m", "smollm2"):
+        load()
+        r = cli(env, "stop", name)
+        assert r.returncode == 0, (name, r.stderr)
+        assert MODEL not in cli(env, "ps").stdout, name
+    r = cli(env, "stop", "smollm2")
+    assert "'smollm2' is not running" in assert_clean_error(r, code=1)
+    r = cli(env, "stop", "no-such-model")
+    assert "no-such-model" in assert_clean_error(r, code=1)
+    assert "smollm2:latest" not in cli(env, "list").stdout
+
+
+def test_repl_refuses_a_misspelled_parameter(pulled):
+    script = "/set parameter num_predcit 3\n/set parameter temprature 0\n/show info\n/bye\n"
+    r = cli(pulled["env"], "run", MODEL, "--plain", input=script)
+    assert r.returncode == 0, r.stderr
+    assert "did you mean num_predict" in r.stderr and "did you mean temperature" in r.stderr, r.stderr
+    assert "Set parameter" not in r.stdout and "Session parameters" not in r.stdout, r.stdout
+
+
+def test_chat_with_an_alias_opens_the_librarys_model(pulled):
+    """`localrun chat smollm2` opens the TUI on smollm2:135m (the daemon's alias), not a fresh smollm2:latest."""
+    t = Pty(pulled["env"], "chat", "smollm2")
+    try:
+        t.read_until(b"\x1b[?1049h")  # the TUI switched to the alternate screen
+        t.read_until(b"model: " + MODEL.encode(), timeout=30)
+        assert b"pulling" not in t.out
+        t.send(b"\x11")  # ctrl+q quits
+        assert t.wait() == 0
+    finally:
+        t.close()
+    assert "smollm2:latest" not in cli(pulled["env"], "list").stdout
 
 
 def test_cp_and_rm(pulled):

@@ -466,6 +466,33 @@ async def test_switch_model_and_change_parameters(models, store):
         assert app.conv.model == MODEL and app.is_running
 
 
+async def test_a_model_named_as_the_daemon_resolves_it_is_not_pulled_again(models, store):
+    """`localrun chat smollm2` / `/model smollm2`: the daemon resolves smollm2 to the library's smollm2:135m (its
+    catalog alias), as `run`, `show` and `rm` do; the TUI must not pull a second copy as smollm2:latest, and it
+    names the model as the daemon does (the status bar, /api/ps, the replies)."""
+    url = models["url"]
+    pulls: list[str] = []
+    app = ChatApp(model="smollm2", base_url=url, store=store)
+    orig = app.pull_model
+    app.pull_model = lambda name: (pulls.append(name), orig(name))[1]
+    async with app.run_test(size=SIZE) as pilot:
+        # (the chat starts with the name as given; the daemon's answer names the model)
+        await wait_for(pilot, lambda: app.conv.model != "smollm2" or app.last_error is not None or bool(pulls), 30,
+                       "the model to be chosen")
+        assert not pulls and app.last_error is None
+        assert app.conv.model == MODEL
+        await type_and_send(pilot, "/model pirate")
+        await wait_for(pilot, lambda: app.conv.model != MODEL or app.last_error is not None or bool(pulls), 30,
+                       "the switch")
+        assert app.conv.model == SECOND
+        await type_and_send(pilot, "/model SMOLLM2:135m")
+        await wait_for(pilot, lambda: app.conv.model != SECOND or app.last_error is not None or bool(pulls), 30,
+                       "the switch back")
+        assert app.conv.model == MODEL and not pulls and app.last_error is None
+    names = {m["name"] for m in httpx.get(url + "/api/tags").json()["models"]}
+    assert "smollm2:latest" not in names and MODEL in names
+
+
 async def test_resume_saved_conversation(models, store):
     url = models["url"]
     app = ChatApp(model=MODEL, base_url=url, store=store)

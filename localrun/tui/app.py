@@ -15,7 +15,7 @@ from textual.widgets import Footer, Markdown
 from textual.worker import Worker, WorkerState
 
 from localrun.attachments import MAX_ATTACHMENTS, Attachment, AttachmentError, is_image_path, read_image
-from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable, normalize_name
+from localrun.client import APIError, AsyncDaemonClient, DaemonUnavailable
 from localrun.tui.commands import HELP, PARAMS, CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
 from localrun.tui.widgets import (
@@ -186,8 +186,10 @@ class ChatApp(App[int]):
             await self.open_picker()
 
     async def use_model(self, name: str) -> None:
-        """Switch to `name`; pull it first when the library lacks it."""
-        name = normalize_name(name.strip())
+        """Switch to `name`; pull it first when the library lacks it. The name goes to the daemon as typed (it
+        resolves names: 'smollm2' is the library's smollm2:135m through its catalog alias), and the chat then
+        names the model as the daemon does."""
+        name = name.strip()
         try:
             info = await self.client.show(name)
         except APIError as exc:
@@ -199,7 +201,15 @@ class ChatApp(App[int]):
         except DaemonUnavailable as exc:
             await self.note(explain_error(exc, name), "error")
             return
-        await self.set_model(name, info)
+        await self.set_model(await self.daemon_name(name), info)
+
+    async def daemon_name(self, name: str) -> str:
+        """The library name the daemon resolves `name` to (as /api/ps and the replies name it); `name` itself
+        when the daemon does not say."""
+        try:
+            return await self.client.resolve_name(name) or name
+        except (DaemonUnavailable, APIError):
+            return name
 
     async def set_model(self, name: str, info: dict | None = None) -> None:
         self.conv.model = name
