@@ -412,6 +412,8 @@ def render_show(info: dict, verbose: bool = False) -> str:
         ("format", details.get("format") or "-"),
     ]
     out = ["  Model"] + [f"    {k:<20}{v}" for k, v in model_rows]
+    if info.get("damaged"):  # the store's copy cannot be used: say so before anything else
+        out = ["  Damaged", f"    {info['damaged']}", ""] + out
 
     def section(title: str, body: str | None, limit: int | None = None):
         if not body or not str(body).strip():

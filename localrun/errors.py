@@ -38,6 +38,16 @@ class NotFound(LocalrunError):
     code = "model_not_found"
 
 
+class ModelDamaged(LocalrunError):
+    """A stored model's own files are missing or invalid (a blob deleted, truncated, not a valid GGUF; a
+    corrupt manifest): the request is fine, the daemon's store is not. The message names the model, says
+    what is wrong and how to repair it (`localrun pull NAME` again, or `localrun rm NAME` and create it
+    again). Never a 404: that stays "no such model" (a client pulls on it)."""
+
+    status = 500
+    code = "model_damaged"
+
+
 class Conflict(LocalrunError):
     status = 409
     code = "conflict"

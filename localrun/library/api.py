@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.errors import InvalidRequest, LocalrunError, ModelDamaged, NotFound
 from localrun.library import adapters as _adapters
 from localrun.library import catalog as _catalog
 from localrun.library import quantize as _quantize
@@ -28,11 +28,19 @@ from localrun.library.paths import check_regular, shown as shown_path, user_path
 from localrun.library.pull import (Hub, HubUnreachable, Progress, RemoteFile, choose_gguf, choose_projector, choose_safetensors,
                                    is_safetensors_model, kept_safetensors_file)
 from localrun.library.store import (CONFIG_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, MT_ADAPTER, MT_FILE, MT_PROJECTOR, MT_LICENSE, MT_MESSAGES,
-                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, Store, storage_errors)
+                                    MT_MODEL, MT_PARAMS, MT_SYSTEM, MT_TEMPLATE, MAX_SMALL_LAYER, DamagedBlob, Store,
+                                    short_blob, storage_errors)
 
 ProgressFn = Callable[[PullEvent], None] | None
 MAX_FILES = 1000  # files in one create's `files` (a safetensors model has tens)
 _TEXT_LAYERS = {MT_TEMPLATE: "template", MT_SYSTEM: "system", MT_LICENSE: "license"}
+# what a damaged layer is called in messages
+_PART_NAMES = {MT_MODEL: "weights file", MT_PROJECTOR: "vision projector", MT_ADAPTER: "LoRA adapter",
+               MT_TEMPLATE: "template", MT_SYSTEM: "system prompt", MT_LICENSE: "license", MT_PARAMS: "parameters",
+               MT_MESSAGES: "messages"}
+_FILE_LAYERS = (MT_MODEL, MT_FILE, MT_PROJECTOR, MT_ADAPTER)  # the model's files (not its small text layers)
+# where a model's files came from, not what they are: a re-pull that finds the same files keeps the stored record
+_PROVENANCE = ("local_package", "revision")
 _info_cache: dict[tuple, GGUFInfo] = {}
 _info_lock = threading.Lock()
 
@@ -110,12 +118,32 @@ class Library:
                 raise
             prog.check()
             prog.emit("writing manifest")
-            self._write(mn, layers, extra, pins)
+            self._write(mn, layers, self._kept_source(mn, layers, extra), pins)
             prog.emit("success", check=False)
         finally:
             for d in pins:
                 self.store.unpin(d)
         return self.resolve(mn.display)
+
+    def _kept_source(self, mn: ModelName, layers: list[dict], extra: dict) -> dict:
+        """`extra` with the stored model's `source` when a re-pull found the same files from the same place,
+        only fetched another way (the installed package's copy vs the store's or the hub's, another hub
+        commit): the config, and so the model's ID (its manifest's digest), stays the same, as Ollama's does."""
+        try:
+            m, _, _ = self.store.read_manifest(mn)
+        except LocalrunError:
+            return extra
+
+        def files(ls: list[dict]) -> list[tuple]:
+            return [(l.get("mediaType"), l.get("digest"), l.get("filename")) for l in ls if l.get("mediaType") in _FILE_LAYERS]
+
+        def place(src: dict) -> dict:
+            return {k: v for k, v in src.items() if k not in _PROVENANCE}
+
+        old, new = self._config(m).get("source"), extra.get("source") or {}
+        if files(m["layers"]) == files(layers) and isinstance(old, dict) and place(old) == place(new):
+            return {**extra, "source": old}
+        return extra
 
     def _pin(self, pins: list[str], digest: str) -> str:
         self.store.pin(digest)
@@ -130,10 +158,19 @@ class Library:
             return layers, {**extra, **more}
         short = (src.sha256 or "")[7:19]
         status = f"pulling {short}" if short else f"pulling {src.file}"
-        if src.sha256 and self.store.has_blob(src.sha256, src.size):
-            self._pin(pins, src.sha256)
-            prog.emit(status, src.sha256, src.size, src.size)
-            return [self._gguf_layer(src.sha256, src.file)], extra
+        damaged = None
+        if src.sha256:
+            # the stored copy is taken only whole: its size and its GGUF header (a truncated or damaged blob is
+            # fetched again, and the new copy replaces it in one rename)
+            damaged = self.store.blob_problem(src.sha256, src.size, src.file or "model.gguf")
+            if damaged is None:
+                self._pin(pins, src.sha256)
+                prog.emit(status, src.sha256, src.size, src.size)
+                return [self._gguf_layer(src.sha256, src.file)], extra
+            if self.store.blob_path(src.sha256).exists():
+                prog.emit(f"the stored copy of {src.file} {damaged}: replacing it", src.sha256)
+            else:
+                damaged = None
         local = src.local_path()
         if local is not None and src.sha256 and (src.size is None or local.stat().st_size == src.size):
             prog.emit(status, src.sha256, src.size, 0)
@@ -142,7 +179,7 @@ class Library:
                 digest, size = self.store.import_file(
                     local, shown=f"the copy of {src.file} in {src.local_package}", expected=src.sha256,
                     what=src.file or local.name, progress=prog.counter("verifying sha256 digest", src.sha256, src.size),
-                    check=lambda p: read_gguf_info(p, display_name=src.file))
+                    check=lambda p: read_gguf_info(p, display_name=src.file), replace=damaged is not None)
                 self._pin(pins, digest)
                 prog.emit(status, digest, size, size)
                 extra["source"]["local_package"] = src.local_package
@@ -304,6 +341,7 @@ class Library:
             if _catalog.lookup(base_name) is None and not base_name.is_hf:
                 raise NotFound(f"FROM {src}: model '{base_name.display}' not found; pull it first or give a path like ./model.gguf")
             self.pull(base_name.display, progress=prog.callback, cancel=prog.cancel)
+        self.resolve(base_name.display)  # a damaged base model is a ModelDamaged naming it, before anything is written
         m, mdigest, _ = self.store.read_manifest(self._find(base_name))
         extra: dict[str, Any] = {"parent_model": self._find(base_name).display}
         layers = []
@@ -685,72 +723,116 @@ class Library:
     def resolve(self, name: str) -> ResolvedModel:
         """The stored model `name` names. Every generation request asks, so the answer is kept while
         nothing it was read from changed: one stat of the manifest (a pull, create, copy or rm replaces
-        or removes it; the layers it lists are content-addressed) instead of about ten small reads."""
+        or removes it; the layers it lists are content-addressed) and of its GGUF files (a truncated or
+        replaced blob is seen) instead of about ten small reads. A model whose files are missing or
+        invalid is a ModelDamaged (500) naming it and how to repair it; NotFound (404) is only for no
+        such model."""
         hit = self._resolved.get(name)  # (a cached name was parsed, and found valid, when it was cached)
         if hit is not None:
-            sig, path, exact, r = hit
+            sig, path, exact, r, files = hit
             if (_stat_sig(path) == sig and (exact is None or not exact.is_file())
-                    and r.weights.exists() and (r.projector is None or r.projector.is_file())):
+                    and r.weights.exists() and all(_stat_sig(p) == s for p, s in files)):
                 return _copy_resolved(r)
         given = parse_name(name)
         mn = self._find(given)
         path = self.store.manifest_path(mn)
         sig = _stat_sig(path)  # before the read: a change after it misses next time
-        r = self._resolve(mn)
+        files: list[tuple[Path, tuple | None]] = []  # (the same for its GGUF files)
+        r = self._resolve(mn, sigs=files)
         if sig is not None:
             if len(self._resolved) >= 256:
                 self._resolved.clear()
-            self._resolved[name] = (sig, path, self.store.manifest_path(given) if mn != given else None, r)
+            self._resolved[name] = (sig, path, self.store.manifest_path(given) if mn != given else None, r, files)
         return _copy_resolved(r)
 
-    def _resolve(self, mn: ModelName) -> ResolvedModel:
+    def _resolve(self, mn: ModelName, damage: list[ModelDamaged] | None = None,
+                 sigs: list[tuple[Path, tuple | None]] | None = None) -> ResolvedModel:
+        """The model's manifest and layers read, and its files checked: each one's size, and the GGUF header
+        of its weights, projector and adapter. A problem is a ModelDamaged; with `damage` (a list), the
+        problems of those files are added to it instead (show's answer for a damaged model: what the manifest
+        and the small layers say), and the answer has no GGUF header (info None). `sigs` (a list) gets each
+        GGUF file's stat from before it was checked (what resolve's cache compares)."""
         m, digest, mtime = self.store.read_manifest(mn)
         cfg = self._config(m)
+
+        def bad(l: dict, problem: str, part: str | None = None) -> None:
+            err = self._damaged(mn, cfg, f"its {part or _PART_NAMES.get(l['mediaType'], 'file')} (blob "
+                                         f"{short_blob(l['digest'])}) {problem}", l["digest"])
+            if damage is None:
+                raise err
+            damage.append(err)
+
         vals: dict[str, Any] = {"template": None, "system": None, "license": None}
         params: dict = {}
         messages: list = []
         adapter = None
         projector: Path | None = None
         weights: Path | None = None
+        info: GGUFInfo | None = None
         files: list[tuple[str, str]] = []
+        files_ok = True
         fmt = "gguf"
         for l in m["layers"]:
             mt = l["mediaType"]
-            if mt == MT_MODEL:
-                weights = self.store.blob_path(l["digest"])
-                if not weights.is_file():
-                    raise NotFound(f"the weights of '{mn.display}' are missing from the store; pull or create it again")
+            size = l.get("size") if isinstance(l.get("size"), int) and not isinstance(l.get("size"), bool) else None
+            if mt in (MT_MODEL, MT_ADAPTER, MT_PROJECTOR):
+                p = self.store.blob_path(l["digest"])
+                if sigs is not None:
+                    sigs.append((p, _stat_sig(p)))
+                header, problem = None, self.store.blob_problem(l["digest"], size)
+                if problem is None:
+                    try:
+                        header = _gguf_info(p)
+                    except InvalidRequest as e:  # "sha256-... is not a valid GGUF: ...", "sha256-...: <why>"
+                        problem = e.message.removeprefix(p.name + " ") if e.message.startswith(p.name + " ") else \
+                            f"cannot be read ({e.message.removeprefix(p.name + ': ')})"
+                    except OSError as e:
+                        problem = f"cannot be read ({e.strerror or e})"
+                if problem is not None:
+                    bad(l, problem)
+                if mt == MT_MODEL:
+                    weights, info = p, header
+                elif mt == MT_ADAPTER:
+                    adapter = str(p)
+                else:
+                    projector = p
             elif mt == MT_FILE:
                 files.append((l["filename"], l["digest"]))
-            elif mt == MT_ADAPTER:
-                adapter = str(self.store.blob_path(l["digest"]))
-                if not Path(adapter).is_file():
-                    raise NotFound(f"the LoRA adapter of '{mn.display}' is missing from the store; create it again")
-            elif mt == MT_PROJECTOR:
-                projector = self.store.blob_path(l["digest"])
-                if not projector.is_file():
-                    raise NotFound(f"the vision projector of '{mn.display}' is missing from the store; pull or create it again")
-            elif mt in _TEXT_LAYERS:
-                vals[_TEXT_LAYERS[mt]] = self.store.read_small(l["digest"]).decode("utf-8", errors="replace")
-            elif mt == MT_PARAMS:
-                params = json.loads(self.store.read_small(l["digest"]))
-            elif mt == MT_MESSAGES:
-                messages = json.loads(self.store.read_small(l["digest"]))
-        info = None
+                problem = self.store.blob_problem(l["digest"], size)
+                if problem is not None:
+                    files_ok = False
+                    bad(l, problem, f"file {l['filename']}")
+            elif mt in _TEXT_LAYERS or mt in (MT_PARAMS, MT_MESSAGES):
+                try:
+                    raw = self.store.read_small(l["digest"])
+                    if mt in _TEXT_LAYERS:
+                        vals[_TEXT_LAYERS[mt]] = raw.decode("utf-8", errors="replace")
+                    elif mt == MT_PARAMS:
+                        params = json.loads(raw)
+                        if not isinstance(params, dict):
+                            raise ValueError
+                    else:
+                        messages = json.loads(raw)
+                        if not isinstance(messages, list):
+                            raise ValueError
+                except DamagedBlob as e:
+                    raise self._damaged(mn, cfg, f"its {_PART_NAMES[mt]} (blob {short_blob(l['digest'])}) {e.problem}",
+                                        l["digest"]) from None
+                except ValueError:
+                    raise self._damaged(mn, cfg, f"its {_PART_NAMES[mt]} (blob {short_blob(l['digest'])}) is not "
+                                                 "what localrun writes there (not valid JSON)", l["digest"]) from None
         if weights is None:
             if not files:
-                raise LocalrunError(f"the manifest of '{mn.display}' lists no weights", status=500, code="storage_error")
-            for _, d in files:
-                if not self.store.has_blob(d):
-                    raise NotFound(f"a file of '{mn.display}' is missing from the store; pull or create it again")
-            weights = self.store.view_dir(digest, files)
+                raise self._damaged(mn, cfg, "its manifest lists no weights")
             fmt = "safetensors"
-            if vals["template"] is None:
-                vals["template"] = template_from_files({fn: weights / fn for fn, _ in files})
-        else:
-            info = _gguf_info(weights)
-            if vals["template"] is None:
-                vals["template"] = info.chat_template
+            if files_ok:
+                weights = self.store.view_dir(digest, files)
+                if vals["template"] is None:
+                    vals["template"] = template_from_files({fn: weights / fn for fn, _ in files})
+            else:  # (damage holds why; nothing is linked to damaged files)
+                weights = self.store.views / digest.removeprefix("sha256:")
+        elif info is not None and vals["template"] is None:
+            vals["template"] = info.chat_template
         details = dict(cfg.get("details") or (gguf_details(info) if info else {}))
         return ResolvedModel(
             name=mn.display, digest=digest, weights=weights, format=fmt, template=vals["template"],
@@ -758,6 +840,52 @@ class Library:
             info=info, size=sum(int(l["size"]) for l in m["layers"]),
             modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc), details=details, projector=projector,
         )
+
+    # ------------------------------------------------------------------ damaged models
+    def _damaged(self, mn: ModelName, cfg: dict, what: str, digest: str | None = None) -> ModelDamaged:
+        """The error for a stored model whose files are missing or invalid: it names the model, says what is
+        wrong (`what`) and how to repair it. A file the model shares with the model it was made from (FROM it,
+        or copied from it) is repaired there."""
+        todo = self._repair(mn, cfg)
+        src = cfg.get("source") if isinstance(cfg.get("source"), dict) else {}
+        origin = (cfg.get("details") or {}).get("parent_model") or ("" if "import" in src else src.get("catalog"))
+        if digest and isinstance(origin, str) and origin:
+            with_origin = self._origin_repair(mn, origin, digest)
+            if with_origin:
+                todo = with_origin
+        return ModelDamaged(f"model '{mn.display}' is damaged: {what}; {todo}")
+
+    @staticmethod
+    def _repair(mn: ModelName, cfg: dict) -> str:
+        """What repairs model `mn`: a pull for one that came from the catalog or a hub (it fetches what is
+        missing or damaged again), else removing it and creating it again."""
+        src = cfg.get("source") if isinstance(cfg.get("source"), dict) else {}
+        created = bool((cfg.get("details") or {}).get("parent_model")) or "import" in src
+        if not created and (mn.is_hf or _catalog.lookup(mn) is not None):
+            return f"pull it again with `localrun pull {mn.display}` to repair it"
+        return f"remove it with `localrun rm {mn.display}` and create it again"
+
+    def _origin_repair(self, mn: ModelName, origin: str, digest: str) -> str | None:
+        """How to repair the file `digest` of `mn` through `origin`, the model `mn` was made from, when that one
+        has the file too (stored, or pinned by the catalog); None otherwise."""
+        try:
+            on = self._find(parse_name(origin))
+        except LocalrunError:
+            return None
+        if on.display == mn.display:
+            return None
+        try:
+            m, _, _ = self.store.read_manifest(on)
+        except NotFound:
+            src = _catalog.lookup(on)
+            if src is not None and src.sha256 == digest:
+                return f"it is the file of {on.display}: pull that again with `localrun pull {on.display}` to repair it"
+            return None
+        except LocalrunError:
+            return None
+        if digest not in {l.get("digest") for l in m["layers"]}:
+            return None
+        return f"it shares that file with {on.display}: {self._repair(on, self._config(m))}"
 
     def list(self) -> list[ModelSummary]:
         out = []
@@ -799,7 +927,15 @@ class Library:
                                                   weights=weights))
 
     def show(self, name: str) -> dict:
-        r = self.resolve(name)
+        """/api/show's answer. For a model whose files (weights, projector, adapter) are damaged, what its
+        manifest and small layers say (the Modelfile, parameters, template, license...) with `damaged`: the
+        error its use would be (no model_info from the GGUF, no capabilities); a damaged small layer or
+        manifest is that ModelDamaged."""
+        damage: list[ModelDamaged] = []
+        try:
+            r = self.resolve(name)
+        except ModelDamaged:
+            r = self._resolve(self._find(parse_name(name)), damage)
         m, _, _ = self.store.read_manifest(self._find(parse_name(name)))
         cfg = self._config(m)
         model_info = r.info.model_info() if r.info else dict(cfg.get("model_info") or {})
@@ -808,7 +944,7 @@ class Library:
                   f"FROM {r.name}")
         modelfile = Modelfile(str(r.weights), r.parameters, r.template, r.system, r.messages, r.license,
                               r.adapter, str(r.projector) if r.projector else None).to_text(header=header)
-        caps = model_capabilities(r)
+        caps = [] if damage else model_capabilities(r)
         model_info = with_ide_keys(r, model_info)
         out = {
             "modelfile": modelfile,
@@ -828,8 +964,13 @@ class Library:
             "size": r.size,
             "source": cfg.get("source") or {},
         }
+        if damage:
+            out["damaged"] = damage[0].message
         if r.projector is not None:  # Ollama's projector_info: the projector GGUF's metadata
-            out["projector_info"] = _gguf_info(r.projector).model_info()
+            try:
+                out["projector_info"] = _gguf_info(r.projector).model_info()
+            except (InvalidRequest, OSError):  # (damaged: `damaged` says so)
+                out["projector_info"] = {}
             out["projector_path"] = str(r.projector)
         return out
 

@@ -153,6 +153,7 @@ def parse_modelfile(text: str, require_from: bool = True) -> Modelfile:
         raise InvalidRequest("Modelfile must be text")
     if "\x00" in text:
         raise InvalidRequest("Modelfile contains a NUL byte")
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte order mark (editors on Windows write one): Ollama skips it too
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     mf = Modelfile()
     licenses: list[str] = []
@@ -245,6 +246,9 @@ def parse_modelfile(text: str, require_from: bool = True) -> Modelfile:
                 raise _err(lineno, "only one ADAPTER is supported")
             mf.adapter = v
     if mf.from_ is None and require_from:
+        if not any(ln.strip() and not ln.strip().startswith("#") for ln in lines):
+            raise InvalidRequest("the Modelfile is empty: it has no FROM line (start it with e.g. `FROM smollm2:135m` "
+                                 "or `FROM ./model.gguf`)")
         raise InvalidRequest("Modelfile has no FROM line: start it with e.g. `FROM smollm2:135m` or `FROM ./model.gguf`")
     if licenses:
         mf.license = "\n\n".join(licenses)

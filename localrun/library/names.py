@@ -21,8 +21,10 @@ _HF_ALIASES = {"hf.co", "huggingface.co", "www.huggingface.co"}
 
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 # A path component: starts with a letter or digit, then letters, digits, '.', '_', '-'.
-_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+MAX_PART = 96  # characters in a namespace or model part of a name (Ollama's limits too)
+MAX_TAG = 128
+_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,%d}$" % (MAX_PART - 1))
+_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,%d}$" % (MAX_TAG - 1))
 # Original file names of files inside a model (safetensors repos): one plain component.
 _FILENAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 
@@ -39,13 +41,13 @@ def validate_digest(digest: object) -> str:
     if d.startswith("sha256-"):
         d = "sha256:" + d[len("sha256-"):]
     if not _DIGEST_RE.match(d):
-        raise InvalidRequest(f"invalid digest {_shown(d, 80)!r}: expected 'sha256:' followed by 64 lowercase hex digits")
+        raise InvalidRequest(f"invalid digest {_quoted(d, 80)}: expected 'sha256:' followed by 64 lowercase hex digits")
     return d
 
 
 def validate_filename(name: str) -> str:
     if not isinstance(name, str) or not _FILENAME_RE.match(name) or ".." in name:
-        raise InvalidRequest(f"invalid file name {_shown(str(name), 80)!r} inside a model: expected a plain file name")
+        raise InvalidRequest(f"invalid file name {_quoted(str(name), 80)} inside a model: expected a plain file name")
     return name
 
 
@@ -97,9 +99,14 @@ def _shown(text: str, limit: int = 120) -> str:
     return cut + "..." if len(text) > limit else cut
 
 
+def _quoted(text: str, limit: int = 120) -> str:
+    """_shown(text) in single quotes: escaped once ('h\\xe9llo'), never again by a repr()."""
+    return f"'{_shown(text, limit)}'"
+
+
 def _bad(text: str, why: str) -> InvalidRequest:
     return InvalidRequest(
-        f"invalid model name {_shown(text)!r}: {why}. Use 'name', 'name:tag', 'namespace/name:tag' or 'hf.co/ORG/REPO[:QUANT]'"
+        f"invalid model name {_quoted(text)}: {why}. Use 'name', 'name:tag', 'namespace/name:tag' or 'hf.co/ORG/REPO[:QUANT]'"
     )
 
 
@@ -134,8 +141,10 @@ def parse_name(text: object) -> ModelName:
         explicit = True
     else:
         path, tag, explicit = t, DEFAULT_TAG, False
+    if len(tag) > MAX_TAG:
+        raise _bad(raw, f"the tag {_quoted(tag, 40)} is {len(tag)} characters long: at most {MAX_TAG}")
     if not _TAG_RE.match(tag):
-        raise _bad(raw, f"the tag {_shown(tag, 40)!r} may only hold letters, digits, '.', '_' and '-'")
+        raise _bad(raw, f"the tag {_quoted(tag, 40)} may only hold letters, digits, '.', '_' and '-'")
     comps = path.split("/")
     if any(c == "" for c in comps):
         raise _bad(raw, "it has an empty path component")
@@ -151,11 +160,14 @@ def parse_name(text: object) -> ModelName:
         tag = tag.lower()
     else:
         if "." in comps[0]:
-            raise _bad(raw, f"the registry {_shown(comps[0], 40)!r} is not supported (only hf.co)")
+            raise _bad(raw, f"the registry {_quoted(comps[0], 40)} is not supported (only hf.co)")
         raise _bad(raw, "too many '/' components")
     for c in (namespace, model):
+        if len(c) > MAX_PART:
+            raise _bad(raw, f"{_quoted(c, 40)} is {len(c)} characters long: each part of a name may have at most "
+                            f"{MAX_PART}")
         if not _PART_RE.match(c):
-            raise _bad(raw, f"{_shown(c, 40)!r} may only hold letters, digits, '.', '_' and '-' and must start with a letter or digit")
+            raise _bad(raw, f"{_quoted(c, 40)} may only hold letters, digits, '.', '_' and '-' and must start with a letter or digit")
     if host == DEFAULT_HOST and namespace in (HF_HOST,):
         raise _bad(raw, "Hugging Face names look like hf.co/ORG/REPO")
     return ModelName(host, namespace, model, tag, explicit)

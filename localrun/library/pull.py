@@ -222,9 +222,18 @@ class Hub:
         status = f"pulling {short}" if short else f"pulling {rf.filename}"
         with store.lock("download:" + key, progress.cancel,
                         on_wait=lambda: progress.emit(f"waiting for another pull of {rf.filename}", rf.sha256)):
-            if rf.sha256 and store.has_blob(rf.sha256, rf.size):
-                progress.emit(status, rf.sha256, rf.size, rf.size)
-                return rf.sha256, store.blob_path(rf.sha256).stat().st_size
+            damaged = None
+            if rf.sha256:
+                # a stored copy is taken only whole (its size, its header): a truncated or damaged one (a disk
+                # error, a crash of another tool) is downloaded again and replaced, never kept
+                damaged = store.blob_problem(rf.sha256, rf.size, rf.filename)
+                if damaged is None:
+                    progress.emit(status, rf.sha256, rf.size, rf.size)
+                    return rf.sha256, store.blob_path(rf.sha256).stat().st_size
+                if store.blob_path(rf.sha256).exists():
+                    progress.emit(f"the stored copy of {rf.filename} {damaged}: downloading it again", rf.sha256)
+                else:
+                    damaged = None
             store.ensure()
             partial = store.downloads / (hashlib.sha256(key.encode()).hexdigest()[:40] + ".partial")
             url = hf_hub_url(self.repo_id, rf.filename, revision=self.commit, endpoint=self.endpoint)
@@ -284,7 +293,7 @@ class Hub:
                     with contextlib.suppress(OSError):
                         partial.unlink()
                     raise
-            return store.adopt(partial, expected, what=rf.filename, hashed=got)
+            return store.adopt(partial, expected, what=rf.filename, hashed=got, replace=damaged is not None)
 
 
 def _hash_with_git(path: Path, progress: Callable[[int], None] | None = None) -> tuple["hashlib._Hash", str]:

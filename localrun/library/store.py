@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from localrun.errors import InvalidRequest, LocalrunError, NotFound
+from localrun.errors import InvalidRequest, LocalrunError, ModelDamaged, NotFound
 from localrun.library.names import ModelName, parse_name, validate_digest, validate_filename
 from localrun.library.paths import open_regular, reason
 
@@ -71,6 +71,20 @@ UPLOAD_KEEP_S = 3600.0
 class DiskFull(LocalrunError):
     status = 507
     code = "disk_full"
+
+
+class DamagedBlob(ModelDamaged):
+    """A stored blob that is missing or does not hold what its name says. The library turns it into a
+    ModelDamaged naming the model (this message names only the blob)."""
+
+    def __init__(self, digest: str, problem: str):
+        super().__init__(f"a file of this model (blob {short_blob(digest)}) {problem}; pull or create the model again")
+        self.digest, self.problem = digest, problem
+
+
+def short_blob(digest: str) -> str:
+    """A blob as messages name it: its file name, cut (sha256-b179c9523d0e)."""
+    return "sha256-" + str(digest).removeprefix("sha256:")[:12]
 
 
 def disk_full_error(e: OSError, what: str) -> LocalrunError:
@@ -193,6 +207,39 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
+    def blob_problem(self, digest: str, size: int | None = None, filename: str | None = None) -> str | None:
+        """Why the stored blob `digest` cannot be used as it is ("is missing from the store", "is 60000000
+        bytes, not 98362432 (truncated?)", "is not a valid GGUF: ..."), or None when it can. `size`: the size
+        it must have; `filename`: a *.gguf or *.safetensors file's header is checked too (bounded reads).
+        The bytes are not hashed (gigabytes): a pull that finds a problem fetches the file again, and
+        adopting it replaces the damaged one."""
+        p = self.blob_path(digest)
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return "is missing from the store"
+        except OSError as e:
+            return f"cannot be read ({reason(e)})"
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file"
+        if size is not None and st.st_size != size:
+            return f"is {st.st_size} bytes, not {size} (truncated?)" if st.st_size < size else \
+                f"is {st.st_size} bytes, not {size}"
+        name = (filename or "").lower()
+        try:
+            if name.endswith(".gguf"):
+                from localrun.library.gguf_info import read_gguf_info
+
+                read_gguf_info(p, display_name="it")
+            elif name.endswith(".safetensors"):
+                from localrun.library.create import safetensors_header_params
+
+                safetensors_header_params(p, "it")
+        except InvalidRequest as e:  # "it is not a valid GGUF: ...", or "it: <why it cannot be opened>"
+            return e.message.removeprefix("it ") if e.message.startswith("it is ") else \
+                f"cannot be read ({e.message.removeprefix('it: ')})"
+        return None
+
     # ----------------------------------------------------------------- temp files
     @contextlib.contextmanager
     def _tmp_gate(self, exclusive: bool) -> Iterator[None]:
@@ -285,11 +332,15 @@ class Store:
 
     # ----------------------------------------------------------------- blobs in
     def adopt(self, tmp: Path, expected: str | None = None, *, what: str = "file",
-              hashed: tuple[str, int] | None = None, check: Callable[[Path], None] | None = None) -> tuple[str, int]:
+              hashed: tuple[str, int] | None = None, check: Callable[[Path], None] | None = None,
+              replace: bool = False) -> tuple[str, int]:
         """Hash tmp, check it against expected, and move it into blobs/ atomically.
 
         The hash is checked BEFORE the move; on a mismatch tmp is removed and nothing
-        in the store changes. tmp must be on the store's filesystem.
+        in the store changes. tmp must be on the store's filesystem. A stored blob of that
+        digest is kept when it has the right size and passes `check`, unless `replace` (the
+        caller found it damaged); else tmp takes its place in one rename, so the name never
+        holds a partial file.
         """
         try:
             digest, size = hashed or sha256_file(tmp)
@@ -302,8 +353,14 @@ class Store:
             if check is not None:
                 check(tmp)  # e.g. GGUF validation: nothing invalid reaches blobs/
             dst = self.blob_path(digest)
+            keep = not replace and self.has_blob(digest, size)
+            if keep and check is not None:
+                try:
+                    check(dst)  # the stored copy passes what the new one passed, or the new one replaces it
+                except Exception:  # noqa: BLE001 - a damaged stored copy, whatever the check raises for it
+                    keep = False
             with storage_errors(f"store {what}"):
-                if self.has_blob(digest, size):
+                if keep:
                     tmp.unlink()
                 else:
                     os.replace(tmp, dst)
@@ -327,28 +384,47 @@ class Store:
                 _uploads.pop(d, None)
 
     def put_bytes(self, data: bytes) -> tuple[str, int]:
+        """A small layer (template, parameters, config, ...) stored; one already stored is compared byte for
+        byte (a few KiB), and replaced when it differs, so a pull or create repairs a damaged one."""
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if not self.has_blob(digest, len(data)):
+        if not self._holds(digest, data):
             with self.temp_file() as (tmp, f):
                 with storage_errors("write a layer"):
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                self.adopt(tmp, digest, hashed=(digest, len(data)))
+                self.adopt(tmp, digest, hashed=(digest, len(data)), replace=True)
         return digest, len(data)
+
+    def _holds(self, digest: str, data: bytes) -> bool:
+        if not self.has_blob(digest, len(data)):
+            return False
+        try:
+            return self.blob_path(digest).read_bytes() == data
+        except OSError:
+            return False
 
     def import_file(self, src: Path, *, shown: str, expected: str | None = None, what: str = "file",
                     progress: Callable[[int], None] | None = None,
-                    check: Callable[[Path], None] | None = None) -> tuple[str, int]:
+                    check: Callable[[Path], None] | None = None, replace: bool = False) -> tuple[str, int]:
         """Copy a user's file into the store: streamed into a temp file under tmp/ and
         hashed on the way, the copy checked (check, e.g. GGUF validation) and only then
         moved into blobs/. Never a hard link: the user editing or deleting src later
         cannot change a blob, and what was validated is what is stored. At most the size
-        src had when opened is copied. `shown` names src in errors (InvalidRequest)."""
-        if expected is not None and self.has_blob(expected):
-            return validate_digest(expected), self.blob_path(expected).stat().st_size
+        src had when opened is copied. `shown` names src in errors (InvalidRequest).
+        With `expected`, a stored blob of that digest and src's size is taken as it is (no
+        copy); one of another size is damaged (truncated) and is replaced, as it is with
+        `replace` (the caller found it damaged otherwise)."""
         fsrc, limit = open_regular(src, shown)
-        with fsrc, self.temp_file() as (tmp, f):
+        with fsrc:
+            if expected is not None and not replace and self.has_blob(expected, limit):
+                return validate_digest(expected), limit
+            return self._copy_in(fsrc, limit, shown, expected, what, progress, check, replace)
+
+    def _copy_in(self, fsrc: BinaryIO, limit: int, shown: str, expected: str | None, what: str,
+                 progress: Callable[[int], None] | None, check: Callable[[Path], None] | None,
+                 replace: bool) -> tuple[str, int]:
+        with self.temp_file() as (tmp, f):
             h = hashlib.sha256()
             n = 0
             buf = bytearray(CHUNK)
@@ -369,17 +445,25 @@ class Store:
             with storage_errors(f"store {what}"):
                 f.flush()
                 os.fsync(f.fileno())
-            return self.adopt(tmp, expected, what=what, hashed=("sha256:" + h.hexdigest(), n), check=check)
+            return self.adopt(tmp, expected, what=what, hashed=("sha256:" + h.hexdigest(), n), check=check,
+                              replace=replace)
 
     def read_small(self, digest: str) -> bytes:
+        """A small layer's bytes (template, parameters, config, ...), checked against its digest (a few KiB
+        hashed); DamagedBlob when it is missing, too large or not what its name says."""
         p = self.blob_path(digest)
         try:
             st = p.stat()
+            if st.st_size > MAX_SMALL_LAYER:
+                raise DamagedBlob(digest, f"is too large for a layer ({st.st_size} bytes)")
+            data = p.read_bytes()
         except FileNotFoundError:
-            raise NotFound(f"a layer of this model is missing ({digest[:19]}); pull or create it again") from None
-        if st.st_size > MAX_SMALL_LAYER:
-            raise LocalrunError(f"layer {digest[:19]} is too large ({st.st_size} bytes)", status=500, code="storage_error")
-        return p.read_bytes()
+            raise DamagedBlob(digest, "is missing from the store") from None
+        except OSError as e:
+            raise DamagedBlob(digest, f"cannot be read ({reason(e)})") from None
+        if "sha256:" + hashlib.sha256(data).hexdigest() != validate_digest(digest):
+            raise DamagedBlob(digest, "does not hold the bytes its digest names (damaged)")
+        return data
 
     # ----------------------------------------------------------------- manifests
     def manifest_path(self, name: ModelName) -> Path:
@@ -400,8 +484,8 @@ class Store:
                 if "filename" in layer:
                     validate_filename(layer["filename"])
         except (ValueError, KeyError, TypeError, LocalrunError):
-            raise LocalrunError(f"the manifest of '{name.display}' is corrupt; remove it with `localrun rm {name.display}` and pull it again",
-                                status=500, code="storage_error") from None
+            raise ModelDamaged(f"model '{name.display}' is damaged: its manifest is corrupt; remove it with "
+                               f"`localrun rm {name.display}`, then pull or create it again") from None
         return m, "sha256:" + hashlib.sha256(raw).hexdigest(), mtime
 
     def write_manifest(self, name: ModelName, manifest: dict) -> str:
@@ -459,8 +543,13 @@ class Store:
         """A directory of hard links (else symlinks) to blobs under their original names."""
         d = validate_digest(manifest_digest)
         target = self.views / d[len("sha256:"):]
-        if target.is_dir() and all((target / fn).exists() for fn, _ in files):
-            return target
+        if target.is_dir():
+            if all(_same_file(target / fn, self.blob_path(digest)) for fn, digest in files):
+                return target
+            # a blob was replaced (a pull repaired it): the old links still name the damaged files
+            self.ensure()
+            with self.temp_dir() as old, contextlib.suppress(OSError):
+                os.rename(target, old / "view")  # the view goes whole; a reader holding a file keeps it
         self.ensure()
         with self.temp_dir() as tmp, storage_errors("prepare the model directory"):
             for fn, digest in files:
@@ -570,6 +659,13 @@ class BlobUpload:
 
     def close(self) -> None:
         self._ctx.__exit__(None, None, None)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _dirs(p: Path) -> list[Path]:

@@ -279,8 +279,8 @@ async def create(request: Request):
     modelfile = body.get("modelfile")
     if modelfile is None:
         modelfile = _modelfile_from_fields(body, files is not None)
-    if not isinstance(modelfile, str) or not (modelfile.strip() or files):
-        raise InvalidRequest("'modelfile' must be a non-empty string")
+    if not isinstance(modelfile, str):
+        raise InvalidRequest("'modelfile' must be a string")  # (an empty one: the parser says it has no FROM)
     parse_name(name)  # bad names and Modelfiles are a 400 before any 200
     mf = parse_modelfile(modelfile, require_from=files is None)
     if files is not None and mf.from_ is not None:
