@@ -651,6 +651,9 @@ def test_create_fields_are_stored_exactly_as_sent(daemon_a):
     r = daemon_a.http.post("/api/create", json={"model": "badfields", "stream": False,
                                                 "modelfile": f"FROM {MODEL}\nPARAMETER num_ctx 2\n"})
     assert r.status_code == 400 and "num_ctx" in r.json()["error"], r.text
+    for empty in ("", "\ufeff# nothing but a comment\n"):  # (`localrun create x -f empty`): the parser's own words
+        r = daemon_a.http.post("/api/create", json={"model": "badfields", "stream": False, "modelfile": empty})
+        assert r.status_code == 400 and "no FROM line" in r.json()["error"], r.text
 
 
 def test_deleting_a_model_in_use_answers_at_once_and_it_unloads_after(daemon_a):
@@ -787,3 +790,19 @@ def test_openai_refuses_what_it_cannot_honour(daemon_a, oai):
             oai.responses.retrieve(rid)
         with pytest.raises(openai.NotFoundError):
             oai.responses.delete(rid)
+
+
+def test_anthropic_message_start_splits_the_prompt_as_the_end_does(daemon_a):
+    """A stream's message_start usage says what message_delta's does of the prompt: the cached part as
+    cache_read_input_tokens (it said all of it was input and none cached, so a client adding the two
+    counted the cached tokens twice)."""
+    body = {"model": MODEL, "max_tokens": 4, "stream": True, "temperature": 0,
+            "system": "You are a terse assistant. " * 20, "messages": [{"role": "user", "content": "Say hello"}]}
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        with daemon_a.http.stream("POST", "/v1/messages", json=body) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+        start = events[0]["message"]["usage"]
+        end = next(e for e in events if e["type"] == "message_delta")["usage"]
+        keys = ("input_tokens", "cache_read_input_tokens")
+        assert [start[k] for k in keys] == [end[k] for k in keys], (start, end)
+    assert start["cache_read_input_tokens"] > 100, start

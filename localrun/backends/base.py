@@ -153,6 +153,7 @@ class Chunk:
     stop_sequence: str | None = None  # on the last chunk: the stop string that ended it (finish_reason "stop")
     prompt_tokens: int | None = None  # on the first chunk when the runner tokenized the prompt (request.window)
     prompt_token_ids: list[int] | None = None  # on the first chunk of an infill request: the laid-out prompt
+    cached_tokens: int | None = None  # on the first chunk, where the backend says: the prompt's tokens it reused
     # on the last chunk: its text's last cut_chars characters are the bytes after the output's last whole character
     # (llama-server's streams never send them: the chunks before held them back while the bytes ended inside one)
     cut_chars: int = 0
@@ -169,6 +170,7 @@ def merge_chunks(a: Chunk, b: Chunk) -> Chunk:
                  finish_reason=b.finish_reason, usage=b.usage, stop_sequence=b.stop_sequence,
                  prompt_tokens=a.prompt_tokens if a.prompt_tokens is not None else b.prompt_tokens,
                  prompt_token_ids=a.prompt_token_ids if a.prompt_token_ids is not None else b.prompt_token_ids,
+                 cached_tokens=a.cached_tokens if a.cached_tokens is not None else b.cached_tokens,
                  cut_chars=b.cut_chars,
                  prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 

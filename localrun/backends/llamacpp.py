@@ -543,13 +543,16 @@ class LlamaCppBackend:
         sampler = gsampler = None
         # the prompt's length (image tokens, the infill layout) goes on the first chunk
         first = bool(request.images) or request.infill is not None
+        opened = False  # the first chunk is out (it says how much of the prompt the cache gave)
         tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
         piece = self.engine.piece
 
         def shape(item: Chunk) -> Chunk | None:
             """As llama-server streams: no text while the output's bytes end inside a character
             (None: held, it goes out with the next chunk)."""
-            nonlocal first, tail, loose, held
+            nonlocal first, opened, tail, loose, held
+            if not opened:
+                item.cached_tokens, opened = req.n_cached, True  # (req: made below, before any chunk comes)
             if first:
                 item.prompt_tokens, first = len(tokens), False
                 if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)

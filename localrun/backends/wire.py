@@ -182,6 +182,8 @@ def chunk_to_wire(c: Chunk) -> dict:
         d["p"] = c.prompt_tokens
     if c.prompt_token_ids is not None:
         d["pi"] = c.prompt_token_ids
+    if c.cached_tokens is not None:
+        d["ct"] = c.cached_tokens
     if c.cut_chars:
         d["cc"] = c.cut_chars
     if c.prompt_logprobs is not None:
@@ -200,7 +202,8 @@ def _lps_from_wire(items: list) -> list[TokenLogprob]:
 def chunk_from_wire(d: dict) -> Chunk:
     return Chunk(text=d["x"], token_ids=d["i"], logprobs=_lps_from_wire(d["lp"]) if "lp" in d else None,
                  finish_reason=d.get("f"), usage=Usage(**d["u"]) if "u" in d else None, stop_sequence=d.get("s"),
-                 prompt_tokens=d.get("p"), prompt_token_ids=d.get("pi"), cut_chars=int(d.get("cc") or 0),
+                 prompt_tokens=d.get("p"), prompt_token_ids=d.get("pi"), cached_tokens=d.get("ct"),
+                 cut_chars=int(d.get("cc") or 0),
                  prompt_logprobs=_lps_from_wire(d["pl"]) if "pl" in d else None)
 
 

@@ -197,6 +197,8 @@ class Generation:
             raise
         if chunks[0].prompt_tokens is not None:  # the runner tokenized the prompt (request.window)
             self.prompt_tokens = self.usage.prompt_tokens = chunks[0].prompt_tokens
+        if chunks[0].cached_tokens is not None:  # known from the start (Anthropic's message_start splits it)
+            self.usage.cached_tokens = chunks[0].cached_tokens
         if self.job.prompt_ids and chunks[0].prompt_token_ids is not None:  # the runner's tokens or infill layout
             self.prompt_ids = list(chunks[0].prompt_token_ids)
         self._first = dict(enumerate(zip(streams, chunks)))

@@ -500,9 +500,9 @@ async def messages(request: Request):
             while not (await asyncio.wait({primed}, timeout=PING_EVERY))[0]:
                 yield KEEPALIVE
         primed.result()  # a failure now goes out as the stream's error event
-        start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None),
-                         {"input_tokens": gen.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                          "cache_read_input_tokens": 0})
+        # the prompt's split between the cache and the rest as the backend knows it at the first token (as
+        # message_delta's usage will say it; a backend that does not say it counts the whole prompt here)
+        start = _message(f"msg_{gen.id[:24]}", gen.model, [], (None, None), _usage(gen.usage))
         yield sse_event({"type": "message_start", "message": start})
         yield sse_event({"type": "ping"})  # as Anthropic: one at once, more while nothing else is sent
         done: Done | None = None
