@@ -806,3 +806,32 @@ def test_anthropic_message_start_splits_the_prompt_as_the_end_does(daemon_a):
         keys = ("input_tokens", "cache_read_input_tokens")
         assert [start[k] for k in keys] == [end[k] for k in keys], (start, end)
     assert start["cache_read_input_tokens"] > 100, start
+
+
+def test_a_json_schemas_number_bounds_hold(oai):
+    """response_format json_schema (strict) with a number's minimum / maximum: every sampled answer keeps
+    them (llama.cpp's grammar converter keeps any number: 4 of 6 seeds came back out of bounds, as 50 or
+    123 against a maximum of 10; such schemas now go to llguidance, which follows the bounds, its numbers
+    cut at 9 fraction digits: unbounded, a sampled model wrote hundreds until max_tokens)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "scores"],
+              "properties": {"n": {"type": "number", "minimum": 0.5, "maximum": 10},
+                             "scores": {"type": "array", "minItems": 1, "maxItems": 3,
+                                        "items": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}}
+    whole = 0
+    for seed in range(6):
+        r = oai.chat.completions.create(
+            model=MODEL, max_tokens=80, temperature=1, seed=seed,
+            messages=[{"role": "user", "content": "Give a big number like 500 and some scores, in JSON"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}})
+        ch = r.choices[0]
+        if ch.finish_reason == "length":  # (cut: not whole JSON; the bounds of what came are not checked)
+            continue
+        out = json.loads(ch.message.content)
+        assert 0.5 <= out["n"] <= 10 and 1 <= len(out["scores"]) <= 3, out
+        assert all(0 < s < 1 for s in out["scores"]), out
+        whole += 1
+    assert whole >= 4, whole  # (numbers have 9 fraction digits at most: answers end)
+    with pytest.raises(Exception, match="invalid JSON schema|400"):
+        oai.chat.completions.create(
+            model=MODEL, max_tokens=8, messages=CHAT, response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "number", "minimum": 5, "maximum": "ten"}}})

@@ -269,6 +269,59 @@ def constraint_lark(regex: str | None, choices: list[str] | None, grammar: str |
     return None
 
 
+# the native engine's JSON options (engine/grammar.py; not imported: that module needs torch)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def has_number_bounds(schema: Any) -> bool:
+    """Whether a JSON schema bounds a number that need not be an integer anywhere in it: llama.cpp's GBNF
+    converter keeps any value there (backends/gbnf.py), llguidance's JSON follows the bounds. (The schema's
+    size is bounded before: check_schema_bounds.)"""
+    todo = [schema]
+    while todo:
+        s = todo.pop()
+        if isinstance(s, list):
+            todo.extend(s)
+        elif isinstance(s, dict):
+            if s.get("type") != "integer" and any(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
+                                                  for k in _NUMBER_BOUNDS):
+                return True
+            todo.extend(v for v in s.values() if isinstance(v, (dict, list)))
+    return False
+
+
+NUMBER_STEP = 1e-9  # a number's precision under llguidance (llama.cpp's converter: 16 fraction digits)
+_VALUES = ("const", "enum", "default", "examples")  # JSON values in a schema, not schemas
+
+
+def _with_precision(s: Any) -> Any:
+    """`s` with multipleOf NUMBER_STEP on each number that has none: llguidance's JSON bounds no number's
+    digits, and a sampled model wrote a fraction of hundreds of digits until max_tokens."""
+    if isinstance(s, list):
+        return [_with_precision(x) for x in s]
+    if not isinstance(s, dict):
+        return s
+    out = {k: (v if k in _VALUES else _with_precision(v)) for k, v in s.items()}
+    kind = s.get("type")
+    if (kind == "number" or (isinstance(kind, list) and "number" in kind)) and "multipleOf" not in s:
+        out["multipleOf"] = NUMBER_STEP
+    return out
+
+
+def json_schema_lark(schema: dict) -> str:
+    """llguidance's grammar for JSON valid under `schema` (compact separators, as the native engine writes it;
+    numbers to NUMBER_STEP)."""
+    import json
+
+    try:
+        return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(_with_precision(schema)),
+                                                                defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"invalid JSON schema: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") \
+            from None
+
+
 def stopped_message(why: str) -> str:
     """The error of a request whose matcher stopped it (llguidance's reason, its first line)."""
     why = (why or "").strip().split("\n", 1)[0] or "no token fits it"

@@ -11,7 +11,8 @@ older copy in llama-cpp-python does not. Each gap made a valid schema fail:
   1 to 5" could come back as 0 or 17. They are digit ranges now (:func:`integer_range`);
 - a list of types (``["string", "null"]``) dropped the schema's other keywords (its maxLength).
 
-Numbers that are not integers keep any value, as in llama.cpp.
+Numbers that are not integers keep any value here, as in llama.cpp: a schema that bounds one goes to
+llguidance instead (backends/constraints.has_number_bounds, json_schema_lark).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from localrun.backends.base import (
     merge_chunks,
 )
 from localrun.backends.amx import cpu_has_amx, deny_amx
-from localrun.backends.constraints import Matchers, constraint_lark
+from localrun.backends.constraints import Matchers, constraint_lark, has_number_bounds, json_schema_lark
 from localrun.backends.fresh_threads import FreshThreadExecutor
 from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
 from localrun.backends.llama_pieces import PieceTokenizer, llama_tokenize
@@ -598,9 +598,14 @@ class LlamaCppBackend:
                     raise InvalidRequest(f"logit_bias names token {t}, outside this model's vocabulary of "
                                          f"{self._n_vocab}")
             grammar = None
-            if o.json_schema is not None or o.json_mode:
-                grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
             matcher = None  # a request's own regex / choices / grammar: llguidance runs it (read off the event loop)
+            if o.json_schema is not None and has_number_bounds(o.json_schema):
+                # llama.cpp's converter keeps any value for a number's minimum / maximum: llguidance follows them
+                check_schema_bounds(o.json_schema)
+                schema = o.json_schema
+                matcher = await asyncio.to_thread(lambda: self._matchers.matcher(json_schema_lark(schema)))
+            elif o.json_schema is not None or o.json_mode:
+                grammar = json_schema_grammar(o.json_schema if o.json_schema is not None else _JSON_OBJECT_SCHEMA)
             if o.own_constraint():
                 matcher = await asyncio.to_thread(
                     lambda: self._matchers.matcher(constraint_lark(o.regex, o.choices, o.grammar)))
