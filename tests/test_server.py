@@ -835,3 +835,21 @@ def test_a_json_schemas_number_bounds_hold(oai):
         oai.chat.completions.create(
             model=MODEL, max_tokens=8, messages=CHAT, response_format={"type": "json_schema", "json_schema": {
                 "name": "x", "schema": {"type": "number", "minimum": 5, "maximum": "ten"}}})
+
+
+def test_logprob_bytes_are_the_tokens_own(oai, daemon_a):
+    """Chat logprobs' `bytes` are each token's UTF-8 bytes, so byte-fallback tokens that are parts of one
+    character (SmolLM2 writes emoji so) join back into the text (OpenAI's documented use); they were
+    U+FFFD's bytes for each such part. The same through Ollama's logprobs and for the alternatives."""
+    ask = [{"role": "user", "content": "Reply only with many emojis: 🌟🌌🌍✏️🌍⏰🎉🐱"}]
+    r = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    joined = b"".join(bytes(x.bytes) for x in lps)
+    assert joined.decode("utf-8", "replace") == r.choices[0].message.content, (joined, r.choices[0].message.content)
+    parts = [x for x in lps if x.token == "\ufffd"]
+    assert parts and all(bytes(x.bytes) != "\ufffd".encode() for x in parts), [(x.token, x.bytes) for x in lps]
+    assert all(bytes(t.bytes) != "\ufffd".encode() for x in lps for t in x.top_logprobs)
+    o = daemon_a.http.post("/api/chat", json={"model": MODEL, "messages": ask, "stream": False, "logprobs": True,
+                                              "options": {"num_predict": 12, "temperature": 0}}).json()
+    assert [x["bytes"] for x in o["logprobs"]] == [x.bytes for x in lps]

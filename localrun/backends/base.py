@@ -126,6 +126,18 @@ class TokenLogprob:
     token: str
     logprob: float | None  # None: a prompt's first token (nothing before it to predict it from)
     top: list[tuple[str, float]] = field(default_factory=list)
+    # the token's bytes where they are not whole UTF-8 on their own (a byte-fallback token: `token` shows
+    # U+FFFD there), and the same for each of `top` (None: all whole); OpenAI's `bytes` carry them
+    raw: bytes | None = None
+    top_raw: list[bytes | None] | None = None
+
+    @property
+    def token_bytes(self) -> bytes:
+        return self.raw if self.raw is not None else self.token.encode("utf-8")
+
+    def top_bytes(self, k: int) -> bytes:
+        raw = self.top_raw[k] if self.top_raw else None
+        return raw if raw is not None else self.top[k][0].encode("utf-8")
 
 
 @dataclass

@@ -642,7 +642,9 @@ class BatchedLlama:
         if r.prompt_lps is not None:  # position 0's (none), then the cached positions' as scored before
             want = r.options.prompt_logprobs or 0
             r.prompt_lps = [TokenLogprob(token=self._prompt_text(r.prompt[0]), logprob=None)] + [
-                x if len(x.top) <= want else TokenLogprob(x.token, x.logprob, x.top[:want]) for x in dst.lps[:n]]
+                x if len(x.top) <= want else TokenLogprob(x.token, x.logprob, x.top[:want], x.raw,
+                                                          x.top_raw[:want] if x.top_raw else None)
+                for x in dst.lps[:n]]
         self._truncate(dst, n)
         if self._keyed or r.cache_key:  # the slot's cells are r's now: its key's, no other's
             for key in [key for key, sid in self._keyed.items() if sid == dst.id]:
@@ -1102,12 +1104,24 @@ class BatchedLlama:
         m = logits.max()
         lse = m + np.log(np.exp(logits - m).sum())
         top: list[tuple[str, float]] = []
+        top_raw: list[bytes | None] | None = None
         if top_n > 0:
             idx = np.argpartition(-logits, top_n)[:top_n]
             idx = idx[np.argsort(-logits[idx])]
-            top = [(self.piece(int(t)).decode("utf-8", "replace"), float(logits[t] - lse)) for t in idx]
-        return TokenLogprob(token=self.piece(token).decode("utf-8", "replace"), logprob=float(logits[token] - lse),
-                            top=top)
+            texts = [_text_and_raw(self.piece(int(t))) for t in idx]
+            top = [(text, float(logits[t] - lse)) for (text, _), t in zip(texts, idx)]
+            if any(raw is not None for _, raw in texts):
+                top_raw = [raw for _, raw in texts]
+        text, raw = _text_and_raw(self.piece(token))
+        return TokenLogprob(token=text, logprob=float(logits[token] - lse), top=top, raw=raw, top_raw=top_raw)
+
+
+def _text_and_raw(piece: bytes) -> tuple[str, bytes | None]:
+    """A token's text, and its bytes when they are not whole UTF-8 (the text shows U+FFFD there)."""
+    try:
+        return piece.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return piece.decode("utf-8", "replace"), piece
 
 
 def _put_all(items: list[tuple[Request, Any]]) -> None:

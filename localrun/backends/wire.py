@@ -192,11 +192,22 @@ def chunk_to_wire(c: Chunk) -> dict:
 
 
 def _lps_to_wire(lps: list[TokenLogprob]) -> list:
-    return [[lp.token, lp.logprob, lp.top] for lp in lps]
+    """[token, logprob, top], and where bytes are not whole UTF-8: [raw hex, [each top's raw hex]] after them."""
+    return [[lp.token, lp.logprob, lp.top] if lp.raw is None and lp.top_raw is None else
+            [lp.token, lp.logprob, lp.top, lp.raw.hex() if lp.raw is not None else None,
+             [r.hex() if r is not None else None for r in lp.top_raw] if lp.top_raw is not None else None]
+            for lp in lps]
 
 
 def _lps_from_wire(items: list) -> list[TokenLogprob]:
-    return [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in items]
+    out = []
+    for t, lp, top, *raw in items:
+        x = TokenLogprob(t, lp, [(a, b) for a, b in top])
+        if raw:
+            x.raw = bytes.fromhex(raw[0]) if raw[0] is not None else None
+            x.top_raw = [bytes.fromhex(r) if r is not None else None for r in raw[1]] if raw[1] is not None else None
+        out.append(x)
+    return out
 
 
 def chunk_from_wire(d: dict) -> Chunk:

@@ -121,10 +121,11 @@ def _finish(reason: str) -> str:
 def token_logprobs(lps: list) -> list[dict]:
     """Each token's token, logprob, bytes and top_logprobs alternatives: OpenAI chat's `content` entries,
     and Ollama's `logprobs` as they are."""
-    def tok(t, lp):
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+    def tok(t, lp, raw: bytes):  # (raw: the token's own bytes, where the text shows U+FFFD for a part of a character)
+        return {"token": t, "logprob": lp, "bytes": list(raw)}
 
-    return [{**tok(x.token, x.logprob), "top_logprobs": [tok(t, lp) for t, lp in x.top]} for x in lps]
+    return [{**tok(x.token, x.logprob, x.token_bytes),
+             "top_logprobs": [tok(t, lp, x.top_bytes(k)) for k, (t, lp) in enumerate(x.top)]} for x in lps]
 
 
 def _chat_logprobs(lps: list) -> dict:
