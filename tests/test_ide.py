@@ -205,6 +205,31 @@ def test_infill_extra_chunks_prompt_and_response_fields(daemon, ref):
     assert c.choices[0].text == _expected(ref, prefix, suffix)[1]
 
 
+def test_llama_vscode_warm_up_and_completions_beside_a_chat_model(daemon, ref):
+    """llama.vscode's cache warm-up (n_predict 0, as it sends it when a file opens or is saved: the prompt into
+    the cache, nothing generated; it was a 400, so no warm-up ever happened) makes the next completion over
+    the same files find them cached; and with a chat model loaded too, an /infill that names no model (as
+    llama.vscode sends it) goes to the loaded model that can fill in the middle (it was a 400)."""
+    extra = [{"filename": "warm.py", "text": "def warm(a, b):\n    return a * b + 1\n" * 8}]
+    h = daemon.http
+    h.post("/api/generate", json={"model": MODEL, "keep_alive": "5m"}).raise_for_status()  # the chat model loaded
+    h.post("/api/generate", json={"model": FIM, "keep_alive": "5m"}).raise_for_status()
+    assert {m["name"] for m in daemon.ps()} >= {MODEL, FIM}
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "", "n_predict": 0,
+            "samplers": [], "cache_prompt": True, "t_max_predict_ms": 1}
+    r = h.post("/infill", json=warm)  # (no model named: the loaded one with FIM tokens)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["content"] == "" and body["tokens_predicted"] == 0 and body["model"] == FIM, body
+    prefix, suffix = CASES[0]
+    r = h.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "input_extra": extra,
+                                "n_predict": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["timings"]["cache_n"] > 40, r.json()["timings"]  # the files' tokens came from the cache
+    assert r.json()["content"] == ref.text(ref.greedy(ref.layout(prefix, suffix, extra=extra), 4))
+    assert h.get("/health").json() == {"status": "ok"}
+
+
 def test_a_model_without_fim_tokens_is_a_clear_400_on_every_route(daemon):
     h = daemon.http
     r = h.post("/api/generate", json={"model": MODEL, "prompt": "def f(", "suffix": "\n", "stream": False})
@@ -220,7 +245,7 @@ def test_a_model_without_fim_tokens_is_a_clear_400_on_every_route(daemon):
                                       "options": {"num_predict": 4, "temperature": 0}})
     assert r.status_code == 200 and r.json()["done"]
     body = r.json()
-    assert len(body["context"]) == body["prompt_eval_count"] + body["eval_count"]
+    assert "context" not in body  # (raw mode returns none, as Ollama's)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -229,7 +254,6 @@ def test_a_model_without_fim_tokens_is_a_clear_400_on_every_route(daemon):
     ({"input_prefix": 1, "input_suffix": "x"}, '"input_prefix" must be a string'),
     ({"input_prefix": "x", "input_suffix": "y", "input_extra": "z"}, '"input_extra" must be an array'),
     ({"input_prefix": "x", "input_suffix": "y", "input_extra": [{"filename": "a"}]}, '"text" field'),
-    ({"input_prefix": "x", "input_suffix": "y", "n_predict": 0}, "'n_predict' must not be 0"),
     ({"input_prefix": "x", "input_suffix": "y", "prompt": 3}, '"prompt" must be a string'),
     ({"input_prefix": "x", "input_suffix": "y", "model": "nope:latest"}, "nope"),
 ])
@@ -335,7 +359,11 @@ def test_zed_raw_fim_prompt(daemon, ref):
         "stream": False, "options": {"num_predict": N, "temperature": 0, "stop": ["<|endoftext|>", "<|fim_pad|>"]}})
     assert r.status_code == 200, r.text
     body = r.json()
-    prompt_ids = body["context"][:body["prompt_eval_count"]]
+    # (a raw answer carries no `context`, as Ollama's: the prompt's ids as the daemon tokenizes them)
+    prompt_ids = daemon.http.post("/tokenize", json={
+        "model": FIM, "content": f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>",
+        "add_special": True}).json()["tokens"]
+    assert len(prompt_ids) == body["prompt_eval_count"]
     assert prompt_ids[1] == ref.fim("pre") and prompt_ids[-1] == ref.fim("mid") and ref.fim("suf") in prompt_ids
     assert body["response"] == ref.text(ref.greedy(prompt_ids, N))
 

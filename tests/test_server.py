@@ -853,3 +853,23 @@ def test_logprob_bytes_are_the_tokens_own(oai, daemon_a):
     o = daemon_a.http.post("/api/chat", json={"model": MODEL, "messages": ask, "stream": False, "logprobs": True,
                                               "options": {"num_predict": 12, "temperature": 0}}).json()
     assert [x["bytes"] for x in o["logprobs"]] == [x.bytes for x in lps]
+
+
+def test_an_abandoned_embedding_batch_stops_and_big_batches_are_taken(daemon_a):
+    """A client that gives a big embedding batch up (a RAG ingest cancelled) frees the model's embedder
+    before its next pass: the next small request answers at once (it waited for the whole abandoned batch,
+    ~1 min on 2 cores). Batches up to OpenAI's 2,048 inputs are taken (LangChain's embedders send 1,000
+    documents at once; the limit was 256); token ids get a 400 that says what to send."""
+    big = {"model": MODEL, "input": ["word " * 500] * 16}
+    for path in ("/v1/embeddings", "/api/embed"):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(daemon_a.url + path, json=big, headers=daemon_a.headers(), timeout=httpx.Timeout(60, read=1.0))
+        t0 = time.monotonic()
+        r = daemon_a.http.post(path, json={"model": MODEL, "input": "hi"})
+        assert r.status_code == 200 and time.monotonic() - t0 < 8, (path, time.monotonic() - t0)
+    r = daemon_a.http.post("/v1/embeddings", json={"model": MODEL, "input": [f"doc {i}" for i in range(300)]})
+    assert r.status_code == 200 and len(r.json()["data"]) == 300, r.text[:300]
+    r = daemon_a.http.post("/v1/embeddings", json={"model": MODEL, "input": [f"d{i}" for i in range(2049)]})
+    assert r.status_code == 400 and "in batches" in r.json()["error"]["message"]
+    r = daemon_a.http.post("/v1/embeddings", json={"model": MODEL, "input": [[1, 2, 3]]})
+    assert r.status_code == 400 and "check_embedding_ctx_length" in r.json()["error"]["message"]

@@ -792,12 +792,13 @@ class LlamaCppBackend:
             raise BackendError(f"llama.cpp could not decode an image into the context (code {rc})")
 
     # -- embeddings ----------------------------------------------------------------------
-    def _embed_sync(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
-        return self._embedder.embed(texts, truncate)
+    def _embed_sync(self, texts: list[str], truncate: bool = False, cancel: Any = None) -> list[list[float]]:
+        return self._embedder.embed(texts, truncate, cancel)
 
     async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._embed_sync, texts, truncate)
+        from localrun.backends.llama_pooled import cancellable
+
+        return await cancellable(self._executor, self._embed_sync, texts, truncate)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._close)

@@ -36,7 +36,8 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
     {"error": "..."} elsewhere."""
     if path.startswith("/v1/messages"):
         return anthropic_error(status, message, code)
-    if path in ("/infill", "/tokenize", "/detokenize"):
+    if path in ("/infill", "/tokenize", "/detokenize", "/rerank", "/reranking", "/v2/rerank", "/tokenizer_info",
+                "/health"):
         return llama_server_error(status, message)
     if path.startswith("/v1"):
         etype = "invalid_request_error" if 400 <= status < 500 else "server_error"

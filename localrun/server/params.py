@@ -447,15 +447,22 @@ def tool_choice_schema(tools: list[dict], choice: Any) -> tuple[list[dict] | Non
     return tools, variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-MAX_EMBED_INPUTS = 256
+MAX_EMBED_INPUTS = 2048  # OpenAI's limit a request (LangChain's embedders send up to 1,000 documents at once)
 
 
 def embed_inputs(value: Any, key: str) -> list[str]:
     texts = [value] if isinstance(value, str) else value
+    if isinstance(texts, list) and texts and all(isinstance(t, int) or (isinstance(t, list) and t and all(
+            isinstance(i, int) for i in t)) for t in texts):
+        # another tokenizer's ids (OpenAI's tiktoken) would be meaningless to this model's vocabulary
+        raise InvalidRequest(f"'{key}' holds token ids: localrun embeds text, each model with its own tokenizer. "
+                             "Send the texts (LangChain's OpenAIEmbeddings sends tiktoken ids unless it is made with "
+                             "check_embedding_ctx_length=False)")
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise InvalidRequest(f"'{key}' must be a non-empty string or a list of strings")
     if len(texts) > MAX_EMBED_INPUTS:
-        raise InvalidRequest(f"'{key}' holds {len(texts)} strings; the limit is {MAX_EMBED_INPUTS}")
+        raise InvalidRequest(f"'{key}' holds {len(texts)} strings; the limit is {MAX_EMBED_INPUTS} a request: send "
+                             "them in batches")
     if any(not t.strip() for t in texts):
         raise InvalidRequest(f"'{key}' must not contain empty strings")
     return texts

@@ -1,5 +1,5 @@
 """llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it),
-``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes, and ``POST /v1/rerank``
+``GET /health``, ``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes, and ``POST /v1/rerank``
 (with ``/rerank``, ``/v2/rerank``, ``/reranking``) in the shape Jina, Cohere, vLLM and llama-server share, and TEI's.
 
 A translator only: the body becomes a :class:`Job` with an :class:`Infill` (the backend lays the prompt out
@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from localrun.backends.base import Infill
 from localrun.go_template import is_go_template
 from localrun.errors import InvalidRequest, LocalrunError
+from localrun.library.modelfile import PARAMETERS
 from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
@@ -52,15 +53,24 @@ def _extra(value: Any) -> list[dict]:
     return out
 
 
-async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens"):
+async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens",
+                 able: str | None = None):
     """The model named in the body; without one (llama-server serves a single model, so its clients
-    often send none) the one model loaded, else the one model in the library."""
+    often send none) the one model loaded, or with `able` (a capability: "insert") the one loaded model
+    that has it (an editor's completions beside a chat model), else the one model in the library."""
     name = body.get("model")
     if name is not None and name != "":
         return await st.resolve(p.get_str(body, "model", required=True))
     loaded = list(st.manager.runners)
     if len(loaded) == 1:
         return await st.resolve(loaded[0])
+    if able is not None and len(loaded) > 1:
+        from localrun.library.capabilities import model_capabilities
+
+        fit = [r for r in [st.manager.runners[n].resolved for n in loaded if n in st.manager.runners]
+               if able in model_capabilities(r)]
+        if len(fit) == 1:
+            return await st.resolve(fit[0].name)
     models = await st.list_models()
     if len(models) == 1:
         return await st.resolve(models[0].name)
@@ -70,20 +80,18 @@ async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill
 
 def _options(body: dict, resolved: Any):
     opts, num_ctx = p.base_options(resolved)
+    # n_predict 0: the prompt evaluated into the cache, nothing generated (llama.vscode's and llama.vim's
+    # warm-up requests as a file is opened or saved)
     n_predict = p.get_int(body, "n_predict", -1, 1 << 20)
     if n_predict is not None:
         opts.max_tokens = None if n_predict < 0 else n_predict
-    if n_predict == 0:
-        raise InvalidRequest("'n_predict' must not be 0 (-1 for no limit)")
-    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
-                        ("repeat_penalty", 0.0, 10.0), ("presence_penalty", -2.0, 2.0),
-                        ("frequency_penalty", -2.0, 2.0)):
-        v = p.get_float(body, key, lo, hi)
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
+        v = p.get_float(body, key, *PARAMETERS[key][1:])  # (the Modelfile's ranges: llama-server caps none)
         if v is not None:
             setattr(opts, key, v)
-    if (v := p.get_int(body, "top_k", 0, 100_000)) is not None:
+    if (v := p.get_int(body, "top_k", *PARAMETERS["top_k"][1:])) is not None:
         opts.top_k = v
-    if (v := p.get_int(body, "repeat_last_n", -1, 1_000_000)) is not None:
+    if (v := p.get_int(body, "repeat_last_n", *PARAMETERS["repeat_last_n"][1:])) is not None:
         opts.repeat_last_n = v
     if (v := p.get_int(body, "seed")) is not None:
         opts.seed = v if v >= 0 else None  # llama-server: -1 is a random seed
@@ -141,8 +149,13 @@ async def _bounded(gen: Generation, t_max_predict_ms: int | None) -> AsyncIterat
                 new_line = new_line or "\n" in ev.content
                 yield ev
                 if new_line and (now - first) * 1e3 > t_max_predict_ms:
-                    gen.usage.completion_tokens = len(gen.output_ids.get(0, []))
-                    yield Done(0, "length", gen.usage)
+                    # the backend's own usage comes with its last chunk, which this cut never reads: the
+                    # timings as the daemon saw them (the prompt's up to the first token; the rest after)
+                    u = gen.usage
+                    u.completion_tokens = len(gen.output_ids.get(0, []))
+                    u.prompt_eval_seconds = u.prompt_eval_seconds or max(first - gen.t0, 0.0)
+                    u.eval_seconds = u.eval_seconds or (now - first)
+                    yield Done(0, "length", u)
                     return
     finally:
         await events.aclose()
@@ -172,7 +185,7 @@ async def infill(request: Request):
             raise InvalidRequest(f'"{key}" must be a string')
     extra = _extra(body.get("input_extra"))
     stream = p.get_bool(body, "stream")
-    resolved = await _model(st, body)
+    resolved = await _model(st, body, able="insert")
     opts, num_ctx = _options(body, resolved)
     fields = body.get("response_fields")
     t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
@@ -232,6 +245,13 @@ async def infill(request: Request):
         return [data(error_shape(exc.status, exc.public_message))]
 
     return generation_response(gen, produce, failed)
+
+
+@router.get("/health")
+async def health():
+    """llama-server's readiness probe (editor plugins and proxies poll it): the daemon answers, so it is ok (it
+    loads models on use)."""
+    return {"status": "ok"}
 
 
 # -- tokens ---------------------------------------------------------------------------------------

@@ -615,8 +615,8 @@ async def embed(request: Request):
                 "load_duration": int(load_s * 1e9), "prompt_eval_count": 0}
     texts = c.embed_inputs(body.get("input"), "input")
     was_loaded = resolved.name in st.manager.runners
-    vectors, n = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims,
-                                           truncate=_truncate(body))
+    vectors, n = await until_disconnected(request, st.generation.embed(  # (a client gone: the work stops)
+        resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims, truncate=_truncate(body)))
     runner = st.manager.runners.get(resolved.name)
     load_s = runner.load_seconds if (runner is not None and not was_loaded) else 0.0
     return {"model": resolved.name, "embeddings": vectors, "total_duration": time.perf_counter_ns() - t0,
@@ -636,5 +636,6 @@ async def embeddings_legacy(request: Request):
         await st.manager.load(resolved, keep_alive=st.keep_alive(body))
         return {"embedding": []}
     text = c.embed_inputs(prompt, "prompt")
-    vectors, _ = await st.generation.embed(resolved, text, keep_alive=st.keep_alive(body), truncate=_truncate(body))
+    vectors, _ = await until_disconnected(request, st.generation.embed(
+        resolved, text, keep_alive=st.keep_alive(body), truncate=_truncate(body)))
     return {"embedding": vectors[0]}

@@ -458,7 +458,8 @@ async def embeddings(request: Request):
         raise InvalidRequest("'encoding_format' must be 'float' or 'base64'")
     dims = p.get_int(body, "dimensions", 1)
     resolved = await st.resolve(model)
-    vectors, n_tokens = await st.generation.embed(resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims)
+    vectors, n_tokens = await until_disconnected(request, st.generation.embed(  # (a client gone: the work stops)
+        resolved, texts, keep_alive=st.keep_alive(body), dimensions=dims))
     if fmt == "base64":  # little-endian float32, as OpenAI sends it (the SDK's default)
         vectors = [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in vectors]
     return {"object": "list", "model": resolved.name,
