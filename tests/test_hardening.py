@@ -125,6 +125,52 @@ def test_tiny_schema_with_a_huge_count_is_refused_quickly(daemon):
     assert r.status_code == 200  # the next request (a sane schema) still works
 
 
+def test_many_tools_deep_json_and_a_half_sent_body_are_bounded(daemon):
+    """What one request's schemas cost the event loop is bounded: 20,000 tools (each checked against the
+    meta-schema on the loop, ~18 s of a frozen daemon) and five tools of 4,900-node schemas (~11 s) are
+    400s at once; JSON nested 50,000 deep inside a string (guided_json, a tool call's arguments) is a 400,
+    not a 500 RecursionError; a client gone before its body was whole leaves no error in the log; a
+    Modelfile's MESSAGE layer too big to be read back is a 400 with nothing stored (it was a 500 and a
+    stored model no request could use)."""
+    tools = [{"type": "function", "function": {"name": f"t{i}", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}} for i in range(20000)]
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {"x": {"type": "string"}}}
+                                             for i in range(1600)}}
+    heavy = [{"type": "function", "function": {"name": f"h{i}", "parameters": wide}} for i in range(5)]
+    deep = '{"a":' * 50000 + "1" + "}" * 50000
+    cases = [("/v1/chat/completions", {"tools": tools}, "at most 512"),
+             ("/api/chat", {"tools": tools}, "at most 512"),
+             ("/v1/chat/completions", {"tools": heavy}, "together"),
+             ("/v1/chat/completions", {"guided_json": deep}, "JSON schema"),
+             ("/api/chat", {"messages": [*CHAT, {"role": "assistant", "content": "", "tool_calls": [
+                 {"function": {"name": "f", "arguments": deep}}]}]}, "not valid JSON")]
+    with Pinger(daemon.url) as p:
+        for path, extra, word in cases:
+            t0 = time.monotonic()
+            r = daemon.http.post(path, json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "stream": False,
+                                             **extra})
+            body = r.json()
+            msg = body["error"]["message"] if isinstance(body["error"], dict) else body["error"]
+            assert r.status_code == 400 and word in msg, (path, word, r.status_code, msg[:200])
+            assert time.monotonic() - t0 < 3, (path, word, time.monotonic() - t0)
+    assert max(p.latencies, default=0) < 0.5, max(p.latencies)
+
+    with socket.create_connection(("127.0.0.1", daemon.port)) as s:  # a body cut short by the client
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+    time.sleep(0.3)
+    assert "unhandled error" not in daemon.log.read_text(errors="replace")
+
+    mf = f"FROM {MODEL}\n" + 'MESSAGE user "hi"\n' * 1025
+    r = daemon.http.post("/api/create", json={"model": "many-msgs", "modelfile": mf, "stream": False})
+    assert r.status_code == 400 and "at most 1024" in r.json()["error"], r.text
+    r = daemon.http.post("/api/create", json={"model": "big-msgs", "stream": False, "modelfile":
+                                              f"FROM {MODEL}\n" + f'MESSAGE user "{"x" * 5000}"\n' * 1000})
+    assert r.status_code == 400 and "MESSAGE is too long" in r.json()["error"], r.text
+    for name in ("many-msgs", "big-msgs"):
+        assert daemon.http.post("/api/show", json={"model": name}).status_code == 404
+
+
 # -- 6. SIGTERM ----------------------------------------------------------------------------------------------
 def test_sigterm_ends_streams_properly_and_exits_0(tmp_path):
     d = Daemon(tmp_path / "home", LOCALRUN_SHUTDOWN_GRACE="1s", LOCALRUN_NUM_PARALLEL="3")

@@ -41,6 +41,7 @@ _PART_NAMES = {MT_MODEL: "weights file", MT_PROJECTOR: "vision projector", MT_AD
 _FILE_LAYERS = (MT_MODEL, MT_FILE, MT_PROJECTOR, MT_ADAPTER)  # the model's files (not its small text layers)
 # where a model's files came from, not what they are: a re-pull that finds the same files keeps the stored record
 _PROVENANCE = ("local_package", "revision")
+MAX_MESSAGES = 1024  # a Modelfile's MESSAGE entries
 _info_cache: dict[tuple, GGUFInfo] = {}
 _info_lock = threading.Lock()
 
@@ -634,21 +635,25 @@ class Library:
     # ------------------------------------------------------------------ manifests
     def _write(self, mn: ModelName, layers: list[dict], extra: dict, pins: list[str]) -> str:
         layers = list(layers)
-        for key, mt in (("template", MT_TEMPLATE), ("system", MT_SYSTEM), ("license", MT_LICENSE)):
-            if extra.get(key) and len(extra[key].encode("utf-8")) > MAX_SMALL_LAYER:
-                raise InvalidRequest(f"{key.upper()} is too long (at most {MAX_SMALL_LAYER // (1024 * 1024)} MiB)")
-            if extra.get(key):
-                d, s = self.store.put_bytes(extra[key].encode("utf-8"))
-                self._pin(pins, d)
-                layers.append(_layer(mt, d, s))
+        # every small layer checked before any is written: one the reader would refuse (over MAX_SMALL_LAYER)
+        # is a 400 here, never a stored model that cannot be read
+        if len(extra.get("messages") or ()) > MAX_MESSAGES:
+            raise InvalidRequest(f"{len(extra['messages'])} MESSAGE entries; at most {MAX_MESSAGES} (each chat renders "
+                                 "them all before its own turns)")
+        small = [(mt, extra[key].encode("utf-8"), key.upper()) for key, mt in (
+            ("template", MT_TEMPLATE), ("system", MT_SYSTEM), ("license", MT_LICENSE)) if extra.get(key)]
         if extra.get("parameters"):
-            d, s = self.store.put_bytes(json.dumps(extra["parameters"], sort_keys=True).encode())
-            self._pin(pins, d)
-            layers.append(_layer(MT_PARAMS, d, s))
+            small.append((MT_PARAMS, json.dumps(extra["parameters"], sort_keys=True).encode(), "PARAMETER"))
         if extra.get("messages"):
-            d, s = self.store.put_bytes(json.dumps(extra["messages"]).encode())
+            small.append((MT_MESSAGES, json.dumps(extra["messages"]).encode(), "MESSAGE"))
+        for _, data, what in small:
+            if len(data) > MAX_SMALL_LAYER:
+                raise InvalidRequest(f"{what} is too long ({len(data)} bytes in all; at most "
+                                     f"{MAX_SMALL_LAYER // (1024 * 1024)} MiB)")
+        for mt, data, _ in small:
+            d, s = self.store.put_bytes(data)
             self._pin(pins, d)
-            layers.append(_layer(MT_MESSAGES, d, s))
+            layers.append(_layer(mt, d, s))
         details, model_info = self._describe_layers(layers)
         if extra.get("parent_model"):
             details["parent_model"] = extra["parent_model"]

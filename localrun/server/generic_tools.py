@@ -168,7 +168,7 @@ def parse(text: str, names: set[str]) -> tuple[str, list[dict]] | None:
     s = text.strip()
     try:
         obj = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         obj = _partial_response(s) or _partial_calls(s)
         if obj is None:
             return None
@@ -216,7 +216,7 @@ def _partial_response(s: str) -> dict | None:
     for cut in range(len(body), max(len(body) - 8, -1), -1):  # drop a half-written escape
         try:
             return {"response": json.loads('"' + body[:cut] + '"')}
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     return None
 

@@ -72,7 +72,7 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
     for c in candidates:
         try:  # strict=False: models write code arguments with raw newlines in the strings; the
             obj = json.loads(c, strict=False)  # arguments go out re-encoded, as valid JSON
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         for o in obj if isinstance(obj, list) else [obj]:
             if isinstance(o, dict) and o.get("name") in names:
@@ -168,7 +168,7 @@ class HarmonyParser:
             if name in self.tool_names:
                 try:
                     args = json.loads(body) if body else {}
-                except ValueError:
+                except (ValueError, RecursionError):
                     args = None
                 if isinstance(args, dict):
                     self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,

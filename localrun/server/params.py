@@ -9,6 +9,7 @@ HTTP beyond already-parsed JSON values. Everything a backend sees is validated f
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any
 
 from localrun.backends.base import SamplingOptions
@@ -117,39 +118,59 @@ def get_logit_bias(body: dict, key: str = "logit_bias") -> dict[int, float] | No
 
 
 MAX_SCHEMA_NODES = 5000  # objects + arrays; checked before the (event-loop) validation
+MAX_SCHEMA_DEPTH = 32  # as the backends build grammars (llamacpp.SCHEMA_MAX_DEPTH)
+MAX_TOOLS = 512  # tools one request may offer (the Responses API's own bound too)
+_CHECKED: "OrderedDict[str, None]" = OrderedDict()  # schemas validated before (agents resend theirs every turn)
+_CHECKED_MAX = 256
 
 
-def _check_size(value: Any, limit: int, what: str) -> None:
-    """InvalidRequest when `value` holds more than `limit` objects and arrays (walked
-    iteratively, stopping at the limit: bounded work however big the value is)."""
-    stack, n = [value], 0
+def _check_size(value: Any, limit: int, what: str, depth: int | None = None) -> int:
+    """InvalidRequest when `value` holds more than `limit` objects and arrays, or nests them deeper than
+    `depth` (walked iteratively, stopping at the limit: bounded work however big the value is); the count."""
+    stack, n = [(value, 0)], 0
     while stack:
-        v = stack.pop()
+        v, d = stack.pop()
         if isinstance(v, dict):
-            stack.extend(v.values())
+            stack.extend((c, d + 1) for c in v.values())
         elif isinstance(v, list):
-            stack.extend(v)
+            stack.extend((c, d + 1) for c in v)
         else:
             continue
         n += 1
         if n > limit:
             raise InvalidRequest(f"{what} is too large (over {limit} objects and arrays)")
+        if depth is not None and d > depth:
+            raise InvalidRequest(f"{what} nests objects and arrays more than {depth} levels deep")
+    return n
 
 
 def check_json_schema(schema: Any) -> dict:
     """A JSON schema must be an object that is itself a valid schema; else 400 (and the daemon
-    keeps serving). Turning it into a grammar is the backend's business (it answers 400 too)."""
+    keeps serving). Turning it into a grammar is the backend's business (it answers 400 too).
+    The check runs on the event loop: bounded by the size and depth checks first, against draft 7's
+    meta-schema unless the schema names its own ($schema; 2020-12's took 6x as long, and both take
+    what tools send), and done once per schema (kept by its JSON text)."""
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be an object")
-    _check_size(schema, MAX_SCHEMA_NODES, "the JSON schema")
+    _check_size(schema, MAX_SCHEMA_NODES, "the JSON schema", MAX_SCHEMA_DEPTH)
+    key = json.dumps(schema, sort_keys=True)
+    if key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return schema
     import jsonschema
 
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        cls = jsonschema.validators.validator_for(schema) if "$schema" in schema else jsonschema.Draft7Validator
+        cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise InvalidRequest(f"invalid JSON schema: {exc.message}") from None
-    except Exception as exc:  # RecursionError on absurd nesting, a bad $schema, ...
+    except RecursionError:
+        raise InvalidRequest("invalid JSON schema: it refers to itself or nests too deeply to check") from None
+    except Exception as exc:  # a bad $schema, ...
         raise InvalidRequest(f"invalid JSON schema: {type(exc).__name__}") from None
+    _CHECKED[key] = None
+    while len(_CHECKED) > _CHECKED_MAX:
+        _CHECKED.popitem(last=False)
     return schema
 
 
@@ -191,7 +212,7 @@ def _json(value: Any, key: str) -> dict:
     if isinstance(value, str):  # vLLM takes the schema as JSON text too
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidRequest(f"'{key}' must be a JSON schema (an object, or its JSON text)") from None
     return check_json_schema(value)
 
@@ -394,7 +415,7 @@ def _normalize_call(c: Any, i: int) -> dict:
     if isinstance(args, str):  # OpenAI sends arguments as a JSON string; templates want objects
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidRequest(f"messages[{i}].tool_calls: arguments is not valid JSON") from None
     return {"type": "function", "function": {"name": fn["name"], "arguments": args}, **({"id": c["id"]} if c.get("id") else {})}
 
@@ -404,6 +425,11 @@ def check_tools(tools: Any, template: str | None) -> list[dict] | None:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequest("'tools' must be a list of objects")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS} a request")
+    # all the tools' schemas together within one schema's bound: what the event loop checks stays bounded
+    _check_size([t.get("function", {}).get("parameters") if isinstance(t.get("function"), dict) else None
+                 for t in tools], MAX_SCHEMA_NODES, "the tools' parameter schemas together")
     for i, t in enumerate(tools):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

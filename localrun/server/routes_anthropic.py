@@ -340,7 +340,7 @@ def _stop_reason(done: Done | Choice, stops: list[str], max_tokens: int) -> tupl
 def _input(arguments: str) -> dict:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -282,7 +282,8 @@ async def create(request: Request):
     if not isinstance(modelfile, str):
         raise InvalidRequest("'modelfile' must be a string")  # (an empty one: the parser says it has no FROM)
     parse_name(name)  # bad names and Modelfiles are a 400 before any 200
-    mf = parse_modelfile(modelfile, require_from=files is None)
+    # (off the event loop: a TEMPLATE is compiled to check it, up to a second for a big one)
+    mf = await asyncio.to_thread(parse_modelfile, modelfile, require_from=files is None)
     if files is not None and mf.from_ is not None:
         raise InvalidRequest("give the model as 'from' (or a Modelfile's FROM) or as 'files', not both")
     base = c.get_str(body, "base_dir") or c.get_str(body, "path")
@@ -494,7 +495,7 @@ def _loads(s: str):
 
     try:
         return json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         return s
 
 

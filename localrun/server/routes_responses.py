@@ -182,7 +182,7 @@ def input_items(value: Any) -> list[dict]:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text) if text.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         return text  # as the model wrote it; the template shows it as is
 
 
@@ -506,7 +506,7 @@ class _Builder:
         """A custom tool's call: its raw input (the one string argument the model wrote)."""
         try:
             args = json.loads(call["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):
             args = call["arguments"]
         raw = args.get(CUSTOM_INPUT) if isinstance(args, dict) else args
         raw = raw if isinstance(raw, str) else json.dumps(raw, ensure_ascii=False)

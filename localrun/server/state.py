@@ -84,7 +84,14 @@ def _parse(raw: bytes) -> Any:
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
+    from starlette.requests import ClientDisconnect
+
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was whole: nobody to answer, nothing to log as an error
+        from localrun.server.generation import ClientGone
+
+        raise ClientGone("the client closed the connection before the body was sent") from None
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
     try:  # a big body is parsed off the event loop (a 32 MiB JSON takes a noticeable while)

@@ -169,7 +169,7 @@ class ToolFormat:
             if isinstance(args, str):  # arguments written as a JSON string
                 try:
                     args = json.loads(args, strict=False)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return None
             return (j, args) if isinstance(args, dict) else None
         props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
@@ -190,7 +190,7 @@ def _typed(raw: str, kind: Any) -> Any:
         return raw
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw
 
 
