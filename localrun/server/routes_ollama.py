@@ -610,7 +610,7 @@ async def embed(request: Request):
     resolved = await st.resolve(_name(body))
     dims = c.get_int(body, "dimensions", 1)
     t0 = time.perf_counter_ns()
-    if body.get("input") in ("", []):  # as Ollama: nothing to embed, the model loaded (kept as keep_alive says)
+    if body.get("input") in (None, "", []):  # as Ollama: nothing to embed, the model loaded (as keep_alive says)
         _, load_s = await st.manager.load(resolved, keep_alive=st.keep_alive(body))
         return {"model": resolved.name, "embeddings": [], "total_duration": time.perf_counter_ns() - t0,
                 "load_duration": int(load_s * 1e9), "prompt_eval_count": 0}
