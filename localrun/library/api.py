@@ -1013,7 +1013,7 @@ class _NotAProjector(Exception):
 
 
 def _check_st(path: Path, name: str) -> None:
-    from localrun.library.create import safetensors_header_params
+    from localrun.library.st_header import safetensors_header_params
 
     safetensors_header_params(path, name)
 

@@ -232,7 +232,7 @@ class Store:
 
                 read_gguf_info(p, display_name="it")
             elif name.endswith(".safetensors"):
-                from localrun.library.create import safetensors_header_params
+                from localrun.library.st_header import safetensors_header_params
 
                 safetensors_header_params(p, "it")
         except InvalidRequest as e:  # "it is not a valid GGUF: ...", or "it: <why it cannot be opened>"
