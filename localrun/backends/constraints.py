@@ -269,15 +269,17 @@ def constraint_lark(regex: str | None, choices: list[str] | None, grammar: str |
     return None
 
 
-# the native engine's JSON options (engine/grammar.py; not imported: that module needs torch)
+# llguidance's JSON, here and in the native engine (engine/grammar.py): compact with the usual separators, so a
+# model cannot spin on whitespace, and the text reads like json.dumps' default output
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def has_number_bounds(schema: Any) -> bool:
     """Whether a JSON schema bounds a number that need not be an integer anywhere in it: llama.cpp's GBNF
     converter keeps any value there (backends/gbnf.py), llguidance's JSON follows the bounds. (The schema's
     size is bounded before: check_schema_bounds.)"""
+    from localrun.backends.gbnf import NUMBER_BOUNDS
+
     todo = [schema]
     while todo:
         s = todo.pop()
@@ -285,7 +287,7 @@ def has_number_bounds(schema: Any) -> bool:
             todo.extend(s)
         elif isinstance(s, dict):
             if s.get("type") != "integer" and any(isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)
-                                                  for k in _NUMBER_BOUNDS):
+                                                  for k in NUMBER_BOUNDS):
                 return True
             todo.extend(v for v in s.values() if isinstance(v, (dict, list)))
     return False

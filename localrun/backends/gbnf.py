@@ -27,7 +27,7 @@ from localrun.errors import InvalidRequest
 MAX_DIGITS = 16  # llama-cpp-python's integral-part: at most 16 digits
 _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
 _ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _same_length(a: str, b: str) -> str:
@@ -83,7 +83,7 @@ def integer_range(lo: int | None, hi: int | None) -> str:
 def _bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     """The inclusive integer bounds an integer schema sets."""
     lo = hi = None
-    for key in _BOUNDS:
+    for key in NUMBER_BOUNDS:
         value = schema.get(key)
         if isinstance(value, bool) or value is None:
             continue
@@ -133,7 +133,7 @@ def converter_class() -> type:
             if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
                 # each type keeps the schema's other keywords ({"type": ["string", "null"], "maxLength": 15})
                 return self._add_rule(rule_name, self._generate_union_rule(name, [{**schema, "type": t} for t in kind]))
-            if kind == "integer" and any(k in schema for k in _BOUNDS) \
+            if kind == "integer" and any(k in schema for k in NUMBER_BOUNDS) \
                     and not any(k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
                 lo, hi = _bounds(schema)
                 if lo is not None or hi is not None:

@@ -22,10 +22,9 @@ from collections import OrderedDict
 
 import torch
 
+from localrun.backends.constraints import JSON_OPTIONS
+
 GRAMMAR_CACHE_SIZE = 64  # compiled schemas kept per engine
-# Compact JSON with the usual separators: a model cannot spin on whitespace, and the text reads
-# like json.dumps' default output.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: dict = {"type": "object"}
 
 

@@ -124,9 +124,9 @@ _CHECKED: "OrderedDict[str, None]" = OrderedDict()  # schemas validated before (
 _CHECKED_MAX = 256
 
 
-def _check_size(value: Any, limit: int, what: str, depth: int | None = None) -> int:
+def _check_size(value: Any, limit: int, what: str, depth: int | None = None) -> None:
     """InvalidRequest when `value` holds more than `limit` objects and arrays, or nests them deeper than
-    `depth` (walked iteratively, stopping at the limit: bounded work however big the value is); the count."""
+    `depth` (walked iteratively, stopping at the limit: bounded work however big the value is)."""
     stack, n = [(value, 0)], 0
     while stack:
         v, d = stack.pop()
@@ -141,7 +141,6 @@ def _check_size(value: Any, limit: int, what: str, depth: int | None = None) -> 
             raise InvalidRequest(f"{what} is too large (over {limit} objects and arrays)")
         if depth is not None and d > depth:
             raise InvalidRequest(f"{what} nests objects and arrays more than {depth} levels deep")
-    return n
 
 
 def check_json_schema(schema: Any) -> dict:

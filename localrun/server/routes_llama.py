@@ -67,10 +67,9 @@ async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill
     if able is not None and len(loaded) > 1:
         from localrun.library.capabilities import model_capabilities
 
-        fit = [r for r in [st.manager.runners[n].resolved for n in loaded if n in st.manager.runners]
-               if able in model_capabilities(r)]
+        fit = [r.name for r in st.manager.runners.values() if able in model_capabilities(r.resolved)]
         if len(fit) == 1:
-            return await st.resolve(fit[0].name)
+            return await st.resolve(fit[0])
     models = await st.list_models()
     if len(models) == 1:
         return await st.resolve(models[0].name)
