@@ -305,7 +305,10 @@ def omp_release():
     it on, that spinning thread held one of the box's CPUs away from them (2 vCPUs: the daemon's write
     of a first token to the client's read of it took 0.5 ms, median, and 4-5 ms in one request of ten;
     0.25 ms and under 1 ms with the team ended). The next llama_decode starts the team again (a thread
-    start per worker)."""
+    start per worker). Not when the loop runs out of work: Linux starts a new thread on its parent's CPU,
+    and after an idle spell the next prompt's prefill ran both threads on one CPU until the kernel moved
+    one (2 AMD vCPUs: an 18-token prefill +8 ms, median); a team kept sleeps once its spin is done, and
+    its worker wakes on its own CPU."""
     if not hasattr(os, "RTLD_NOLOAD"):
         return None
     try:  # only the libgomp already loaded (by llama.cpp's CPU library), never a second one
@@ -337,7 +340,6 @@ class BatchedLlama:
 
         n_cpus = len(usable_cpus() or range(os.cpu_count() or 1))
         self._release_threads = omp_release() if lib.llama_n_threads(ctx) >= n_cpus else None
-        self._stepped = False  # a decode ran since the team was last released
         self.score_rows = prompt_logprobs_rows(self.n_vocab)
         self.mem = lib.llama_get_memory(ctx)
         self.n_cells = int(lib.llama_n_ctx(ctx))
@@ -438,9 +440,6 @@ class BatchedLlama:
                 if not (self._running or self._waiting):
                     if self.governor is not None:
                         self.governor.idle()  # until the next step, other programs' load is none of its business
-                    if self._release_threads is not None and self._stepped:
-                        self._release_threads()  # no worker spins on while the last chunks are taken on
-                        self._stepped = False
                 with self._cv:
                     while not (self._closing or self._inbox or self._running or self._waiting):
                         self._cv.wait()
@@ -705,7 +704,6 @@ class BatchedLlama:
         outs, n_out = self._fill(rows)
         t0 = time.perf_counter()
         ret = self.lib.llama_decode(self.ctx, self._batch)
-        self._stepped = True
         # compute time by step kind: a step with any prompt tokens is a prefill step (/metrics; bench overhead
         # takes a request's prefill out of its TTFT with it)
         kind = "decode_seconds" if all(decoding for _, _, decoding in rows) else "prefill_seconds"
