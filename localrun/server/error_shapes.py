@@ -36,7 +36,7 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
     {"error": "..."} elsewhere."""
     if path.startswith("/v1/messages"):
         return anthropic_error(status, message, code)
-    if path in ("/infill", "/tokenize", "/detokenize", "/rerank", "/reranking", "/v2/rerank", "/tokenizer_info",
+    if path in ("/completion", "/completions", "/props", "/infill", "/tokenize", "/detokenize", "/rerank", "/reranking", "/v2/rerank", "/tokenizer_info",
                 "/health"):
         return llama_server_error(status, message)
     if path.startswith("/v1"):

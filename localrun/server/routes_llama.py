@@ -1,5 +1,6 @@
-"""llama-server-shaped routes: ``POST /infill`` (fill in the middle, as llama.vscode and llama.vim call it),
-``GET /health``, ``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes, and ``POST /v1/rerank``
+"""llama-server-shaped routes: ``POST /completion`` (and ``/completions``: llama-server's own completions, as
+Continue's llama.cpp provider, SillyTavern and scripts call them), ``POST /infill`` (fill in the middle, as
+llama.vscode and llama.vim call it), ``GET /props``, ``GET /health``, ``POST /tokenize`` / ``POST /detokenize`` in both llama-server's and vLLM's shapes, and ``POST /v1/rerank``
 (with ``/rerank``, ``/v2/rerank``, ``/reranking``) in the shape Jina, Cohere, vLLM and llama-server share, and TEI's.
 
 A translator only: the body becomes a :class:`Job` with an :class:`Infill` (the backend lays the prompt out
@@ -12,10 +13,12 @@ llama-server's answer: ``content``, ``stop``, ``tokens_predicted``, ``tokens_eva
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -28,6 +31,7 @@ from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
 from localrun.server.images import take_images
+from localrun.server.routes_openai import BATCH_CONCURRENCY
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
@@ -82,6 +86,8 @@ def _options(body: dict, resolved: Any):
     # n_predict 0: the prompt evaluated into the cache, nothing generated (llama.vscode's and llama.vim's
     # warm-up requests as a file is opened or saved)
     n_predict = p.get_int(body, "n_predict", -1, 1 << 20)
+    if n_predict is None:  # llama-server takes OpenAI's name too
+        n_predict = p.get_int(body, "max_tokens", -1, 1 << 20)
     if n_predict is not None:
         opts.max_tokens = None if n_predict < 0 else n_predict
     for key in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
@@ -168,6 +174,78 @@ def _stop_type(reason: str, stop_sequence: str | None) -> str:
     return "eos" if reason == "stop" else "none"
 
 
+def _settings(opts: Any, stream: bool, n_probs: int = 0) -> dict:
+    """llama-server's generation_settings: the sampling a request ran with."""
+    return {"n_predict": -1 if opts.max_tokens is None else opts.max_tokens, "seed": -1 if opts.seed is None else opts.seed,
+            "temperature": opts.temperature, "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p,
+            "repeat_last_n": opts.repeat_last_n, "repeat_penalty": opts.repeat_penalty,
+            "presence_penalty": opts.presence_penalty, "frequency_penalty": opts.frequency_penalty,
+            "stop": list(opts.stop), "ignore_eos": opts.ignore_eos, "n_probs": n_probs, "stream": stream,
+            "grammar": opts.grammar or "",
+            "logit_bias": [[t, b] for t, b in (opts.logit_bias or {}).items()]}
+
+
+def _final(gen: Generation, prompt: Any, content: str, reason: str, stop_sequence: str | None, settings: dict, *,
+           index: int = 0, tokens: list[int] | None = None) -> dict:
+    """llama-server's last object of a completion (to_json_non_oaicompat): the text (all of it, or "" at the
+    end of a stream), why it stopped, the counts and the timings."""
+    u = gen.usage
+    return {"index": index, "content": content, "tokens": tokens or [], "id_slot": -1, "stop": True,
+            "model": gen.model, "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
+            "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+            "stop_type": _stop_type(reason, stop_sequence), "stopping_word": stop_sequence or "",
+            "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(gen)}
+
+
+def _probs(lps: list, ids: list[int]) -> list[dict]:
+    """llama-server's completion_probabilities: each generated token's id, text, bytes and log-probability, and
+    its n_probs most likely alternatives (text, bytes, log-probability)."""
+    def one(text: str, raw: bytes, lp: float | None) -> dict:
+        return {"token": text, "bytes": list(raw), "logprob": lp if lp is not None else -3.4028234663852886e38}
+
+    out = []
+    for k, x in enumerate(lps):
+        top = [one(t, x.top_bytes(j), lp) for j, (t, lp) in enumerate(x.top)]
+        out.append({"id": ids[k] if k < len(ids) else -1, **one(x.token, x.token_bytes, x.logprob), "top_logprobs": top})
+    return out
+
+
+def _data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _stream(gen: Generation, t_max: int | None, last: Any, n_probs: int = 0):
+    """A completion streamed as llama-server streams it: a ``data:`` object a chunk (its text, token ids,
+    counts, and with n_probs its tokens' probabilities), then ``last(finish_reason, stop_sequence)``'s object
+    (``stop: true``), no ``[DONE]``."""
+    async def produce() -> AsyncIterator[bytes]:
+        n, new_line = 0, False
+        async for ev in _bounded(gen, t_max):
+            if isinstance(ev, Delta) and (ev.content or ev.token_ids):
+                n += len(ev.token_ids)
+                # llama-server's stream never sends the bytes after the output's last whole character
+                content = ev.content[:len(ev.content) - min(ev.cut_chars, len(ev.content))]
+                new_line = new_line or "\n" in content
+                if content or (n_probs and ev.logprobs):
+                    out = {"index": 0, "content": content, "tokens": ev.token_ids, "stop": False, "id_slot": -1,
+                           "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens}
+                    if n_probs and ev.logprobs:
+                        out["completion_probabilities"] = _probs(ev.logprobs, ev.token_ids)
+                    yield _data(out)
+            elif isinstance(ev, Done):
+                out = last(ev.finish_reason, ev.stop_sequence)
+                if "has_new_line" in out:
+                    out["has_new_line"] = new_line
+                yield _data(out)
+
+    def failed(exc: Exception) -> list[bytes]:
+        if not isinstance(exc, LocalrunError):
+            exc = LocalrunError(f"internal error: {type(exc).__name__}")
+        return [_data(error_shape(exc.status, exc.public_message))]
+
+    return generation_response(gen, produce, failed)
+
+
 @router.post("/infill")
 async def infill(request: Request):
     st: State = request.app.state.lr
@@ -191,13 +269,10 @@ async def infill(request: Request):
     job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
               api="llama.infill", infill=Infill(prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra))
 
-    def final(gen: Generation, content: str, reason: str, stop_sequence: str | None, index: int = 0) -> dict:
-        u = gen.usage
-        return {"index": index, "content": content, "tokens": [], "id_slot": -1, "stop": True, "model": gen.model,
-                "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
-                "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
-                "stop_type": _stop_type(reason, stop_sequence), "stopping_word": stop_sequence or "",
-                "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(gen)}
+    settings = _settings(opts, stream)
+
+    def final(gen: Generation, content: str, reason: str, stop_sequence: str | None) -> dict:
+        return _final(gen, prompt, content, reason, stop_sequence, settings)
 
     if not stream:
         async def run():
@@ -218,32 +293,158 @@ async def infill(request: Request):
         return await until_disconnected(request, run())
 
     gen = await until_disconnected(request, st.generation.start(job))
+    return _stream(gen, t_max, lambda *a: _fields(fields, final(gen, "", *a)))
 
-    def data(obj: dict) -> bytes:
-        return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-    async def produce() -> AsyncIterator[bytes]:
-        n, new_line = 0, False
-        async for ev in _bounded(gen, t_max):
-            if isinstance(ev, Delta) and ev.content:
-                n += len(ev.token_ids)
-                # llama-server's stream never sends the bytes after the output's last whole character
-                content = ev.content[:len(ev.content) - min(ev.cut_chars, len(ev.content))]
-                new_line = new_line or "\n" in content
-                if content:
-                    yield data({"index": 0, "content": content, "tokens": ev.token_ids, "stop": False,
-                                "id_slot": -1, "tokens_predicted": n, "tokens_evaluated": gen.prompt_tokens})
-            elif isinstance(ev, Done):
-                out = final(gen, "", ev.finish_reason, ev.stop_sequence)
-                out["has_new_line"] = new_line
-                yield data(_fields(fields, out))
+# -- llama-server's own completions ------------------------------------------------------------------
+MAX_COMPLETION_PROMPTS = 64  # prompts one /completion request may carry (each its own answer)
 
-    def failed(exc: Exception) -> list[bytes]:
-        if not isinstance(exc, LocalrunError):
-            exc = LocalrunError(f"internal error: {type(exc).__name__}")
-        return [data(error_shape(exc.status, exc.public_message))]
 
-    return generation_response(gen, produce, failed)
+def _completion_prompts(value: Any) -> list[str | list[int]]:
+    """/completion's `prompt`: a string, an array of token ids, or an array of those (one answer each).
+    llama-server also takes one prompt mixing strings and ids; that is a 400 here, with what to send."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest('"prompt" must be a string, an array of token ids, or an array of those')
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return [p.token_ids(value, "prompt")]
+    if not all(isinstance(x, (str, list)) for x in value):
+        raise InvalidRequest('"prompt" mixes text and token ids: send the text as a string, or the whole prompt as '
+                             'token ids (/tokenize gives them)')
+    if len(value) > MAX_COMPLETION_PROMPTS:
+        raise InvalidRequest(f'"prompt" holds {len(value)} prompts; at most {MAX_COMPLETION_PROMPTS} (send them in '
+                             'several requests)')
+    return [x if isinstance(x, str) else p.token_ids(x, f"prompt[{i}]") for i, x in enumerate(value)]
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(request: Request):
+    """llama-server's completion: the prompt as it is (its special tokens read, the model's BOS put first), the
+    answer as llama-server gives it (``content``, ``stop_type``, ``timings``, ``completion_probabilities`` with
+    ``n_probs``...); with several prompts, an array of those; streamed, its ``data:`` lines."""
+    st: State = request.app.state.lr
+    body = await json_body(request)
+    if "prompt" not in body:
+        raise InvalidRequest('"prompt" is required')
+    prompts = _completion_prompts(body["prompt"])
+    stream = p.get_bool(body, "stream")
+    if stream and len(prompts) > 1:
+        raise InvalidRequest(f"a stream takes one prompt; this request has {len(prompts)}: send them without "
+                             '"stream", or as separate requests')
+    if p.get_bool(body, "post_sampling_probs"):
+        raise InvalidRequest('"post_sampling_probs" is not supported: "n_probs" gives each token\'s log-probability '
+                             "under the model, before sampling")
+    resolved = await _model(st, body, "the one to complete with")
+    opts, num_ctx = _options(body, resolved)
+    opts.logit_bias = _logit_bias(body.get("logit_bias"))
+    p.apply_structured(opts, body)  # llama-server's grammar and json_schema (one of them)
+    n_probs = p.get_int(body, "n_probs", 0, p.MAX_TOP_LOGPROBS, default=0)
+    if n_probs:
+        opts.logprobs, opts.top_logprobs = True, n_probs
+    fields = body.get("response_fields")
+    t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
+    want_tokens = p.get_bool(body, "return_tokens")
+    settings = _settings(opts, stream, n_probs)
+
+    def job_for(x: str | list[int]) -> Job:
+        ids = x if isinstance(x, list) else None
+        return Job(resolved, replace(opts), prompt="" if ids is not None else x, raw=True, num_ctx=num_ctx,
+                   keep_alive=st.keep_alive(body), api="llama.completion", token_prompt=ids)
+
+    if stream:
+        gen = await until_disconnected(request, st.generation.start(job_for(prompts[0])))
+        return _stream(gen, t_max, lambda *a: _fields(fields, _final(gen, prompts[0], "", *a, settings)), n_probs)
+
+    async def one(k: int, x: str | list[int]) -> dict:
+        gen = await st.generation.start(job_for(x))
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list = []
+        done = None
+        try:
+            async for ev in _bounded(gen, t_max):
+                if isinstance(ev, Delta):
+                    text.append(ev.content)
+                    ids += ev.token_ids
+                    lps += ev.logprobs or []
+                else:
+                    done = ev
+        finally:
+            await gen.release()
+        reason, word = (done.finish_reason, done.stop_sequence) if done is not None else ("stop", None)
+        out = _final(gen, x, "".join(text), reason, word, settings, index=k, tokens=ids if want_tokens else [])
+        if n_probs:
+            out["completion_probabilities"] = _probs(lps, ids)
+        return _fields(fields, out)
+
+    async def all_of() -> list[dict]:
+        gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+        async def gated(k: int, x: str | list[int]) -> dict:
+            async with gate:
+                return await one(k, x)
+
+        tasks = [asyncio.ensure_future(gated(k, x)) for k, x in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = await until_disconnected(request, all_of())
+    return results[0] if len(results) == 1 else results
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """llama-server's logit_bias: ``[[token id, bias], ...]`` (a bias of ``false``: the token never comes) or
+    OpenAI's ``{"id": bias}``. (Token text in place of an id, which llama-server also takes, is a 400.)"""
+    if value is None or value == [] or value == {}:
+        return None
+    if isinstance(value, dict):
+        return p.get_logit_bias({"logit_bias": value})
+    if not isinstance(value, list) or len(value) > p.MAX_LOGIT_BIAS:
+        raise InvalidRequest(f'"logit_bias" must be an array of at most {p.MAX_LOGIT_BIAS} [token id, bias] pairs')
+    out: dict[int, float] = {}
+    for pair in value:
+        ok = isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+        bias = pair[1] if ok else None
+        if bias is False:
+            bias = -100.0
+        if not ok or isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise InvalidRequest('"logit_bias" entries must be [token id, bias] with a bias from -100 to 100 (or '
+                                 'false: never)')
+        out[pair[0]] = float(bias)
+    return out
+
+
+@router.get("/props")
+async def props(request: Request):
+    """llama-server's server properties, for the model ``?model=`` names (else the one loaded, else the one in
+    the library; it is loaded): the context a sequence gets, the parallel sequences, the chat template, BOS/EOS,
+    whether it takes images."""
+    st: State = request.app.state.lr
+    resolved = await _model(st, {"model": request.query_params.get("model")}, "with ?model=")
+    bos, eos, window = await until_disconnected(request, st.generation.tokenizer(resolved))
+    from localrun.library.capabilities import model_capabilities
+
+    runner = st.manager.runners.get(resolved.name)
+    slots = (runner.ps().get("slots") if runner is not None else None) or 1
+    opts, _ = p.base_options(resolved)
+    template = resolved.template if resolved.template and not is_go_template(resolved.template) else ""
+    return {"default_generation_settings": {"params": _settings(opts, False), "n_ctx": window},
+            "total_slots": slots, "model_alias": resolved.name, "model_path": resolved.name,
+            "modalities": {"vision": "vision" in model_capabilities(resolved), "audio": False},
+            "chat_template": template, "bos_token": bos or "", "eos_token": eos or "",
+            "build_info": f"localrun {_version()}", "is_sleeping": False}
+
+
+def _version() -> str:
+    from localrun import __version__
+
+    return __version__
 
 
 @router.get("/health")
