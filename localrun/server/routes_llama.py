@@ -13,7 +13,6 @@ llama-server's answer: ``content``, ``stop``, ``tokens_predicted``, ``tokens_eva
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -23,6 +22,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from localrun import __version__
 from localrun.backends.base import Infill
 from localrun.go_template import is_go_template
 from localrun.errors import InvalidRequest, LocalrunError
@@ -31,7 +31,7 @@ from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
 from localrun.server.images import take_images
-from localrun.server.routes_openai import BATCH_CONCURRENCY
+from localrun.server.routes_openai import BATCH_CONCURRENCY, gather_bounded
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
@@ -379,22 +379,8 @@ async def completion(request: Request):
             out["completion_probabilities"] = _probs(lps, ids)
         return _fields(fields, out)
 
-    async def all_of() -> list[dict]:
-        gate = asyncio.Semaphore(BATCH_CONCURRENCY)
-
-        async def gated(k: int, x: str | list[int]) -> dict:
-            async with gate:
-                return await one(k, x)
-
-        tasks = [asyncio.ensure_future(gated(k, x)) for k, x in enumerate(prompts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    results = await until_disconnected(request, all_of())
+    calls = [lambda k=k, x=x: one(k, x) for k, x in enumerate(prompts)]
+    results = await until_disconnected(request, gather_bounded(calls, BATCH_CONCURRENCY))
     return results[0] if len(results) == 1 else results
 
 
@@ -431,20 +417,14 @@ async def props(request: Request):
     from localrun.library.capabilities import model_capabilities
 
     runner = st.manager.runners.get(resolved.name)
-    slots = (runner.ps().get("slots") if runner is not None else None) or 1
+    slots = (runner.info.slots if runner is not None else None) or 1
     opts, _ = p.base_options(resolved)
     template = resolved.template if resolved.template and not is_go_template(resolved.template) else ""
     return {"default_generation_settings": {"params": _settings(opts, False), "n_ctx": window},
             "total_slots": slots, "model_alias": resolved.name, "model_path": resolved.name,
             "modalities": {"vision": "vision" in model_capabilities(resolved), "audio": False},
             "chat_template": template, "bos_token": bos or "", "eos_token": eos or "",
-            "build_info": f"localrun {_version()}", "is_sleeping": False}
-
-
-def _version() -> str:
-    from localrun import __version__
-
-    return __version__
+            "build_info": f"localrun {__version__}", "is_sleeping": False}
 
 
 @router.get("/health")

@@ -432,13 +432,19 @@ async def completions(request: Request):
 async def _collect_batch(st: State, jobs: list[Job]) -> list[tuple[Generation, list[Choice]]]:
     """Every job run to its end, at most BATCH_CONCURRENCY at once; the first failure ends the rest
     (and is raised)."""
-    gate = asyncio.Semaphore(BATCH_CONCURRENCY)
+    return await gather_bounded([lambda job=job: _run_to_end(st, job) for job in jobs], BATCH_CONCURRENCY)
 
-    async def one(job: Job):
+
+async def gather_bounded(calls: list, limit: int) -> list:
+    """Each of `calls` (no-argument coroutine functions) awaited, at most `limit` at once, their results in
+    order; the first failure cancels the rest (and is raised)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(call):
         async with gate:
-            return await _run_to_end(st, job)
+            return await call()
 
-    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    tasks = [asyncio.ensure_future(one(c)) for c in calls]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
