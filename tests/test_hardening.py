@@ -104,6 +104,20 @@ def test_huge_prompt_is_refused_before_tokenizing_without_blocking(daemon):
     assert max(p.latencies, default=0) < 0.25, p.latencies
 
 
+
+def test_a_chat_too_long_for_any_window_is_blamed_on_its_length(daemon):
+    """A 5 MB chat message is more text than any window holds (and more than a template may build): every chat
+    API answers a 400 that says the conversation is too long, not that the chat template misbehaved."""
+    long = "word " * 1_000_000
+    bodies = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": long}]},
+              "/api/chat": {"model": MODEL, "messages": [{"role": "user", "content": long}], "stream": False},
+              "/v1/messages": {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": long}]},
+              "/v1/responses": {"model": MODEL, "input": long}}
+    for path, body in bodies.items():
+        r = daemon.http.post(path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert "the messages hold 5,000,000 characters" in r.text and "template" not in r.text, (path, r.text)
+
 # -- 3. JSON schemas ------------------------------------------------------------------------------------------
 def test_tiny_schema_with_a_huge_count_is_refused_quickly(daemon):
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 100000000,

@@ -28,6 +28,7 @@ or by :meth:`Generation.release` (idempotent) from whoever gives up first.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -37,7 +38,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import (CONTEXT_EXCEEDED, INFILL_BATCH, MEDIA_MARKER, Chunk, GenerationRequest, Infill,
                                     SamplingOptions, TokenLogprob, Usage, fit_window)
-from localrun.chat_template import render_chat
+from localrun.chat_template import MAX_OUTPUT_CHARS, render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.library.capabilities import KIND_USE, model_kind
 from localrun.server import generic_tools
@@ -766,6 +767,22 @@ def _renormalize(v: list[float]) -> list[float]:
     return [x / norm for x in v] if norm > 0 else v
 
 
+def _check_text_size(messages: list[dict]) -> None:
+    """A chat whose text is more than a template may build (MAX_OUTPUT_CHARS, about a million tokens: more
+    than any context window) is a 400 saying so, before the template runs into its own bound and is blamed."""
+    n = 0
+    for m in messages:
+        n += len(m.get("content") or "") if isinstance(m.get("content"), str) else 0
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            n += len(args) if isinstance(args, str) else len(json.dumps(args)) if args is not None else 0
+    if n > MAX_OUTPUT_CHARS:
+        raise InvalidRequest(f"the messages hold {n:,} characters of text; a prompt may hold at most "
+                             f"{MAX_OUTPUT_CHARS:,} (about a million tokens, more than any context window): "
+                             "shorten the conversation, or send the text in parts")
+
+
 def render_prompt(job: Job) -> str:
     """The prompt text the model sees (runs on a worker thread: templates can be slow)."""
     r = job.resolved
@@ -776,6 +793,7 @@ def render_prompt(job: Job) -> str:
         extra["reasoning_effort"] = job.effort  # gpt-oss's "Reasoning: high"
     if job.messages is not None:
         msgs = list(job.messages)
+        _check_text_size(msgs)
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
