@@ -10,7 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import psutil
@@ -127,3 +129,12 @@ class Daemon:
         assert not alive, f"runner processes outlived the daemon: {[p.pid for p in alive]}"
 
 
+@contextmanager
+def pulled_daemon(home: Path, **env: str) -> Iterator[Daemon]:
+    """A Daemon with the bundled model pulled, stopped (and checked) at the end: a module fixture's body."""
+    d = Daemon(home, **env)
+    try:
+        d.pull()
+        yield d
+    finally:
+        d.stop()

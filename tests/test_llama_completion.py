@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from daemon import MODEL, Daemon
+from daemon import MODEL, pulled_daemon
 
 from localrun.bench.greedy import compare
 
@@ -27,13 +27,9 @@ PROMPTS = [CHATML.format("What is the capital of France?"), "The three primary c
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("home_completion"), LOCALRUN_NUM_PARALLEL="2",
-               LOCALRUN_CONTEXT_LENGTH=str(N_CTX))
-    try:
-        d.pull()
+    with pulled_daemon(tmp_path_factory.mktemp("home_completion"), LOCALRUN_NUM_PARALLEL="2",
+                       LOCALRUN_CONTEXT_LENGTH=str(N_CTX)) as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")

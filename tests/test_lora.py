@@ -13,7 +13,7 @@ import sys
 
 import httpx
 import pytest
-from daemon import MODEL, Daemon
+from daemon import MODEL, Daemon, pulled_daemon
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("llama_cpp")
@@ -25,12 +25,9 @@ PROMPTS = ["Once upon a time", "<|im_start|>user\nTell me a story about a dragon
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, lora_ggufs):
-    d = Daemon(tmp_path_factory.mktemp("home_lora"), LOCALRUN_NUM_PARALLEL="2", LOCALRUN_CONTEXT_LENGTH=str(N_CTX))
-    try:
-        d.pull()
+    with pulled_daemon(tmp_path_factory.mktemp("home_lora"), LOCALRUN_NUM_PARALLEL="2",
+                       LOCALRUN_CONTEXT_LENGTH=str(N_CTX)) as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")

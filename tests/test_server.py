@@ -18,30 +18,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from daemon import KEY, MODEL, Daemon
+from daemon import KEY, MODEL, Daemon, pulled_daemon
 
 pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def daemon_a(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("home_a"), LOCALRUN_API_KEY=KEY, LOCALRUN_NUM_PARALLEL="2",
-               LOCALRUN_MAX_QUEUE="8", LOCALRUN_CONTEXT_LENGTH="2048", LOCALRUN_ORIGINS="http://app.example")
-    try:
-        d.pull()
+    with pulled_daemon(tmp_path_factory.mktemp("home_a"), LOCALRUN_API_KEY=KEY, LOCALRUN_NUM_PARALLEL="2",
+                       LOCALRUN_MAX_QUEUE="8", LOCALRUN_CONTEXT_LENGTH="2048", LOCALRUN_ORIGINS="http://app.example") as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")
 def daemon_b(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("home_b"), LOCALRUN_NUM_PARALLEL="1", LOCALRUN_MAX_QUEUE="1",
-               LOCALRUN_MAX_LOADED_MODELS="1", LOCALRUN_CONTEXT_LENGTH="1024")
-    try:
-        d.pull()
+    with pulled_daemon(tmp_path_factory.mktemp("home_b"), LOCALRUN_NUM_PARALLEL="1", LOCALRUN_MAX_QUEUE="1",
+                       LOCALRUN_MAX_LOADED_MODELS="1", LOCALRUN_CONTEXT_LENGTH="1024") as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")
