@@ -125,6 +125,63 @@ def test_token_prompts_batches_and_alias(daemon):
     assert r.json()["tokens"][0] != first
 
 
+def test_ignore_eos_empty_and_long_prompts_are_llama_servers(daemon, llama_srv):
+    """ignore_eos bans the end-of-generation tokens (llama-server's meaning: exactly n_predict tokens of text, no
+    hidden special tokens); an empty prompt answers empty; a token-id prompt shows as text; a prompt that fills the
+    window ends the answer with truncated: true; one over it is llama-server's exceed_context_size_error."""
+    h = daemon.http
+    body = {"prompt": CHATML.format("Say yes"), "n_predict": 16, "temperature": 0, "ignore_eos": True, "n_probs": 1,
+            "return_tokens": True}
+    truth = llama_srv.post("/completion", json={**body, "cache_prompt": False}).json()
+    got = h.post("/completion", json=body).json()
+    _agree(_tokens(truth), _tokens(got))
+    assert got["tokens_predicted"] == 16 == truth["tokens_predicted"] and got["stop_type"] == "limit"
+    eog = set(h.post("/tokenize", json={"content": "<|im_end|><|im_start|><|endoftext|>"}).json()["tokens"])
+    assert not eog & set(got["tokens"]) and "<|im" not in got["content"]
+    assert all(x["token"] for x in got["completion_probabilities"])  # no special token's empty text
+    # an empty prompt: nothing evaluated, nothing generated (llama-server answers the same for this model)
+    for server in (llama_srv, h):
+        r = server.post("/completion", json={"prompt": "", "n_predict": 4})
+        assert r.status_code == 200, r.text
+        assert (r.json()["content"], r.json()["tokens_evaluated"], r.json()["stop_type"]) == ("", 0, "none")
+    arr = h.post("/completion", json={"prompt": ["", "The sky is"], "n_predict": 2, "temperature": 0}).json()
+    assert arr[0]["content"] == "" and arr[1]["content"] and arr[1]["index"] == 1
+    with h.stream("POST", "/completion", json={"prompt": "", "stream": True}) as s:
+        assert [e["stop"] for e in _sse(s)] == [True]
+    # token ids: the answer shows the prompt as text, as llama-server does
+    ids = h.post("/tokenize", json={"content": "Hello,"}).json()["tokens"]
+    assert h.post("/completion", json={"prompt": ids, "n_predict": 1}).json()["prompt"] == "Hello," == \
+        llama_srv.post("/completion", json={"prompt": ids, "n_predict": 1}).json()["prompt"]
+    # a prompt that leaves 8 tokens of the window: the answer stops there, truncated
+    long = h.post("/tokenize", json={"content": "The quick brown fox jumps over the lazy dog. " * 250}).json()["tokens"]
+    body = {"prompt": long[:N_CTX - 8], "n_predict": 16, "temperature": 0}
+    truth = llama_srv.post("/completion", json=body).json()
+    got = h.post("/completion", json=body).json()
+    assert (got["tokens_predicted"], got["truncated"]) == (truth["tokens_predicted"], truth["truncated"]) == (8, True)
+    # over it: llama-server's error type and counts (the llama.cpp web UI reads them)
+    for server in (llama_srv, h):
+        r = server.post("/completion", json={"prompt": long[:N_CTX + 100], "n_predict": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["n_prompt_tokens"], err["n_ctx"]) == ("exceed_context_size_error", N_CTX + 100, N_CTX)
+
+
+def test_without_a_model_the_one_used_last(daemon):
+    """llama-server's clients name no model: they get the loaded model used last (not a 400 once a second model
+    was used)."""
+    h = daemon.http
+    r = h.post("/api/create", json={"model": "smolt", "from": MODEL, "parameters": {"temperature": 0.1},
+                                    "stream": False})
+    assert r.status_code == 200, r.text
+    for name in ("smolt:latest", MODEL, "smolt:latest"):
+        assert h.post("/completion", json={"model": name, "prompt": "Hi", "n_predict": 1}).status_code == 200
+        assert h.post("/completion", json={"prompt": "Hi", "n_predict": 1}).json()["model"] == name
+        assert h.get("/props").json()["model_alias"] == name
+    assert h.get("/props", params={"model": MODEL}).json()["default_generation_settings"]["params"]["temperature"] \
+        != h.get("/props", params={"model": "smolt"}).json()["default_generation_settings"]["params"]["temperature"]
+    assert h.request("DELETE", "/api/delete", json={"model": "smolt"}).status_code == 200
+
+
 @pytest.mark.parametrize("body, message", [
     ({}, '"prompt" is required'),
     ({"prompt": ["text", 12, 13]}, "mixes text and token ids"),

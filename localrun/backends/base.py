@@ -41,7 +41,10 @@ class SamplingOptions:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    ignore_eos: bool = False  # benchmarks: generate exactly max_tokens (vLLM's meaning: an end token is sampled, then passed)
+    # llama-server's ignore_eos (its routes set it with ignore_eos): the end-of-generation tokens are never sampled,
+    # so the text is exactly max_tokens of text; llama.cpp bans them, the native engine does not (it passes them)
+    ban_eog: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     # each prompt token's logprob (given the tokens before it) and this many alternatives; None: off.

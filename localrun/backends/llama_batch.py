@@ -32,13 +32,14 @@ import codecs
 import ctypes
 import functools
 import logging
+import math
 import os
 import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -109,11 +110,13 @@ def longest_piece(lib, vocab, n_vocab: int) -> int:
     return longest
 
 
-def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, grammar: str | None = None):
+def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, grammar: str | None = None,
+                 banned: Sequence[int] = ()):
     """(a llama.cpp sampler chain for one request, its grammar's sampler or None): the caller frees
     each with llama_sampler_free. The grammar stays out of the chain, as in llama-server: it checks
     the token the chain picks and masks the whole vocabulary only when it refuses that one
-    (BatchedLlama._sample_constrained). InvalidRequest when the grammar does not parse."""
+    (BatchedLlama._sample_constrained). `banned` tokens are never picked (ban_eog: the
+    end-of-generation tokens, as llama-server's ignore_eos bans them). InvalidRequest when the grammar does not parse."""
     chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
 
     def add(s) -> None:
@@ -122,8 +125,9 @@ def make_sampler(lib, vocab, n_vocab: int, o: SamplingOptions, window: int, gram
             raise BackendError("llama.cpp could not create a sampler")
         lib.llama_sampler_chain_add(chain, s)
 
-    if o.logit_bias:
-        items = [lib.llama_logit_bias(int(t), float(b)) for t, b in o.logit_bias.items()]
+    bias = {**{int(t): float(b) for t, b in (o.logit_bias or {}).items()}, **{int(t): -math.inf for t in banned}}
+    if bias:
+        items = [lib.llama_logit_bias(t, b) for t, b in bias.items()]
         add(lib.llama_sampler_init_logit_bias(n_vocab, len(items), (lib.llama_logit_bias * len(items))(*items)))
     last_n = window if o.repeat_last_n < 0 else o.repeat_last_n
     add(lib.llama_sampler_init_penalties(n_vocab, last_n, o.repeat_penalty, o.frequency_penalty, o.presence_penalty))
@@ -376,6 +380,7 @@ class BatchedLlama:
         # runner's event loop (handing the last step's chunks on) takes it each time
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
+        self._eog_ids: np.ndarray | None = None
         self._outbox: list[tuple[Request, Any]] = []
         self._alloc_batch(self.step_tokens)
         self._thread = threading.Thread(target=self._run, name=f"llama-batch-{name}", daemon=True)
@@ -867,7 +872,10 @@ class BatchedLlama:
             for row in range(first_row + k - 1 if not decoding else first_row, first_row + k):
                 if r.argmax:
                     # (a prompt without prompt logprobs has one output row: its last token's)
-                    tok = int(logits[o0 + row - first_row if decoding or r.prompt_lps is not None else o0].argmax())
+                    out = logits[o0 + row - first_row if decoding or r.prompt_lps is not None else o0]
+                    if r.options.ban_eog:
+                        out[self.eog_ids()] = -np.inf  # (the chain's logit bias bans them for the other paths)
+                    tok = int(out.argmax())
                 elif r.grammar:
                     tok = self._sample_constrained(r, row)
                 elif r.matcher is not None:
@@ -1003,6 +1011,13 @@ class BatchedLlama:
         if r.on_end is not None:
             on_end, r.on_end = r.on_end, None
             on_end()
+
+    def eog_ids(self) -> np.ndarray:
+        """The vocabulary's end-of-generation tokens (llama_vocab_is_eog), found once (~10 ms for 50k tokens)."""
+        if self._eog_ids is None:
+            self._eog_ids = np.array([t for t in range(self.n_vocab) if self.lib.llama_vocab_is_eog(self.vocab, t)],
+                                     dtype=np.int64)
+        return self._eog_ids
 
     def _is_eog(self, tok: int) -> bool:
         e = self._eog.get(tok)

@@ -609,7 +609,8 @@ class LlamaCppBackend:
             if o.own_constraint():
                 matcher = await asyncio.to_thread(
                     lambda: self._matchers.matcher(constraint_lark(o.regex, o.choices, o.grammar)))
-            args = (self._lib, self._vocab, self._n_vocab, o, window, grammar)
+            banned = self.engine.eog_ids() if o.ban_eog else ()  # (llama-server's ignore_eos)
+            args = (self._lib, self._vocab, self._n_vocab, o, window, grammar, banned)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
             sampler, gsampler = (make_sampler(*args) if len(grammar or "") < 4096
                                  else await asyncio.to_thread(make_sampler, *args))

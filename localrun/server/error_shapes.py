@@ -23,12 +23,19 @@ def anthropic_error(status: int, message: str, code: str = "") -> dict:
     return {"type": "error", "error": {"type": etype, "message": message}}
 
 
-def llama_server_error(status: int, message: str) -> dict:
-    """llama-server's error object (format_error_response)."""
+def llama_server_error(status: int, message: str, code: str = "") -> dict:
+    """llama-server's error object (format_error_response); a prompt over the window is its
+    exceed_context_size_error with n_prompt_tokens and n_ctx (the llama.cpp web UI reads them)."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
     etype = kind.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"code": status, "message": message, "type": etype}}
+    err: dict = {"code": status, "message": message, "type": etype}
+    if code == "context_length_exceeded":
+        err["type"] = "exceed_context_size_error"
+        m = _OVER_WINDOW.match(message)
+        if m:
+            err["n_prompt_tokens"], err["n_ctx"] = int(m[1]), int(m[2])
+    return {"error": err}
 
 
 def error_body(path: str, status: int, message: str, code: str) -> dict:
@@ -38,7 +45,7 @@ def error_body(path: str, status: int, message: str, code: str) -> dict:
         return anthropic_error(status, message, code)
     if path in ("/completion", "/completions", "/props", "/infill", "/tokenize", "/detokenize", "/rerank", "/reranking", "/v2/rerank", "/tokenizer_info",
                 "/health"):
-        return llama_server_error(status, message)
+        return llama_server_error(status, message, code)
     if path.startswith("/v1"):
         etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
         if status == 401:

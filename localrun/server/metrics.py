@@ -25,8 +25,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/messages",
           "/v1/messages/count_tokens", "/v1/responses", "/api/generate", "/api/chat", "/api/embed",
           "/api/embeddings", "/api/pull", "/api/create", "/api/tags", "/api/show", "/api/ps", "/api/copy",
-          "/api/delete", "/api/version", "/infill", "/tokenize", "/detokenize", "/v1/rerank", "/rerank", "/v2/rerank",
-          "/metrics", "/")
+          "/api/delete", "/api/version", "/completion", "/completions", "/infill", "/props", "/health", "/tokenize",
+          "/detokenize", "/tokenizer_info", "/v1/rerank", "/rerank", "/v2/rerank", "/metrics", "/")
 
 
 def route_label(path: str) -> str:

@@ -20,10 +20,10 @@ import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from localrun import __version__
-from localrun.backends.base import Infill
+from localrun.backends.base import Infill, Usage
 from localrun.go_template import is_go_template
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.library.modelfile import PARAMETERS
@@ -59,26 +59,25 @@ def _extra(value: Any) -> list[dict]:
 
 async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens",
                  able: str | None = None):
-    """The model named in the body; without one (llama-server serves a single model, so its clients
-    often send none) the one model loaded, or with `able` (a capability: "insert") the one loaded model
-    that has it (an editor's completions beside a chat model), else the one model in the library."""
+    """The model named in the body. Without one (llama-server serves a single model, so its clients send
+    none): the loaded model used last, or with `able` (a capability: "insert") the one used last of those
+    that have it (an editor's completions beside a chat model); with none loaded, the one model in the
+    library."""
     name = body.get("model")
     if name is not None and name != "":
         return await st.resolve(p.get_str(body, "model", required=True))
-    loaded = list(st.manager.runners)
-    if len(loaded) == 1:
-        return await st.resolve(loaded[0])
+    loaded = sorted((r for r in st.manager.runners.values() if not r.orphan), key=lambda r: -r.last_used)
     if able is not None and len(loaded) > 1:
         from localrun.library.capabilities import model_capabilities
 
-        fit = [r.name for r in st.manager.runners.values() if able in model_capabilities(r.resolved)]
-        if len(fit) == 1:
-            return await st.resolve(fit[0])
+        loaded = [r for r in loaded if able in model_capabilities(r.resolved)] or loaded
+    if loaded:
+        return await st.resolve(loaded[0].name)
     models = await st.list_models()
     if len(models) == 1:
         return await st.resolve(models[0].name)
-    raise InvalidRequest(f"'model' is required: {len(loaded)} models are loaded and {len(models)} are in the library "
-                         f"(name one, {hint})")
+    raise InvalidRequest(f"'model' is required: no model is loaded and {len(models)} are in the library (name one, "
+                         f"{hint})")
 
 
 def _options(body: dict, resolved: Any):
@@ -102,7 +101,7 @@ def _options(body: dict, resolved: Any):
         opts.seed = v if v >= 0 else None  # llama-server: -1 is a random seed
     if body.get("stop") is not None:
         opts.stop = p.get_stop(body["stop"])
-    opts.ignore_eos = p.get_bool(body, "ignore_eos")
+    opts.ignore_eos = opts.ban_eog = p.get_bool(body, "ignore_eos")  # llama-server's: end tokens never sampled
     return opts, num_ctx
 
 
@@ -126,7 +125,10 @@ def _fields(paths: Any, obj: dict) -> dict:
 
 
 def _timings(gen: Generation) -> dict:
-    u = gen.usage
+    return _timings_of(gen.usage)
+
+
+def _timings_of(u: Usage) -> dict:
     prompt_n = max(0, u.prompt_tokens - u.cached_tokens)
     prompt_ms, predicted_ms = u.prompt_eval_seconds * 1e3, u.eval_seconds * 1e3
     return {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -192,7 +194,8 @@ def _final(gen: Generation, prompt: Any, content: str, reason: str, stop_sequenc
     u = gen.usage
     return {"index": index, "content": content, "tokens": tokens or [], "id_slot": -1, "stop": True,
             "model": gen.model, "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
-            "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in content, "truncated": False,
+            "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in content,
+            "truncated": reason == "length" and u.prompt_tokens + u.completion_tokens >= gen.lease.num_ctx,
             "stop_type": _stop_type(reason, stop_sequence), "stopping_word": stop_sequence or "",
             "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(gen)}
 
@@ -241,7 +244,7 @@ def _stream(gen: Generation, t_max: int | None, last: Any, n_probs: int = 0):
     def failed(exc: Exception) -> list[bytes]:
         if not isinstance(exc, LocalrunError):
             exc = LocalrunError(f"internal error: {type(exc).__name__}")
-        return [_data(error_shape(exc.status, exc.public_message))]
+        return [_data(error_shape(exc.status, exc.public_message, exc.code))]
 
     return generation_response(gen, produce, failed)
 
@@ -353,20 +356,42 @@ async def completion(request: Request):
         return Job(resolved, replace(opts), prompt="" if ids is not None else x, raw=True, num_ctx=num_ctx,
                    keep_alive=st.keep_alive(body), api="llama.completion", token_prompt=ids)
 
+    async def shown(x: str | list[int]) -> str:
+        """The prompt as the answer shows it: text (token ids detokenized, as llama-server shows them)."""
+        return x if isinstance(x, str) else await st.generation.detokenize(resolved, x, keep_alive=st.keep_alive(body))
+
+    def empty(k: int) -> dict:
+        """An empty prompt: nothing to evaluate, nothing generated (llama-server's answer for a model without BOS;
+        the model is loaded, as a probe expects)."""
+        u = Usage()
+        out = {"index": k, "content": "", "tokens": [], "id_slot": -1, "stop": True, "model": resolved.name,
+               "tokens_predicted": 0, "tokens_evaluated": 0, "generation_settings": settings, "prompt": "",
+               "has_new_line": False, "truncated": False, "stop_type": "none", "stopping_word": "", "tokens_cached": 0,
+               "timings": _timings_of(u)}
+        return _fields(fields, {**out, "completion_probabilities": []} if n_probs else out)
+
     if stream:
+        if prompts[0] == "":
+            await until_disconnected(request, st.generation.tokenizer(resolved, keep_alive=st.keep_alive(body)))
+            return Response(_data(empty(0)), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text = await until_disconnected(request, shown(prompts[0]))
         gen = await until_disconnected(request, st.generation.start(job_for(prompts[0])))
-        return _stream(gen, t_max, lambda *a: _fields(fields, _final(gen, prompts[0], "", *a, settings)), n_probs)
+        return _stream(gen, t_max, lambda *a: _fields(fields, _final(gen, text, "", *a, settings)), n_probs)
 
     async def one(k: int, x: str | list[int]) -> dict:
+        if x == "":
+            await st.generation.tokenizer(resolved, keep_alive=st.keep_alive(body))
+            return empty(k)
+        text = await shown(x)
         gen = await st.generation.start(job_for(x))
-        text: list[str] = []
+        parts: list[str] = []
         ids: list[int] = []
         lps: list = []
         done = None
         try:
             async for ev in _bounded(gen, t_max):
                 if isinstance(ev, Delta):
-                    text.append(ev.content)
+                    parts.append(ev.content)
                     ids += ev.token_ids
                     lps += ev.logprobs or []
                 else:
@@ -374,7 +399,7 @@ async def completion(request: Request):
         finally:
             await gen.release()
         reason, word = (done.finish_reason, done.stop_sequence) if done is not None else ("stop", None)
-        out = _final(gen, x, "".join(text), reason, word, settings, index=k, tokens=ids if want_tokens else [])
+        out = _final(gen, text, "".join(parts), reason, word, settings, index=k, tokens=ids if want_tokens else [])
         if n_probs:
             out["completion_probabilities"] = _probs(lps, ids)
         return _fields(fields, out)
