@@ -24,17 +24,15 @@ def anthropic_error(status: int, message: str, code: str = "") -> dict:
 
 
 def llama_server_error(status: int, message: str, code: str = "") -> dict:
-    """llama-server's error object (format_error_response); a prompt over the window is its
+    """llama-server's error object (format_error_response); a prompt of N tokens over the window is its
     exceed_context_size_error with n_prompt_tokens and n_ctx (the llama.cpp web UI reads them)."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}
     etype = kind.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
     err: dict = {"code": status, "message": message, "type": etype}
-    if code == "context_length_exceeded":
-        err["type"] = "exceed_context_size_error"
-        m = _OVER_WINDOW.match(message)
-        if m:
-            err["n_prompt_tokens"], err["n_ctx"] = int(m[1]), int(m[2])
+    m = _OVER_WINDOW.match(message) if code == "context_length_exceeded" else None
+    if m:  # (a prompt refused by its length in characters, before tokenizing, has no count to give: not this type)
+        err.update(type="exceed_context_size_error", n_prompt_tokens=int(m[1]), n_ctx=int(m[2]))
     return {"error": err}
 
 
