@@ -75,6 +75,8 @@ def test_completion_is_llama_servers(daemon, llama_srv):
         verdicts.append(compare(ref, ours).verdict)
         if verdicts[-1] == "same":
             assert got["content"] == truth["content"] and got["stop_type"] == truth["stop_type"]
+            assert [[t["id"] for t in x["top_logprobs"]] for x in got["completion_probabilities"]] == \
+                [[t["id"] for t in x["top_logprobs"]] for x in truth["completion_probabilities"]]
             assert max(abs(a[1] - b[1]) for a, b in zip(ref, ours)) < 0.05
         assert got["content"] == "".join(t for t, _, _ in ours)
         assert set(truth) - {"id_slot", "tokens"} <= set(got) | {"generation_settings"}, set(truth) - set(got)

@@ -133,6 +133,7 @@ class TokenLogprob:
     # U+FFFD there), and the same for each of `top` (None: all whole); OpenAI's `bytes` carry them
     raw: bytes | None = None
     top_raw: list[bytes | None] | None = None
+    top_ids: list[int] | None = None  # the alternatives' token ids, where the backend gives them (llama-server's "id")
 
     @property
     def token_bytes(self) -> bytes:

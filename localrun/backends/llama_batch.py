@@ -1126,7 +1126,8 @@ class BatchedLlama:
             if any(raw is not None for _, raw in texts):
                 top_raw = [raw for _, raw in texts]
         text, raw = _text_and_raw(self.piece(token))
-        return TokenLogprob(token=text, logprob=float(logits[token] - lse), top=top, raw=raw, top_raw=top_raw)
+        return TokenLogprob(token=text, logprob=float(logits[token] - lse), top=top, raw=raw, top_raw=top_raw,
+                            top_ids=[int(t) for t in idx] if top_n > 0 else None)
 
 
 def _text_and_raw(piece: bytes) -> tuple[str, bytes | None]:

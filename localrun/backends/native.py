@@ -281,7 +281,8 @@ class NativeBackend:
 
     def _logprobs(self, items) -> list[TokenLogprob]:
         s = self.tokenizer.token_str
-        return [TokenLogprob(s(t), lp, [(s(i), v) for i, v in top]) for t, lp, top in items]
+        return [TokenLogprob(s(t), lp, [(s(i), v) for i, v in top], top_ids=[int(i) for i, _ in top])
+                for t, lp, top in items]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         ids = request.prompt_token_ids

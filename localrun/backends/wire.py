@@ -192,10 +192,12 @@ def chunk_to_wire(c: Chunk) -> dict:
 
 
 def _lps_to_wire(lps: list[TokenLogprob]) -> list:
-    """[token, logprob, top], and where bytes are not whole UTF-8: [raw hex, [each top's raw hex]] after them."""
-    return [[lp.token, lp.logprob, lp.top] if lp.raw is None and lp.top_raw is None else
+    """[token, logprob, top], and where bytes are not whole UTF-8 or the alternatives' ids are known:
+    [raw hex, [each top's raw hex], [top ids]] after them."""
+    return [[lp.token, lp.logprob, lp.top] if lp.raw is None and lp.top_raw is None and lp.top_ids is None else
             [lp.token, lp.logprob, lp.top, lp.raw.hex() if lp.raw is not None else None,
-             [r.hex() if r is not None else None for r in lp.top_raw] if lp.top_raw is not None else None]
+             [r.hex() if r is not None else None for r in lp.top_raw] if lp.top_raw is not None else None,
+             lp.top_ids]
             for lp in lps]
 
 
@@ -206,6 +208,7 @@ def _lps_from_wire(items: list) -> list[TokenLogprob]:
         if raw:
             x.raw = bytes.fromhex(raw[0]) if raw[0] is not None else None
             x.top_raw = [bytes.fromhex(r) if r is not None else None for r in raw[1]] if raw[1] is not None else None
+            x.top_ids = raw[2] if len(raw) > 2 else None
         out.append(x)
     return out
 

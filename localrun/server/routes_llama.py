@@ -202,13 +202,13 @@ def _final(gen: Generation, prompt: Any, content: str, reason: str, stop_sequenc
 
 def _probs(lps: list, ids: list[int]) -> list[dict]:
     """llama-server's completion_probabilities: each generated token's id, text, bytes and log-probability, and
-    its n_probs most likely alternatives (text, bytes, log-probability)."""
+    its n_probs most likely alternatives (id, text, bytes, log-probability)."""
     def one(text: str, raw: bytes, lp: float | None) -> dict:
         return {"token": text, "bytes": list(raw), "logprob": lp if lp is not None else -3.4028234663852886e38}
 
     out = []
     for k, x in enumerate(lps):
-        top = [one(t, x.top_bytes(j), lp) for j, (t, lp) in enumerate(x.top)]
+        top = [({"id": x.top_ids[j]} if x.top_ids else {}) | one(t, x.top_bytes(j), lp) for j, (t, lp) in enumerate(x.top)]
         out.append({"id": ids[k] if k < len(ids) else -1, **one(x.token, x.token_bytes, x.logprob), "top_logprobs": top})
     return out
 
