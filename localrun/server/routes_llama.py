@@ -124,11 +124,7 @@ def _fields(paths: Any, obj: dict) -> dict:
     return out
 
 
-def _timings(gen: Generation) -> dict:
-    return _timings_of(gen.usage)
-
-
-def _timings_of(u: Usage) -> dict:
+def _timings(u: Usage) -> dict:
     prompt_n = max(0, u.prompt_tokens - u.cached_tokens)
     prompt_ms, predicted_ms = u.prompt_eval_seconds * 1e3, u.eval_seconds * 1e3
     return {"cache_n": u.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -191,13 +187,19 @@ def _final(gen: Generation, prompt: Any, content: str, reason: str, stop_sequenc
            index: int = 0, tokens: list[int] | None = None) -> dict:
     """llama-server's last object of a completion (to_json_non_oaicompat): the text (all of it, or "" at the
     end of a stream), why it stopped, the counts and the timings."""
-    u = gen.usage
+    return _result(gen.model, gen.usage, gen.lease.num_ctx, prompt, content, reason, stop_sequence, settings,
+                   index=index, tokens=tokens)
+
+
+def _result(model: str, u: Usage, window: int, prompt: Any, content: str, reason: str, stop_sequence: str | None,
+            settings: dict, *, index: int = 0, tokens: list[int] | None = None) -> dict:
+    """_final's object from a model's name, usage and window (an empty prompt's answer has no generation)."""
     return {"index": index, "content": content, "tokens": tokens or [], "id_slot": -1, "stop": True,
-            "model": gen.model, "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
+            "model": model, "tokens_predicted": u.completion_tokens, "tokens_evaluated": u.prompt_tokens,
             "generation_settings": settings, "prompt": prompt, "has_new_line": "\n" in content,
-            "truncated": reason == "length" and u.prompt_tokens + u.completion_tokens >= gen.lease.num_ctx,
+            "truncated": reason == "length" and u.prompt_tokens + u.completion_tokens >= window,
             "stop_type": _stop_type(reason, stop_sequence), "stopping_word": stop_sequence or "",
-            "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(gen)}
+            "tokens_cached": u.prompt_tokens + u.completion_tokens, "timings": _timings(u)}
 
 
 def _probs(lps: list, ids: list[int]) -> list[dict]:
@@ -363,11 +365,7 @@ async def completion(request: Request):
     def empty(k: int) -> dict:
         """An empty prompt: nothing to evaluate, nothing generated (llama-server's answer for a model without BOS;
         the model is loaded, as a probe expects)."""
-        u = Usage()
-        out = {"index": k, "content": "", "tokens": [], "id_slot": -1, "stop": True, "model": resolved.name,
-               "tokens_predicted": 0, "tokens_evaluated": 0, "generation_settings": settings, "prompt": "",
-               "has_new_line": False, "truncated": False, "stop_type": "none", "stopping_word": "", "tokens_cached": 0,
-               "timings": _timings_of(u)}
+        out = _result(resolved.name, Usage(), 0, "", "", "none", None, settings, index=k)
         return _fields(fields, {**out, "completion_probabilities": []} if n_probs else out)
 
     if stream:
@@ -433,8 +431,8 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
 
 @router.get("/props")
 async def props(request: Request):
-    """llama-server's server properties, for the model ``?model=`` names (else the one loaded, else the one in
-    the library; it is loaded): the context a sequence gets, the parallel sequences, the chat template, BOS/EOS,
+    """llama-server's server properties, for the model ``?model=`` names (else the loaded one used last, else the
+    one in the library; it is loaded): the context a sequence gets, the parallel sequences, the chat template, BOS/EOS,
     whether it takes images."""
     st: State = request.app.state.lr
     resolved = await _model(st, {"model": request.query_params.get("model")}, "with ?model=")
