@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from localrun import kernels as K
+from localrun.kernels import ops as K
 from localrun.kernels._common import interpreting
 
 

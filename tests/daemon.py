@@ -45,7 +45,9 @@ def _free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, home: Path, **env: str):
+    def __init__(self, home: Path, *, argv: list[str] | None = None, cwd: str | None = None, **env: str):
+        """``argv``: the daemon's command line (default ``python -m localrun.server``); ``cwd``: its
+        working directory (default ``home``); ``env``: LOCALRUN_* settings and other variables."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
@@ -55,7 +57,7 @@ class Daemon:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
         full_env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{self.port}",
                         PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
-        self.proc = subprocess.Popen([sys.executable, "-m", "localrun.server"], env=full_env, cwd=str(home),
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "localrun.server"], env=full_env, cwd=cwd or str(home),
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=120, headers=self.headers())
         deadline = time.monotonic() + 60

@@ -112,7 +112,7 @@ def test_plain_temperature_batches_take_the_one_pass_draw(monkeypatch):
     rows, greedy rows among them, is one kernels.sample_temperature call (on CPU its torch
     reference; the kernel itself is tests/test_kernels.py's), drawing from softmax(x / T); a batch
     with a filter or a seed keeps the torch path, so a seeded row's token does not change."""
-    from localrun import kernels
+    from localrun.kernels import ops as kernels
 
     calls = []
     real = kernels.sample_temperature

@@ -161,7 +161,7 @@ def test_bad_params_and_prompts_are_rejected():
 
 
 def test_grouped_decode_matches_padded_reference():
-    from localrun.kernels import paged_decode_attention_ref
+    from localrun.kernels.ops import paged_decode_attention_ref
 
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(64, 4, 2, 8, generator=g), torch.randn(64, 4, 2, 8, generator=g)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams, faults
 from localrun.engine import fallbacks as fb
 from localrun.engine.config import ModelConfig

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import localrun.kernels as K
+from localrun.kernels import ops as K
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import localrun.kernels as K
+from localrun.kernels import ops as K
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
 from localrun.engine.kv.pool import KVPool

@@ -12,11 +12,17 @@
   docstring whose first line alone states its job.
 - A newcomer finds the KV pool, the prefix cache, the attention backends, a model family and
   the scheduler by path alone.
+- Arrows run one way: an import from one concern (a subpackage of localrun, or a top-level module)
+  into another is allowed only where ARROWS below lists it.
+- No file in localrun/ or kernels/ is over FILE_LINES lines and no class over CLASS_LINES, but for
+  the exceptions listed with their reason; no two classes in localrun/ share a name.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -28,15 +34,24 @@ CORE = ("scheduler.py", "runner.py", "sampler.py", "engine.py")
 CORE_BUDGET = 2500
 
 
+def _py_files(base: Path) -> list[Path]:
+    """The .py files under base, not following links (localrun/kernels links to the top-level kernels/)."""
+    out = []
+    for d, dirs, files in os.walk(base):
+        dirs[:] = sorted(x for x in dirs if not (Path(d) / x).is_symlink() and x != "__pycache__")
+        out += [Path(d) / f for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
 def module_files(root: Path) -> dict[str, Path]:
     """Module name -> file, for `root` and, when it sits beside the package, `kernels/` (shipped
     as localrun.kernels)."""
     out = {}
     trees = [(root, [root.name])]
-    if (root.parent / "kernels" / "__init__.py").is_file() and root.name == "localrun":
+    if (root.parent / "kernels").is_dir() and root.name == "localrun":
         trees.append((root.parent / "kernels", ["localrun", "kernels"]))
     for base, prefix in trees:
-        for p in sorted(base.rglob("*.py")):
+        for p in _py_files(base):
             parts = prefix + list(p.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -205,3 +220,102 @@ def test_the_engine_core_is_within_its_line_budget():
                                    "bench/overhead.py"])
 def test_a_newcomer_finds_it_by_path(where):
     assert (ROOT / where).is_file()
+
+
+# -- direction ------------------------------------------------------------------------------------
+# Which concern may import which: a concern is a subpackage of localrun or a top-level module
+# ("localrun" is the package's own __init__: its version). Leaves at the bottom, clients at the top;
+# an arrow not written here is a finding (add it here only with a reason in the commit).
+BASE = {"localrun", "errors", "config", "archs", "stop_strings"}
+ARROWS: dict[str, set[str]] = {
+    "errors": set(),
+    "archs": set(),
+    "stop_strings": set(),
+    "config": {"errors"},
+    "kernels": set(),  # torch and Triton only
+    "templates": BASE,  # chat templates: Jinja and Go
+    "structured": BASE,  # a request's output constraint: JSON schema, regex, GBNF, llguidance masks
+    "engine": BASE | {"kernels", "structured"},  # the native engine: never backends, server, library
+    "library": BASE | {"templates"},  # the model store: runs nothing, never server or backends
+    "backends": BASE | {"engine", "structured", "library"},  # each loaded model, behind the Backend protocol
+    "attachments": BASE,
+    "server": BASE | {"backends", "structured", "library", "templates", "attachments"},  # the daemon
+    "cluster": BASE | {"server", "backends", "library"},  # replicas on Ray Serve
+    "client": BASE | {"library"},  # HTTP client of the daemon; reads local files for uploads
+    "tui": BASE | {"client", "attachments"},  # a client of the HTTP API only
+    "cli": BASE | {"client", "tui", "server", "bench", "cluster", "attachments", "library"},  # `serve` runs the daemon
+    "bench": BASE | {"engine", "kernels", "backends", "structured", "library", "templates", "cluster", "server"},
+    "healthcheck": BASE,
+    "__main__": BASE | {"cli"},
+}
+
+
+def concern(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_arrows_run_the_written_way():
+    edges, _ = imports(ROOT)
+    against = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                     if concern(a) != concern(b) and concern(b) not in ARROWS.get(concern(a), set()))
+    assert not against, "imports against the written direction (tests/test_layout.py ARROWS):\n" + "\n".join(against)
+    unknown = sorted({concern(m) for m in edges} - set(ARROWS))
+    assert not unknown, f"concerns with no written arrows: {unknown}"
+
+
+def test_the_direction_check_catches_an_arrow_back_up(tmp_path):
+    pkg = tmp_path / "localrun"
+    for sub in ("engine", "backends"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "loop.py").write_text("from localrun.backends import thing\n")
+    (pkg / "backends" / "thing.py").write_text("from localrun.engine import loop\n")
+    edges, _ = imports(pkg)
+    against = [(a, b) for a, ts in edges.items() for b in ts
+               if concern(a) != concern(b) and concern(b) not in ARROWS[concern(a)]]
+    assert against == [("localrun.engine.loop", "localrun.backends.thing")]
+
+
+# -- size -----------------------------------------------------------------------------------------
+FILE_LINES = 600
+CLASS_LINES = 400
+# path relative to the repository -> why it may be longer (none today)
+LONG_FILES: dict[str, str] = {}
+LONG_CLASSES: dict[str, str] = {}  # "path:Class" -> why
+
+
+def _sources() -> list[Path]:
+    return [p for p in module_files(ROOT).values()]
+
+
+def test_no_file_over_its_line_budget():
+    repo = ROOT.parent
+    over = {str(p.relative_to(repo)): n for p in _sources()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > FILE_LINES}
+    over = {k: n for k, n in over.items() if k not in LONG_FILES}
+    assert not over, f"files over {FILE_LINES} lines (split them, or list one in LONG_FILES with a reason): {over}"
+
+
+def test_no_class_over_its_line_budget():
+    repo = ROOT.parent
+    over = {}
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                key = f"{p.relative_to(repo)}:{node.name}"
+                n = node.end_lineno - node.lineno + 1
+                if n > CLASS_LINES and key not in LONG_CLASSES:
+                    over[key] = n
+    assert not over, f"classes over {CLASS_LINES} lines (split them, or list one in LONG_CLASSES): {over}"
+
+
+def test_distinct_classes_have_distinct_names():
+    where: dict[str, list[str]] = defaultdict(list)
+    for mod, p in module_files(ROOT).items():
+        for node in ast.parse(p.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(mod)
+    twice = {name: mods for name, mods in where.items() if len(mods) > 1}
+    assert not twice, f"one class name for different things: {twice}"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import localrun.kernels as K
+from localrun.kernels import ops as K
 from localrun.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from gguf_util import add_decoder_metadata
 from parity import assert_greedy_parity

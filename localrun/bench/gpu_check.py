@@ -463,7 +463,7 @@ def kernel_cases(kind: str, device: str, dtype) -> list[tuple[str, Callable, Cal
     mod = {m: importlib.import_module(f"localrun.kernels.{m}")
            for m in ("decode_attention", "extend_attn", "kv_store", "rmsnorm", "head_rmsnorm", "rope", "activation",
                      "matvec")}
-    from localrun import kernels as K
+    from localrun.kernels import ops as K
 
     g = torch.Generator().manual_seed(0)
 

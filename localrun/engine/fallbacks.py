@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 from localrun.engine import faults
 from localrun.engine.kv.pool import table_width
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 from localrun.engine.layers import quant
 
 _POINTWISE = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")

@@ -28,7 +28,7 @@ from localrun.engine.layers.ops import Ops
 from localrun.engine.models.llama import DecoderLayer, LlamaModel
 from localrun.engine.models.registry import register
 from localrun.engine.parallel.group import TPGroup
-from localrun.kernels import rope_cos_sin_cache
+from localrun.kernels.ops import rope_cos_sin_cache
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 

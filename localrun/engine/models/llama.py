@@ -25,7 +25,7 @@ from localrun.engine.layers.attention import AttentionBackend, AttnMetadata
 from localrun.engine.layers.ops import Ops
 from localrun.engine.models.registry import register
 from localrun.engine.parallel.group import TPGroup
-from localrun.kernels import rope_cos_sin_cache
+from localrun.kernels.ops import rope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 from localrun.engine.kv.pool import KVPool, PageTable
 from localrun.engine.layers.attention.base import (AttentionBackend, AttnMetadata, HostStep, StepBuffers,
                                                    padding_step)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localrun import kernels
+from localrun.kernels import ops as kernels
 from localrun.engine.layers.attention.base import AttentionBackend
 
 

@@ -1,10 +1,10 @@
-"""localrun.kernels: the native engine's attention, KV-write, norm, RoPE, activation and sampling ops.
+"""localrun.kernels.ops: the native engine's attention, KV-write, norm, RoPE, activation and sampling ops.
 
 Each op exists twice: a pure-torch reference (`*_ref`, in reference.py: the CPU path and the
 test oracle) and a Triton kernel (one module per op). The names exported here pick the
 Triton kernel when Triton is installed and the first tensor argument is on a CUDA device
 (or TRITON_INTERPRET=1, Triton's CPU interpreter, is set), and the reference otherwise.
-Triton is imported lazily, on the first call that needs it, so this package imports
+Triton is imported lazily, on the first call that needs it, so this module imports
 without Triton. Matmuls stay on cuBLAS through torch, but for one: `gemv`, a linear layer over
 one row of activations (a decode step of one sequence), which streams the weight faster than
 cuBLAS's kernels for that shape (kernels/matvec.py).
@@ -74,8 +74,6 @@ def uses_triton(t: torch.Tensor) -> bool:
 
 
 def _dispatch(module: str, ref: Callable, ref_hints: tuple[str, ...] = ()) -> Callable:
-    # Kernel modules are named unlike the ops (kv_store, extend_attn): importing a submodule
-    # binds its name on this package, which must keep meaning the op.
     # ref_hints: keyword arguments only the reference takes (host-side lengths that spare it
     # device syncs and padding); they are dropped when the Triton kernel runs.
     name = ref.__name__.removesuffix("_ref")
@@ -86,7 +84,7 @@ def _dispatch(module: str, ref: Callable, ref_hints: tuple[str, ...] = ()) -> Ca
         if not uses_triton(args[0] if args else next(iter(kwargs.values()))):
             return ref(*args, **kwargs)
         if not kernel:
-            kernel.append(getattr(importlib.import_module(f".{module}", __name__), name))
+            kernel.append(getattr(importlib.import_module(f".{module}", __package__), name))
         for hint in ref_hints:
             kwargs.pop(hint, None)
         return kernel[0](*args, **kwargs)
