@@ -26,12 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import localrun
 from localrun.backends import wire
 from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, merge_chunks
 from localrun.errors import BackendError
 
 log = logging.getLogger("localrun.process")
 
+RUNNER_MODULE = "localrun.backends.worker"  # what a runner process runs
 CLOSE_GRACE = 10.0  # seconds a runner gets to close its backend before SIGTERM, then SIGKILL
 NATIVE_CRASH_SIGNALS = {"SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE"}
 
@@ -331,12 +333,24 @@ class RemoteBackend:
 
 
 def _runner_env() -> dict[str, str]:
-    """The daemon's environment, with localrun importable from the same place."""
+    """The daemon's environment, with localrun importable from where the daemon imported it (a
+    checkout run without an install has its root there; elsewhere that folder is on the path
+    already)."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(localrun.__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def runner_command(fd: int) -> list[str]:
+    """The runner's command line: its working directory (the daemon's, often a user's project) is
+    kept off sys.path, so no file there (a `llama_cpp.py`, a `kernels/` package) is imported in place
+    of a package: ``-P`` where Python has it (3.11+), else the same done first thing."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", RUNNER_MODULE, str(fd)]
+    return [sys.executable, "-c", "import runpy, sys; del sys.path[0]; "
+            f"runpy.run_module({RUNNER_MODULE!r}, run_name='__main__', alter_sys=True)", str(fd)]
 
 
 async def start_runner(spec: LoadSpec, backend: str, *, timeout: float | None = None,
@@ -347,7 +361,7 @@ async def start_runner(spec: LoadSpec, backend: str, *, timeout: float | None = 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "localrun.backends.worker", str(theirs.fileno()), stdin=asyncio.subprocess.PIPE,
+            *runner_command(theirs.fileno()), stdin=asyncio.subprocess.PIPE,
             env=_runner_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
         chan = await wire.Channel.connect(ours)
     except Exception:
