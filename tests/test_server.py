@@ -179,7 +179,7 @@ def test_ollama_chat_drops_its_oldest_turns_to_fit_the_window(daemon_a, smollm2_
     import llama_cpp
     import ollama
 
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
     from localrun.library import read_gguf_info
 
     num_ctx, num_predict = 512, 16
@@ -531,7 +531,7 @@ def test_an_anthropic_prefill_is_continued_by_the_real_model(daemon_a, smollm2_g
     completion of the chat's prompt (a new assistant turn opened) followed by that text does."""
     import anthropic
 
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
     from localrun.library import read_gguf_info
 
     prefix = "The capital of France is"
