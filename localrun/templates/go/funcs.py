@@ -13,7 +13,7 @@ import urllib.parse
 from typing import Any
 
 from localrun.templates.go.parser import GoTemplateError
-from localrun.templates.go.values import GoStruct, fmt_float, go_json, go_str, truth
+from localrun.templates.go.values import MISSING, GoStruct, fmt_float, go_json, go_str, truth
 
 
 def _compare(a: Any, b: Any, op: str) -> bool:
