@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from localrun.chat_template import TemplateRenderError, render_chat
+from localrun.templates.chat import TemplateRenderError, render_chat
 from vlm_model import _sdist
 
 TOOLS = [{"type": "function", "function": {

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from localrun.chat_template import render_chat
+from localrun.templates.chat import render_chat
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from localrun.backends.base import Backend, GenerationRequest, LoadSpec, SamplingOptions
-from localrun.chat_template import render_chat
+from localrun.templates.chat import render_chat
 from localrun.errors import InvalidRequest
 
 native = pytest.importorskip("localrun.backends.native")

@@ -12,8 +12,8 @@ import datetime
 
 import pytest
 
-from localrun import go_template as gt
-from localrun.chat_template import TemplateRenderError, check_template, render_chat, template_supports_tools
+from localrun.templates import go as gt
+from localrun.templates.chat import TemplateRenderError, check_template, render_chat, template_supports_tools
 from localrun.library.modelfile import parse_modelfile
 
 

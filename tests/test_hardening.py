@@ -340,7 +340,7 @@ def test_template_size_is_checked_before_the_call(template):
     are refused from their arguments (in a blink), not after the allocation."""
     import tracemalloc
 
-    from localrun.chat_template import TemplateRenderError, render_chat
+    from localrun.templates.chat import TemplateRenderError, render_chat
 
     tracemalloc.start()
     try:
@@ -353,7 +353,7 @@ def test_template_size_is_checked_before_the_call(template):
 
 
 def test_ordinary_formatting_still_renders():
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
 
     t = ("{{ '%s and %s'|format('a', 'b') }} {{ '%(x)s' % {'x': 'y'} }} {{ ', '.join(['a', 'b']) }} "
          "{{ ['a', 'b']|join(', ') }} {{ '{0}-{1:>3}'.format('a', 'b') }} {{ '%d%%' % 5 }} {{ 'ab'.center(6) }}"

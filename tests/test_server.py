@@ -2,7 +2,7 @@
 library (offline smollm2:135m pull through /api/pull), the real llama.cpp and SmolLM2.
 
 Daemon A (NUM_PARALLEL=2, an API key): the OpenAI SDK against /v1, httpx against /api,
-security.md bad inputs, NUM_PARALLEL+1 concurrent chats x 3 rounds.
+docs/security.md's bad inputs, NUM_PARALLEL+1 concurrent chats x 3 rounds.
 Daemon B (NUM_PARALLEL=1, MAX_QUEUE=1, MAX_LOADED_MODELS=1): a client leaving
 mid-stream frees the slot, queue overflow answers 503 + Retry-After, a second model
 (created from a Modelfile) evicts the first, keep_alive 0 unloads.
@@ -179,7 +179,7 @@ def test_ollama_chat_drops_its_oldest_turns_to_fit_the_window(daemon_a, smollm2_
     import llama_cpp
     import ollama
 
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
     from localrun.library import read_gguf_info
 
     num_ctx, num_predict = 512, 16
@@ -222,7 +222,7 @@ def test_generation_hits_window_length(daemon_a):
     assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 24
 
 
-# -- security.md ---------------------------------------------------------------------------------
+# -- docs/security.md (bad inputs) -------------------------------------------------------------
 def test_security_bad_inputs(daemon_a):
     h = daemon_a.http
     assert httpx.get(daemon_a.url + "/api/tags").status_code == 401  # no API key
@@ -531,7 +531,7 @@ def test_an_anthropic_prefill_is_continued_by_the_real_model(daemon_a, smollm2_g
     completion of the chat's prompt (a new assistant turn opened) followed by that text does."""
     import anthropic
 
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
     from localrun.library import read_gguf_info
 
     prefix = "The capital of France is"

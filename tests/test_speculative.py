@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from localrun.chat_template import render_chat
+from localrun.templates.chat import render_chat
 from localrun.engine import EngineConfig, LLMEngine, SamplingParams
 from localrun.engine.config import ModelConfig
 from localrun.engine.speculative import propose_ngram

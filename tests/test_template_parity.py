@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from localrun.chat_template import TemplateRenderError, render_chat
+from localrun.templates.chat import TemplateRenderError, render_chat
 
 transformers_utils = pytest.importorskip("transformers.utils.chat_template_utils")
 

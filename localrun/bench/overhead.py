@@ -66,7 +66,7 @@ def _free_port() -> int:
 
 
 def _prompt(i: int) -> str:
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
     from localrun.library import read_gguf_info
 
     template = read_gguf_info(_smollm2()).chat_template

@@ -49,7 +49,7 @@ def build_prompts(engine, n: int, seed: int = 0) -> list[list[int]]:
     weights), token ids of a random 'passage' that the prompt states twice."""
     tok = engine.tokenizer
     if tok is not None and tok.chat_template:
-        from localrun.chat_template import render_chat
+        from localrun.templates.chat import render_chat
 
         out = []
         for i in range(n):

@@ -91,7 +91,7 @@ def tool_format(r: Any) -> str | None:
     """How tools reach the model: "template" (its chat template renders them), "generic" (the tool
     definitions in the system prompt, the output constrained to JSON: server/generic_tools.py), or
     None (LOCALRUN_GENERIC_TOOLS off and a template without tools)."""
-    from localrun.chat_template import template_supports_tools
+    from localrun.templates.chat import template_supports_tools
     from localrun.config import settings
 
     try:

@@ -257,7 +257,7 @@ def parse_modelfile(text: str, require_from: bool = True) -> Modelfile:
 
 def _check_template(template: str, lineno: int) -> None:
     """TEMPLATE is a Jinja chat template (rendered in the sandbox): it must compile."""
-    from localrun.chat_template import check_template
+    from localrun.templates.chat import check_template
 
     try:
         check_template(template)

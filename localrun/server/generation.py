@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import (CONTEXT_EXCEEDED, INFILL_BATCH, MEDIA_MARKER, Chunk, GenerationRequest, Infill,
                                     SamplingOptions, TokenLogprob, Usage, fit_window)
-from localrun.chat_template import MAX_OUTPUT_CHARS, render_chat
+from localrun.templates.chat import MAX_OUTPUT_CHARS, render_chat
 from localrun.errors import InvalidRequest, LocalrunError, ShuttingDown
 from localrun.library.capabilities import KIND_USE, model_kind
 from localrun.server import generic_tools

@@ -24,7 +24,7 @@ import re
 import uuid
 from typing import Any
 
-from localrun.chat_template import template_supports_tools
+from localrun.templates.chat import template_supports_tools
 from localrun.server.tool_formats import call_arguments, utf8_safe
 
 log = logging.getLogger("localrun.server")

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Any
 
 from localrun.backends.base import SamplingOptions
-from localrun.chat_template import template_supports_tools
+from localrun.templates.chat import template_supports_tools
 from localrun.errors import InvalidRequest
 from localrun.library.modelfile import PARAMETERS
 from localrun.server import images as img

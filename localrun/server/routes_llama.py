@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 
 from localrun import __version__
 from localrun.backends.base import Infill, Usage
-from localrun.go_template import is_go_template
+from localrun.templates.go import is_go_template
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.library.modelfile import PARAMETERS
 from localrun.server import params as p

@@ -228,7 +228,7 @@ def _pythonic(text: str, m: re.Match, name: str) -> tuple[int, str, dict] | None
 
 def _region(template: str, n: int = 1) -> str | None:
     """The text `n` probe calls add to an assistant turn (the turn's framing removed)."""
-    from localrun.chat_template import render_chat
+    from localrun.templates.chat import render_chat
 
     try:
         plain = render_chat(template, [_USER, {"role": "assistant", "content": _ANSWER}],

@@ -19,7 +19,7 @@ mutation of the objects we pass in), and its work is bounded:
 Rendering is meant to run off the event loop (the generation service uses a thread).
 
 Both the daemon and the native engine render through :func:`render_chat`. A template in Go's
-template language (an Ollama Modelfile's TEMPLATE) is rendered by :mod:`localrun.go_template`, as
+template language (an Ollama Modelfile's TEMPLATE) is rendered by :mod:`localrun.templates.go`, as
 Ollama renders it, under the same deadline and output cap.
 """
 
@@ -42,7 +42,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2 import utils as jinja2_utils
 
-from localrun import go_template
+from localrun.templates.go import compile_ollama, is_go_template, render_ollama
 from localrun.errors import InvalidRequest
 
 MAX_TEMPLATE_CHARS = 200_000
@@ -231,7 +231,7 @@ class _Budget:
 
 
 # modules whose Python code a template's constants can run while it compiles (filters, globals)
-_TEMPLATE_CODE = frozenset(["jinja2.filters", "jinja2.utils", "jinja2.runtime", "localrun.chat_template"])
+_TEMPLATE_CODE = frozenset(["jinja2.filters", "jinja2.utils", "jinja2.runtime", "localrun.templates.chat"])
 
 
 class _Abort(Exception):
@@ -335,9 +335,9 @@ def check_template(template: str) -> None:
     """Compile `template` in the sandbox; raise TemplateRenderError naming the problem."""
     if len(template) > MAX_TEMPLATE_CHARS:
         raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
-    if go_template.is_go_template(template):  # Ollama's language
+    if is_go_template(template):  # Ollama's language
         try:
-            go_template.compile_ollama(template)
+            compile_ollama(template)
         except InvalidRequest as exc:
             raise TemplateRenderError(f"chat template does not compile: {exc.message}") from None
         return
@@ -382,7 +382,7 @@ def render_chat(
         raise TemplateRenderError(f"chat template is too long ({len(template)} characters, limit {MAX_TEMPLATE_CHARS})")
     messages = _alias_reasoning(messages)
     budget = _Budget(RENDER_SECONDS, RENDER_MEMORY_BYTES)
-    if go_template.is_go_template(template):
+    if is_go_template(template):
         return _render_go(template, messages, tools, budget, **extra)
     parts: list[str] = []
     size = 0
@@ -428,8 +428,8 @@ def _render_go(template: str, messages: list[dict[str, Any]], tools: list[dict[s
     previous = sys.gettrace()
     sys.settrace(budget.trace)
     try:
-        return go_template.render_ollama(template, messages, tools=tools, think=extra.get("enable_thinking"),
-                                         effort=extra.get("reasoning_effort"), out_limit=MAX_OUTPUT_CHARS)
+        return render_ollama(template, messages, tools=tools, think=extra.get("enable_thinking"),
+                             effort=extra.get("reasoning_effort"), out_limit=MAX_OUTPUT_CHARS)
     except InvalidRequest as exc:
         raise TemplateRenderError(f"chat template failed to render: {exc.message}") from None
     except _Abort as exc:
@@ -445,6 +445,6 @@ def template_supports_tools(template: str | None) -> bool:
     an Ollama template."""
     if not template:
         return False
-    if go_template.is_go_template(template):
+    if is_go_template(template):
         return ".Tools" in template
     return "tools" in template
