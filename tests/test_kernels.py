@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from localrun.kernels import ops as K
+from localrun.kernels import reference
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -186,7 +187,7 @@ def test_decode_and_extend_ref_window_softcap_match_dense(window, softcap):
     # no cache (embeddings): the same masks
     k, v = batch.k[3], batch.v[3]
     rows = slice(int(cu[3]), int(cu[4]))
-    out = K.reference.causal_attention(q[rows], k, v, scale, softcap=softcap, window=window)
+    out = reference.causal_attention(q[rows], k, v, scale, softcap=softcap, window=window)
     assert rel_err(out, dense_attention(q[rows], k, v, range(19), scale, window, softcap)) <= 1e-5
 
 
@@ -196,7 +197,7 @@ def test_window_mask_is_transformers_sliding_window():
     from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
     fn = and_masks(sliding_window_overlay(5), causal_mask_function)
-    ours = K.reference.window_mask(torch.arange(12), 12, 5)
+    ours = reference.window_mask(torch.arange(12), 12, 5)
     t = lambda i: torch.tensor(i)  # noqa: E731 - the mask functions take index tensors
     theirs = torch.tensor([[bool(fn(t(0), t(0), t(i), t(j))) for j in range(12)] for i in range(12)])
     assert torch.equal(ours, theirs) and int(ours[11].sum()) == 5
