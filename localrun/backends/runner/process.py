@@ -1,10 +1,10 @@
 """Runner processes, seen from the daemon: each loaded model lives in a process of its own.
 
-:func:`start_runner` starts ``python -m localrun.backends.worker`` (a new session, so a
+:func:`start_runner` starts ``python -m localrun.backends.runner.worker`` (a new session, so a
 terminal's Ctrl+C reaches only the daemon), hands it the load order on stdin, and waits
 until it says ``ready`` (or fails, or dies). The :class:`RemoteBackend` it returns
 implements the Backend protocol over one end of a Unix socket pair (no path on disk, no
-port: nothing else can connect; :class:`localrun.backends.wire.Channel`): tokens stream
+port: nothing else can connect; :class:`localrun.backends.runner.wire.Channel`): tokens stream
 back per request, closing a stream sends ``abort`` (the runner frees the slot / KV pages),
 errors come back typed. The pipe adds no thread: both ends are read by their event loops.
 
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, merge_chunks
 from localrun.errors import BackendError
 
@@ -347,8 +347,8 @@ async def start_runner(spec: LoadSpec, backend: str, *, timeout: float | None = 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "localrun.backends.worker", str(theirs.fileno()), stdin=asyncio.subprocess.PIPE,
-            env=_runner_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
+            sys.executable, "-m", "localrun.backends.runner.worker", str(theirs.fileno()),
+            stdin=asyncio.subprocess.PIPE, env=_runner_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
         chan = await wire.Channel.connect(ours)
     except Exception:
         ours.close()
