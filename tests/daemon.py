@@ -97,7 +97,7 @@ class Daemon:
             time.sleep(0.1)
 
     def runners(self) -> list[psutil.Process]:
-        """The daemon's runner processes (its children running localrun.backends.worker)."""
+        """The daemon's runner processes (its children running localrun.backends.runner.worker)."""
         try:
             kids = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
@@ -105,7 +105,7 @@ class Daemon:
         out = []
         for p in kids:
             try:
-                if "localrun.backends.worker" in " ".join(p.cmdline()):
+                if "localrun.backends.runner.worker" in " ".join(p.cmdline()):
                     out.append(p)
             except psutil.Error:
                 pass

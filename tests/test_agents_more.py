@@ -159,7 +159,7 @@ def test_show_fit_context_over_http(two_slots):
 def test_cache_key_crosses_to_the_runner():
     """The hint reaches the runner process (the wire between daemon and runner keeps it)."""
     from localrun.backends.base import GenerationRequest
-    from localrun.backends.wire import request_from_wire, request_to_wire
+    from localrun.backends.runner.wire import request_from_wire, request_to_wire
 
     r = request_from_wire(request_to_wire(GenerationRequest(prompt="p", request_id="r", cache_key="conv-1")))
     assert r.cache_key == "conv-1"

@@ -19,7 +19,7 @@ pytest.importorskip("llama_cpp")
 def _servers(bench: psutil.Process) -> list[psutil.Process]:
     try:
         return [p for p in bench.children(recursive=True)
-                if any("llama-server" in a or a == "localrun.server" or a == "localrun.backends.worker"
+                if any("llama-server" in a or a == "localrun.server" or a == "localrun.backends.runner.worker"
                        for a in p.cmdline())]
     except psutil.NoSuchProcess:
         return []
@@ -44,7 +44,7 @@ def test_sigterm_stops_both_servers(bench, llama_server_bin, smollm2_gguf, tmp_p
         while time.monotonic() < deadline and proc.poll() is None:
             seen = _servers(bench)
             names = " ".join(" ".join(p.cmdline()) for p in seen)
-            if "llama-server" in names and "localrun.server" in names and "localrun.backends.worker" in names:
+            if "llama-server" in names and "localrun.server" in names and "localrun.backends.runner.worker" in names:
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.stdout.read()

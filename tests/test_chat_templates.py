@@ -259,7 +259,7 @@ def test_a_model_calls_tools_in_its_own_templates_syntax_over_the_api(template_d
 # -- special tokens a call is marked with reach the parser as text ------------------------------
 def test_a_templates_call_markers_are_kept_by_the_backend(templates):
     from localrun.backends.base import GenerationRequest, SamplingOptions
-    from localrun.backends.wire import request_from_wire, request_to_wire
+    from localrun.backends.runner.wire import request_from_wire, request_to_wire
     from localrun.server.tool_formats import learn
 
     assert {"[TOOL_CALLS]", "[ARGS]"} <= set(learn(templates["unsloth-mistral-Devstral-Small-2507.jinja"]).specials)

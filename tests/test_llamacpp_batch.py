@@ -335,7 +335,7 @@ class _Pipe:
         self.sinks: dict[int, object] = {}  # the daemon's 'delivered' once it has a stream's first chunk
 
     def write(self, data: bytes) -> None:
-        from localrun.backends import wire
+        from localrun.backends.runner import wire
 
         self.threads.add(threading.get_ident())
         msgs, pos = [], 0
@@ -355,8 +355,8 @@ def test_the_runner_path_writes_each_step_once_from_the_loop_and_answers_the_sam
     three concurrent greedy streams get the text they get through generate(); a 'delivered' from
     the daemon ends the first-token wait; cancelling a stream (the daemon's abort) frees its sequence
     and nothing more is written for it."""
-    from localrun.backends import wire
-    from localrun.backends.worker import _DirectSink, _Outbox
+    from localrun.backends.runner import wire
+    from localrun.backends.runner.worker import _DirectSink, _Outbox
 
     prompts = [chatml(q) for q in QUESTIONS[:3]]
     opts = dict(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=5)

@@ -1,4 +1,4 @@
-"""The runner's own machinery without a model: the worker's Runner loop (localrun.backends.worker)
+"""The runner's own machinery without a model: the worker's Runner loop (localrun.backends.runner.worker)
 in a real subprocess, talking to the daemon side's RemoteBackend over a real socket pair. A backend
 that reports an unrecoverable error (what a CUDA error does to the native engine) makes the runner
 exit with status 70 after telling the daemon why; the daemon's error names it."""
@@ -12,16 +12,16 @@ import time
 
 import pytest
 
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import GenerationRequest, SamplingOptions
-from localrun.backends.process import RemoteBackend, RunnerDied
+from localrun.backends.runner.process import RemoteBackend, RunnerDied
 from localrun.errors import BackendError
 
 RUNNER = r'''
 import asyncio, socket, sys
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import BackendInfo
-from localrun.backends.worker import Runner
+from localrun.backends.runner.worker import Runner
 from localrun.errors import BackendError
 
 class Broken:
@@ -78,7 +78,7 @@ async def test_a_fatal_backend_error_ends_the_runner_with_a_clear_reason():
 
 SKEWED = r'''
 import asyncio, socket, sys
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import BackendInfo, Chunk
 
 mode = sys.argv[2]
@@ -198,7 +198,7 @@ async def test_abort_arriving_with_delivered_stops_the_generation():
     """The daemon's 'delivered' (first chunk handed on) and 'abort' (the client left) often arrive
     in one read. The runner must stop generating then too (Python 3.11's wait_for swallowed that
     cancel, and the abandoned answer ran to max_tokens in the background)."""
-    from localrun.backends.worker import Runner
+    from localrun.backends.runner.worker import Runner
 
     pipe, backend = _Pipe(), _Endless()
     serve = asyncio.ensure_future(Runner(pipe, backend).serve())
@@ -260,7 +260,7 @@ async def test_the_runner_tokenizes_a_request_with_a_window():
     """GenerationRequest.window and no token ids: the runner tokenizes, checks the window, caps
     max_tokens at the room left, and reports the prompt's length on the first chunk; a prompt that
     does not fit is the daemon's typed 400, and the backend never sees it."""
-    from localrun.backends.worker import Runner
+    from localrun.backends.runner.worker import Runner
     from localrun.errors import InvalidRequest
 
     pipe, backend = _Pipe(), _Echo()
@@ -412,7 +412,7 @@ def test_start_runner_reports_a_runner_killed_before_its_load_order(monkeypatch)
     """A runner killed as it starts (before the daemon wrote its load order to stdin) is RunnerDied
     ('while loading'), on uvloop too, not whatever the write to its dead pipe raised."""
     uvloop = pytest.importorskip("uvloop")
-    from localrun.backends import process
+    from localrun.backends.runner import process
     from localrun.backends.base import LoadSpec
 
     real = asyncio.create_subprocess_exec

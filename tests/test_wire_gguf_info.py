@@ -1,4 +1,4 @@
-"""The daemon's parsed GGUF header travels to a runner with the load order (localrun.backends.wire): the runner's
+"""The daemon's parsed GGUF header travels to a runner with the load order (localrun.backends.runner.wire): the runner's
 backend must read the same answers from what arrives as from the header itself, on real GGUF files: the bundled
 SmolLM2, the tiny XLM-RoBERTa embedder and reranker (a classifier's output labels: an array that must travel), and
 the reranker with a chat-template-like rerank template (a long string that stays behind)."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import LoadSpec
 from localrun.backends.llama_pooled import backend_pooling, is_causal, pooled_window
 from localrun.backends.llamacpp import _head_sizes, estimate_memory, kv_type_for_model
@@ -63,7 +63,7 @@ def test_a_runner_given_the_header_loads_without_the_gguf_reader(smollm2_gguf):
     spec = LoadSpec(name="m", weights=smollm2_gguf, format="gguf", num_ctx=512, num_parallel=1,
                     extra={"gguf_info": read_gguf_info(smollm2_gguf), "n_threads": 1})
     code = ("import json, sys\n"
-            "from localrun.backends import wire\n"
+            "from localrun.backends.runner import wire\n"
             "from localrun.backends.llamacpp import load\n"
             "b = load(wire.spec_from_wire(json.loads(sys.stdin.read())))\n"
             "print(json.dumps({'gguf': 'gguf' in sys.modules, 'ctx': b.info.context_length}))\n")

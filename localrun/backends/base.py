@@ -6,7 +6,7 @@ options, and reads back a stream of :class:`Chunk` objects. It never asks which
 backend it holds, except to show :class:`BackendInfo` to users.
 
 Where a backend lives: each loaded model runs in a runner process of its own
-(``localrun.backends.worker``); the daemon holds a :class:`~localrun.backends.process.RemoteBackend`
+(``localrun.backends.runner.worker``); the daemon holds a :class:`~localrun.backends.runner.process.RemoteBackend`
 that speaks this same protocol over a local socket. Every method that may block is
 therefore async, in the runner (llama.cpp, the native engine) and in the daemon alike.
 
@@ -66,7 +66,7 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None
 
     def own_constraint(self) -> bool:
-        """A regex, choices or a grammar of the request's own (llguidance runs them: backends/constraints.py)."""
+        """A regex, choices or a grammar of the request's own (llguidance runs them: structured/constraints.py)."""
         return self.regex is not None or self.choices is not None or self.grammar is not None
 
     def constraints(self) -> list[str]:

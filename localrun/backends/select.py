@@ -48,7 +48,7 @@ class GPU:
 
 
 @dataclass(frozen=True)
-class Choice:
+class BackendChoice:
     backend: str  # "llamacpp" | "native"
     reason: str
 
@@ -61,7 +61,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _quantized_gguf_choice(gpu: GPU, info, llamacpp_gpu: bool | None) -> Choice | None:
+def _quantized_gguf_choice(gpu: GPU, info, llamacpp_gpu: bool | None) -> BackendChoice | None:
     """llama.cpp for a quantized GGUF that bfloat16 would not fit, or that llama.cpp's GPU build
     decodes faster; None: the native engine is fine (unquantized, or unknown)."""
     file_type = str(getattr(info, "file_type", "") or "").upper()
@@ -72,12 +72,12 @@ def _quantized_gguf_choice(gpu: GPU, info, llamacpp_gpu: bool | None) -> Choice 
     bf16 = 2 * params
     what = f"a {file_type} GGUF ({_gib(size)}) would be {_gib(bf16)} as bfloat16 on the native engine"
     if bf16 + NATIVE_HEADROOM_BYTES > gpu.free_bytes:
-        return Choice("llamacpp", f"llama.cpp: {what}, more than CUDA GPU {gpu.name} has free "
+        return BackendChoice("llamacpp", f"llama.cpp: {what}, more than CUDA GPU {gpu.name} has free "
                                   f"({_gib(gpu.free_bytes)})")
     if llamacpp_gpu is None:
         llamacpp_gpu = llamacpp_build().gpu_offload
     if llamacpp_gpu:
-        return Choice("llamacpp", f"llama.cpp on CUDA GPU {gpu.name}: {what}; llama.cpp decodes from the "
+        return BackendChoice("llamacpp", f"llama.cpp on CUDA GPU {gpu.name}: {what}; llama.cpp decodes from the "
                                   f"quantized weights ({bf16 / max(size, 1):.1f}x fewer bytes per token)")
     return None
 
@@ -206,7 +206,7 @@ def model_architecture(fmt: str, weights: str | Path | None, info=None) -> str |
 
 def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
            llamacpp_gpu: bool | None = None, arch: str | None = None, vision: bool = False,
-           native_on_cpu: bool = False, pooled: bool = False) -> Choice:
+           native_on_cpu: bool = False, pooled: bool = False) -> BackendChoice:
     """Pick a backend for a model of format `fmt` under LOCALRUN_BACKEND=`setting`.
 
     info: the GGUF header facts (localrun.library's GGUFInfo: file_type, parameter_count,
@@ -219,7 +219,7 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
     changes nothing here: llama.cpp applies it as it loads the model, the native engine merges it into the
     weights.)"""
     if pooled and fmt == "gguf":
-        return Choice("llamacpp", "llama.cpp: an embedding model or a reranker, which only llama.cpp pools")
+        return BackendChoice("llamacpp", "llama.cpp: an embedding model or a reranker, which only llama.cpp pools")
     arch = arch or getattr(info, "architecture", None)
     foreign = bool(arch) and not is_native(arch)  # an architecture the native engine does not run
     if setting == "native" and foreign:
@@ -232,12 +232,12 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
             raise BackendError(f"LOCALRUN_BACKEND=native but the native engine cannot be imported ({err}); "
                                "install localrun[native] or set LOCALRUN_BACKEND=auto")
         where = f"CUDA GPU {gpu.name}" if gpu else "CPU (torch reference path)"
-        return Choice("native", f"native engine on {where}: LOCALRUN_BACKEND=native")
+        return BackendChoice("native", f"native engine on {where}: LOCALRUN_BACKEND=native")
     if setting == "llamacpp":
         if fmt != "gguf":
             raise BackendError("LOCALRUN_BACKEND=llamacpp runs GGUF files only; this model is safetensors "
                                "(set LOCALRUN_BACKEND=auto or native)")
-        return Choice("llamacpp", "llama.cpp: LOCALRUN_BACKEND=llamacpp")
+        return BackendChoice("llamacpp", "llama.cpp: LOCALRUN_BACKEND=llamacpp")
     # auto (the native engine is imported only where it could be chosen: it pulls in torch)
     if fmt != "gguf" and foreign:
         raise BackendError(f"{unsupported_message(arch, 'architecture')}; safetensors models run only on the "
@@ -247,11 +247,11 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
         if err:
             raise BackendError(f"safetensors models need the native engine, which cannot be imported ({err}); "
                                "install localrun[native] or import a GGUF instead")
-        return Choice("native", "native engine: safetensors models run only on the native engine")
+        return BackendChoice("native", "native engine: safetensors models run only on the native engine")
     if vision:
-        return Choice("llamacpp", "llama.cpp: the model has a vision projector, which only llama.cpp runs")
+        return BackendChoice("llamacpp", "llama.cpp: the model has a vision projector, which only llama.cpp runs")
     if gpu is not None and gpu.capability >= (8, 0) and foreign:
-        return Choice("llamacpp", f"llama.cpp: the native engine does not run architecture {arch!r} "
+        return BackendChoice("llamacpp", f"llama.cpp: the native engine does not run architecture {arch!r} "
                                   f"(it runs {', '.join(NATIVE_ARCHS)})")
     if gpu is not None and gpu.capability >= (8, 0):
         quantized = _quantized_gguf_choice(gpu, info, llamacpp_gpu) if info is not None else None
@@ -259,22 +259,22 @@ def choose(setting: str, fmt: str = "gguf", gpu: GPU | None = None, info=None,
             return quantized
         err = native_import_error()
         if err is None:
-            return Choice("native", f"native engine: CUDA GPU {gpu.name} has compute capability "
+            return BackendChoice("native", f"native engine: CUDA GPU {gpu.name} has compute capability "
                                     f"{gpu.capability[0]}.{gpu.capability[1]} (>= 8.0)")
-        return Choice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} could run the native engine but it "
+        return BackendChoice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} could run the native engine but it "
                                   f"does not import ({err})")
     if gpu is not None:
-        return Choice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} has compute capability "
+        return BackendChoice("llamacpp", f"llama.cpp: CUDA GPU {gpu.name} has compute capability "
                                   f"{gpu.capability[0]}.{gpu.capability[1]} (< 8.0 for the native engine)")
     if native_on_cpu and gpu is None and not foreign:
         err = native_import_error()
         if err is None:
-            return Choice("native", "native engine on CPU (torch reference path): LOCALRUN_NATIVE_ON_CPU=1")
-        return Choice("llamacpp", f"llama.cpp on CPU: LOCALRUN_NATIVE_ON_CPU=1 but the native engine does not "
+            return BackendChoice("native", "native engine on CPU (torch reference path): LOCALRUN_NATIVE_ON_CPU=1")
+        return BackendChoice("llamacpp", f"llama.cpp on CPU: LOCALRUN_NATIVE_ON_CPU=1 but the native engine does not "
                                   f"import ({err})")
     if is_apple_silicon():
-        return Choice("llamacpp", "llama.cpp with Metal: Apple silicon")
-    return Choice("llamacpp", "llama.cpp on CPU: no CUDA GPU found")
+        return BackendChoice("llamacpp", "llama.cpp with Metal: Apple silicon")
+    return BackendChoice("llamacpp", "llama.cpp on CPU: no CUDA GPU found")
 
 
 def fallback_reason(error: str) -> str:
@@ -293,5 +293,5 @@ def backend_module(name: str) -> ModuleType:
     raise BackendError(f"unknown backend {name!r}")
 
 
-__all__ = ["GPU", "Choice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon",
+__all__ = ["GPU", "BackendChoice", "choose", "model_architecture", "cuda_gpu", "backend_module", "is_apple_silicon",
            "native_import_error", "fallback_reason", "llamacpp_build", "llamacpp_gpu_advice", "LLAMACPP_CUDA_INSTALL", "LlamaCppBuild"]

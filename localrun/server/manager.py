@@ -11,7 +11,7 @@
   is idle; a smaller one runs in the loaded context with the smaller limit enforced. So does one
   whose load options (``LOAD_OPTIONS``: Ollama's per-request num_thread, num_gpu) differ from the
   loaded model's, as Ollama reloads for them.
-- Each loaded model lives in a runner process of its own (``localrun.backends.process``),
+- Each loaded model lives in a runner process of its own (``localrun.backends.runner.process``),
   started by the ``loader`` (a parameter, so tests can hand in an in-process fake). A
   runner that dies is forgotten at once: its requests got their errors from the runner's
   proxy, and the next request loads the model again. A runner that dies while loading is
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import POOLED_WINDOW, Backend, LoadSpec
-from localrun.backends.process import RunnerDied, describe_exit, likely_cause
-from localrun.backends.select import (Choice, backend_module, choose, fallback_reason, is_apple_silicon,
+from localrun.backends.runner.process import RunnerDied, describe_exit, likely_cause
+from localrun.backends.select import (BackendChoice, backend_module, choose, fallback_reason, is_apple_silicon,
                                      llamacpp_build, local_cuda_gpu, model_architecture)
 from localrun.config import AUTO_PARALLEL, Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
@@ -85,7 +85,7 @@ class Runner:
     digest: str
     resolved: Any  # library ResolvedModel
     backend: Backend
-    choice: Choice
+    choice: BackendChoice
     plan: Plan
     num_ctx: int
     load_seconds: float
@@ -172,7 +172,7 @@ def _param_size(n: int | None) -> str:
 
 def runner_loader(settings: Settings) -> Loader:
     """The daemon's loader: each model in a runner process of its own."""
-    from localrun.backends.process import start_runner
+    from localrun.backends.runner.process import start_runner
 
     async def load(spec: LoadSpec, backend: str) -> Backend:
         return await start_runner(spec, backend, timeout=settings.load_timeout, log_level=settings.log_level)
@@ -273,7 +273,7 @@ class ModelManager:
         gpu = await asyncio.to_thread(local_cuda_gpu)
         choice = self._choose(resolved, gpu)
         if self._fell_back(resolved, choice):  # auto's native load of it failed before: llama.cpp loads it
-            choice = Choice("llamacpp", "llama.cpp")
+            choice = BackendChoice("llamacpp", "llama.cpp")
         module = backend_module(choice.backend)
         offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
         gpu_kind, gpu_free = None, None
@@ -451,18 +451,18 @@ class ModelManager:
             else:
                 await self._wait_change(1.0)
 
-    def _choose(self, resolved: Any, gpu: Any) -> Choice:
+    def _choose(self, resolved: Any, gpu: Any) -> BackendChoice:
         """The backend `choose` picks for `resolved` on this machine, with this daemon's settings."""
         return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
                       arch=model_architecture(resolved.format, resolved.weights, resolved.info),
                       vision=getattr(resolved, "projector", None) is not None,
                       native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion")
 
-    def _may_fall_back(self, resolved: Any, choice: Choice) -> bool:
+    def _may_fall_back(self, resolved: Any, choice: BackendChoice) -> bool:
         """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""
         return self.settings.backend == "auto" and choice.backend == "native" and resolved.format == "gguf"
 
-    def _fell_back(self, resolved: Any, choice: Choice) -> bool:
+    def _fell_back(self, resolved: Any, choice: BackendChoice) -> bool:
         """Such a load failed before (kept until the daemon restarts): llama.cpp loads it."""
         return self._may_fall_back(resolved, choice) and resolved.digest in self._native_failed
 
@@ -506,9 +506,9 @@ class ModelManager:
                 log.warning("%s: %s", key, fallback_reason(error))
             gpu = await asyncio.to_thread(local_cuda_gpu)
         why = fallback_reason(error)
-        return await self._load_with(resolved, num_ctx, gpu, Choice("llamacpp", f"llama.cpp: {why}"), [why])
+        return await self._load_with(resolved, num_ctx, gpu, BackendChoice("llamacpp", f"llama.cpp: {why}"), [why])
 
-    async def _load_with(self, resolved: Any, num_ctx: int, gpu: Any, choice: Choice,
+    async def _load_with(self, resolved: Any, num_ctx: int, gpu: Any, choice: BackendChoice,
                          fallbacks: list[str] | None = None) -> Runner:
         key = resolved.name
         deleted = self._forgotten.get(key, 0)  # (deleted while loading: see forget)

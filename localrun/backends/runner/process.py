@@ -1,10 +1,10 @@
 """Runner processes, seen from the daemon: each loaded model lives in a process of its own.
 
-:func:`start_runner` starts ``python -m localrun.backends.worker`` (a new session, so a
+:func:`start_runner` starts ``python -m localrun.backends.runner.worker`` (a new session, so a
 terminal's Ctrl+C reaches only the daemon), hands it the load order on stdin, and waits
 until it says ``ready`` (or fails, or dies). The :class:`RemoteBackend` it returns
 implements the Backend protocol over one end of a Unix socket pair (no path on disk, no
-port: nothing else can connect; :class:`localrun.backends.wire.Channel`): tokens stream
+port: nothing else can connect; :class:`localrun.backends.runner.wire.Channel`): tokens stream
 back per request, closing a stream sends ``abort`` (the runner frees the slot / KV pages),
 errors come back typed. The pipe adds no thread: both ends are read by their event loops.
 
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import localrun
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import BackendInfo, Chunk, GenerationRequest, LoadSpec, merge_chunks
 from localrun.errors import BackendError
 
 log = logging.getLogger("localrun.process")
 
-RUNNER_MODULE = "localrun.backends.worker"  # what a runner process runs
+RUNNER_MODULE = "localrun.backends.runner.worker"  # what a runner process runs
 CLOSE_GRACE = 10.0  # seconds a runner gets to close its backend before SIGTERM, then SIGKILL
 NATIVE_CRASH_SIGNALS = {"SIGSEGV", "SIGILL", "SIGBUS", "SIGABRT", "SIGFPE"}
 

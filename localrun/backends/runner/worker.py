@@ -1,12 +1,12 @@
 """A runner process: one loaded model behind the Backend protocol, driven by the daemon.
 
-``python -m localrun.backends.worker FD`` is started by the daemon
-(``localrun.backends.process``), never by hand; FD is its end of a Unix socket pair. The
+``python -m localrun.backends.runner.worker FD`` is started by the daemon
+(``localrun.backends.runner.process``), never by hand; FD is its end of a Unix socket pair. The
 first line on stdin is the load order (JSON: backend name and LoadSpec); stdin then stays
 open, and its EOF means the daemon is gone, so the runner exits (on Linux the kernel also
 sends SIGKILL when the daemon dies: PR_SET_PDEATHSIG). The runner loads the model, says
 ``ready`` with its BackendInfo, then serves generate / abort / tokenize / detokenize /
-embed / rerank / close messages (:mod:`localrun.backends.wire`) until told to close.
+embed / rerank / close messages (:mod:`localrun.backends.runner.wire`) until told to close.
 
 A native crash here (llama.cpp, CUDA) kills only this process: the daemon turns it into
 an error on the requests this runner held, and loads the model again on the next one.
@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Any
 
-from localrun.backends import wire
+from localrun.backends.runner import wire
 from localrun.backends.base import fit_window
 from localrun.errors import BackendError, LocalrunError
 
@@ -336,7 +336,7 @@ async def _main(fd: int, order: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m localrun.backends.worker FD  (started by the localrun daemon)", file=sys.stderr)
+        print("usage: python -m localrun.backends.runner.worker FD  (started by the localrun daemon)", file=sys.stderr)
         return 2
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when a runner stops
