@@ -399,7 +399,7 @@ def setup_logging(s: Settings) -> None:
 def _server_class():
     import uvicorn
 
-    class Server(uvicorn.Server):
+    class DaemonServer(uvicorn.Server):
         """uvicorn's server, but a SIGTERM/SIGINT that ended in a graceful shutdown is a normal
         exit (status 0), not the signal raised again once the shutdown is done; and the first
         signal starts the daemon's drain (no new work, LOCALRUN_SHUTDOWN_GRACE for what runs)."""
@@ -423,7 +423,7 @@ def _server_class():
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    return Server
+    return DaemonServer
 
 
 async def _report_llamacpp_build() -> None:

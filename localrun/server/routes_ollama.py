@@ -23,9 +23,11 @@ import localrun
 from localrun.backends.base import MEDIA_MARKER, Infill, SamplingOptions
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as c
-from localrun.server.generation import Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.disconnect import until_disconnected
+from localrun.server.generation import Generation
+from localrun.server.job import Delta, Done, Job, ToolCalls
 from localrun.server.images import from_base64, take_images
-from localrun.server.manager import with_load_options
+from localrun.server.placement import with_load_options
 from localrun.server.routes_openai import token_logprobs
 from localrun.server.state import State, generation_response, json_body, ndjson, ndjson_response
 

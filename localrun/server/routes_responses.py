@@ -37,7 +37,8 @@ from localrun.errors import InvalidRequest, NotFound
 from localrun.server import params as p
 from localrun.backends.base import MEDIA_MARKER
 from localrun.server.images import from_url, take_images
-from localrun.server.generation import Delta, Done, Event, Job, ToolCalls, until_disconnected
+from localrun.server.disconnect import until_disconnected
+from localrun.server.job import Delta, Done, Event, Job, ToolCalls
 from localrun.server.response_store import ResponseStore, check_id, new_response_id
 from localrun.server.routes_openai import stream_error
 from localrun.server.state import State, generation_response, json_body
