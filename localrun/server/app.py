@@ -319,12 +319,14 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
     from localrun.server.routes_anthropic import router as anthropic_router
     from localrun.server.routes_llama import router as llama_router
     from localrun.server.routes_ollama import router as ollama_router
+    from localrun.server.routes_ollama_models import router as ollama_models_router
     from localrun.server.routes_openai import router as openai_router
     from localrun.server.routes_responses import router as responses_router
 
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
+    app.include_router(ollama_models_router)  # (before generate/chat: the routes' order as it was)
     app.include_router(ollama_router)
     app.include_router(llama_router)
     # exact paths straight to their endpoints, inside FastAPI's exception handling
