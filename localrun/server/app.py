@@ -1,11 +1,12 @@
 """The FastAPI app: security middleware, error mapping, routes; `serve()` runs it.
 
-Security (security.md 11-18): loopback binds refuse foreign Host headers (DNS
-rebinding, 403); LOCALRUN_API_KEY, when set, is required on every route (401); CORS
-headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones
-too, as soon as they pass it), except a blob upload (POST /api/blobs/..., bounded by the disk); binding a non-loopback address without an API key is refused
-unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1 (containers), and then the Host check stays on:
-only requests addressed to localhost are answered.
+Security (docs/security.md: 'Loopback binds and Host headers', 'API key', 'CORS', 'Body and
+header size'): loopback binds refuse foreign Host headers (DNS rebinding, 403);
+LOCALRUN_API_KEY, when set, is required on every route (401); CORS headers only for
+LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones too, as soon as they
+pass it), except a blob upload (POST /api/blobs/..., bounded by the disk); binding a
+non-loopback address without an API key is refused unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1
+(containers), and then the Host check stays on: only requests addressed to localhost are answered.
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def check_models_dir(s: Settings) -> None:
 
 
 def check_bind(s: Settings) -> None:
-    """Refuse a non-loopback bind without an API key (security.md item 11), unless
+    """Refuse a non-loopback bind without an API key (docs/security.md, 'API key'), unless
     LOCALRUN_ALLOW_UNAUTHENTICATED_BIND says so (a container, its port published on 127.0.0.1)."""
     if is_loopback(s.host) or s.api_key:
         return
