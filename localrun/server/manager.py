@@ -190,7 +190,8 @@ class ModelManager:
             if ka == 0 and runner.active == 0 and runner.waiting == 0:
                 asyncio.get_running_loop().create_task(self._unload_if_idle(runner))
 
-    async def load(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> tuple[LoadedModel, float]:
+    async def load(self, resolved: Any, *, num_ctx: int | None = None,
+                   keep_alive: Any = DEFAULT) -> tuple[LoadedModel, float]:
         """Load (or keep) a model without generating: Ollama's empty-prompt request."""
         ka = self.keep_alive_seconds(keep_alive)
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Ollama-shaped generation under /api: generate, chat and embeddings (NDJSON streams; the final chunk carries timing stats).
+"""Ollama-shaped generation under /api: generate, chat, embeddings (NDJSON streams; timing stats at the end).
 
 Model management (tags, show, pull, create, blobs, ...): :mod:`localrun.server.routes_ollama_models`.
 """
