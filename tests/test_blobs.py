@@ -250,7 +250,7 @@ def test_a_stalled_upload_is_dropped(tmp_path, monkeypatch):
     idle bound shortened), a fake backend."""
     from fakes import FakeModel, InProcessDaemon
 
-    from localrun.server import routes_ollama
+    from localrun.server import routes_ollama_models as routes_ollama
 
     monkeypatch.setattr(routes_ollama, "BLOB_IDLE_S", 0.5)
     home = tmp_path / "home"
@@ -277,7 +277,7 @@ def test_a_chunked_upload_stops_before_the_disk_is_full(tmp_path, monkeypatch):
 
     from fakes import FakeModel, InProcessDaemon
 
-    from localrun.server import routes_ollama
+    from localrun.server import routes_ollama_models as routes_ollama
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(routes_ollama.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 10 << 20))

@@ -157,7 +157,7 @@ def test_rerank_equals_llama_servers_in_every_shape(daemon, llama_rerank):
     assert all(abs(x["score"] - _sigmoid(raw[x["index"]])) < TOL and x["text"] == TEXTS[x["index"]] for x in tei)
 
     # more documents than one call to the runner scores (RERANK_GROUP): the same scores, in order
-    from localrun.server.generation import RERANK_GROUP
+    from localrun.server.generation_service import RERANK_GROUP
 
     many = TEXTS * (RERANK_GROUP // len(TEXTS) + 2)
     r = daemon.http.post("/v1/rerank", json={"model": RERANK, "query": QUERY, "documents": many, "raw_scores": True})

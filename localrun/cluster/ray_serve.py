@@ -17,7 +17,7 @@ Shape of the application (two deployments):
   serves one model for its whole life, so the daemon's layer would only duplicate Serve's.
 * ``OpenAIIngress`` (one replica by default): the OpenAI-compatible HTTP surface - ``/v1/models``,
   ``/v1/chat/completions`` (streamed and not), ``/v1/completions``. It renders the prompt exactly as
-  the daemon does (``localrun.server.generation.render_prompt`` with the model's own chat template,
+  the daemon does (``localrun.server.prompt.render_prompt`` with the model's own chat template,
   Modelfile SYSTEM/MESSAGES and PARAMETERs) and sends the replica the finished prompt text.
   Every answer names the replica that served it: the ``x-localrun-replica`` header and a
   ``localrun_replica`` field in the body and in every stream chunk.
@@ -253,7 +253,8 @@ class OpenAIIngress:
 
     async def _job(self, body: dict, chat: bool) -> tuple[ReplicaCall, bool, bool]:
         from localrun.server import params as p
-        from localrun.server.generation import Job, render_prompt
+        from localrun.server.job import Job
+        from localrun.server.prompt import render_prompt
         from localrun.server.routes_openai import openai_options, thinking_switch
 
         model = body.get("model")

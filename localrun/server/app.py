@@ -1,11 +1,12 @@
 """The FastAPI app: security middleware, error mapping, routes; `serve()` runs it.
 
-Security (security.md 11-18): loopback binds refuse foreign Host headers (DNS
-rebinding, 403); LOCALRUN_API_KEY, when set, is required on every route (401); CORS
-headers only for LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones
-too, as soon as they pass it), except a blob upload (POST /api/blobs/..., bounded by the disk); binding a non-loopback address without an API key is refused
-unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1 (containers), and then the Host check stays on:
-only requests addressed to localhost are answered.
+Security (docs/security.md: 'Loopback binds and Host headers', 'API key', 'CORS', 'Body and
+header size'): loopback binds refuse foreign Host headers (DNS rebinding, 403);
+LOCALRUN_API_KEY, when set, is required on every route (401); CORS headers only for
+LOCALRUN_ORIGINS; bodies over MAX_BODY_BYTES answer 413 (chunked ones too, as soon as they
+pass it), except a blob upload (POST /api/blobs/..., bounded by the disk); binding a
+non-loopback address without an API key is refused unless LOCALRUN_ALLOW_UNAUTHENTICATED_BIND=1
+(containers), and then the Host check stays on: only requests addressed to localhost are answered.
 """
 
 from __future__ import annotations
@@ -319,12 +320,14 @@ def create_app(settings: Settings | None = None, library: Any = None, loader: An
     from localrun.server.routes_anthropic import router as anthropic_router
     from localrun.server.routes_llama import router as llama_router
     from localrun.server.routes_ollama import router as ollama_router
+    from localrun.server.routes_ollama_models import router as ollama_models_router
     from localrun.server.routes_openai import router as openai_router
     from localrun.server.routes_responses import router as responses_router
 
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(anthropic_router)
+    app.include_router(ollama_models_router)  # (before generate/chat: the routes' order as it was)
     app.include_router(ollama_router)
     app.include_router(llama_router)
     # exact paths straight to their endpoints, inside FastAPI's exception handling
@@ -369,7 +372,7 @@ def check_models_dir(s: Settings) -> None:
 
 
 def check_bind(s: Settings) -> None:
-    """Refuse a non-loopback bind without an API key (security.md item 11), unless
+    """Refuse a non-loopback bind without an API key (docs/security.md, 'API key'), unless
     LOCALRUN_ALLOW_UNAUTHENTICATED_BIND says so (a container, its port published on 127.0.0.1)."""
     if is_loopback(s.host) or s.api_key:
         return
@@ -399,7 +402,7 @@ def setup_logging(s: Settings) -> None:
 def _server_class():
     import uvicorn
 
-    class Server(uvicorn.Server):
+    class DaemonServer(uvicorn.Server):
         """uvicorn's server, but a SIGTERM/SIGINT that ended in a graceful shutdown is a normal
         exit (status 0), not the signal raised again once the shutdown is done; and the first
         signal starts the daemon's drain (no new work, LOCALRUN_SHUTDOWN_GRACE for what runs)."""
@@ -423,7 +426,7 @@ def _server_class():
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    return Server
+    return DaemonServer
 
 
 async def _report_llamacpp_build() -> None:

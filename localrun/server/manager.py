@@ -18,156 +18,34 @@
   tried once more; a second death is an error naming the likely cause.
 - When ``auto`` chose the native engine for a GGUF model and its load fails, the model is
   loaded with llama.cpp instead, the reason in ps's "fallbacks".
+
+Which backend, what ``LoadSpec`` and what memory a load needs: :mod:`localrun.server.placement`.
+The handle on each loaded model (``LoadedModel``) and a request's ``Lease`` on it:
+:mod:`localrun.server.loaded`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from localrun.backends.base import POOLED_WINDOW, Backend, LoadSpec
+from localrun.backends.base import Backend, LoadSpec
 from localrun.backends.runner.process import RunnerDied, describe_exit, likely_cause
-from localrun.backends.select import (BackendChoice, backend_module, choose, fallback_reason, is_apple_silicon,
-                                     llamacpp_build, local_cuda_gpu, model_architecture)
-from localrun.config import AUTO_PARALLEL, Settings
+from localrun.backends.select import BackendChoice, fallback_reason, local_cuda_gpu
+from localrun.config import Settings
 from localrun.errors import Busy, InsufficientMemory, InvalidRequest, LocalrunError, BackendError
-from localrun.library.capabilities import model_kind
-from localrun.server.memory import Plan, auto_parallel, free_ram, plan_load
+from localrun.server.loaded import Lease, LoadedModel
+from localrun.server.memory import free_ram, plan_load
+from localrun.server.placement import Placement, load_options
 
 log = logging.getLogger("localrun.manager")
-
-# Ollama's request options that decide how a model is loaded, not how it samples, with the value that
-# leaves them to the daemon: a request that asks for other values than the loaded model's reloads it
-# (once idle), as Ollama does
-LOAD_OPTIONS = {"num_thread": 0, "num_gpu": -1}
-
-
-def load_options(resolved: Any) -> dict[str, Any]:
-    """The load options (LOAD_OPTIONS) among a resolved model's parameters: its Modelfile's, or a
-    request's over them (with_load_options)."""
-    params = getattr(resolved, "parameters", None) or {}
-    return {k: params[k] for k in LOAD_OPTIONS if k in params}
-
-
-def with_load_options(resolved: Any, options: Any) -> Any:
-    """`resolved` with a request's load options (Ollama's `options`: num_thread, num_gpu) over its
-    Modelfile's; itself when the request names none. InvalidRequest for a value that is not a
-    whole number in range."""
-    if not isinstance(options, dict) or not any(k in options for k in LOAD_OPTIONS):
-        return resolved
-    params = dict(resolved.parameters or {})
-    for k, auto in LOAD_OPTIONS.items():
-        if k in options and options[k] is not None:
-            v = options[k]
-            if not isinstance(v, int) or isinstance(v, bool) or not auto <= v <= 4096:
-                raise InvalidRequest(f"'{k}' must be a whole number from {auto} ({auto}: automatic) to 4096")
-            if v == auto:  # the daemon's own choice (threads: the physical cores; layers: what fits), as if unset
-                params.pop(k, None)
-            else:
-                params[k] = v
-    return dataclasses.replace(resolved, parameters=params)
 
 DEFAULT = object()  # "keep_alive not given": use LOCALRUN_KEEP_ALIVE
 
 Loader = Callable[[LoadSpec, str], Awaitable[Backend]]  # (spec, backend name) -> a loaded Backend
-
-
-@dataclass
-class Runner:
-    """A loaded model."""
-
-    name: str
-    digest: str
-    resolved: Any  # library ResolvedModel
-    backend: Backend
-    choice: BackendChoice
-    plan: Plan
-    num_ctx: int
-    load_seconds: float
-    sem: asyncio.Semaphore
-    active: int = 0
-    waiting: int = 0
-    keep_alive: float | None = 300.0
-    expires_at: float | None = None  # wall clock; None while busy or forever
-    last_used: float = field(default_factory=time.monotonic)
-    closing: bool = False
-    orphan: bool = False  # its model was deleted from the library: it finishes its requests, then unloads
-    fallbacks: list[str] = field(default_factory=list)  # the daemon's own (auto's native -> llama.cpp)
-
-    @property
-    def info(self):
-        return self.backend.info
-
-    def ps(self) -> dict[str, Any]:
-        r = self.resolved
-        details = _details(r)
-        info = self.info
-        expires = self.expires_at
-        if expires is None:  # busy, or forever: Ollama shows a far-future time for forever
-            expires = time.time() + (self.keep_alive if self.keep_alive is not None else 10 * 365 * 86400)
-        return {
-            "name": self.name,
-            "model": self.name,
-            "size": int(info.size_bytes or self.plan.size),
-            "digest": self.digest.removeprefix("sha256:"),
-            "details": details,
-            "expires_at": _iso(expires),
-            "size_vram": int(info.size_vram_bytes or self.plan.size_vram),
-            "context_length": self.num_ctx,
-            "backend": info.name,
-            "processor": info.processor if info.name != "llama.cpp" else self.plan.processor,
-            "device": info.device,
-            "placement": info.placement or info.device,
-            "reason": info.reason or f"{self.choice.reason}; {self.plan.detail}",
-            "fallbacks": [*self.fallbacks, *info.fallbacks],
-            "kv_cache_type": info.kv_cache_type or None,
-            "slots": info.slots,
-            "active": self.active,
-            "waiting": self.waiting,
-            **self._runner_ps(),
-        }
-
-    def _runner_ps(self) -> dict[str, Any]:
-        """The runner process: its pid and memory (resident set, and VRAM its backend holds)."""
-        pid = getattr(self.backend, "pid", None)
-        if pid is None:
-            return {}
-        mem = self.backend.memory() if hasattr(self.backend, "memory") else {}
-        return {"runner": {"pid": pid, "rss_bytes": mem.get("rss", 0), "vram_bytes": mem.get("vram", 0)}}
-
-
-def _iso(ts: float) -> str:
-    from datetime import datetime, timezone
-
-    return datetime.fromtimestamp(ts, tz=timezone.utc).astimezone().isoformat()
-
-
-def _details(resolved: Any) -> dict[str, Any]:
-    info = getattr(resolved, "info", None)
-    arch = getattr(info, "architecture", None) or ""
-    params = getattr(info, "parameter_count", None)
-    return {
-        "parent_model": "",
-        "format": getattr(resolved, "format", "gguf"),
-        "family": arch,
-        "families": [arch] if arch else None,
-        "parameter_size": _param_size(params),
-        "quantization_level": getattr(info, "quantization", None) or getattr(info, "file_type", None) or "",
-    }
-
-
-def _param_size(n: int | None) -> str:
-    if not n:
-        return ""
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{unit}".replace(".0", "")
-    return str(n)
 
 
 def runner_loader(settings: Settings) -> Loader:
@@ -185,12 +63,12 @@ class ModelManager:
         self.settings = settings
         self.library = library
         self._loader = loader or runner_loader(settings)
-        self.runners: dict[str, Runner] = {}
+        self.runners: dict[str, LoadedModel] = {}
         self._load_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._reaper: asyncio.Task | None = None
         self._queued: dict[str, int] = {}
-        self._native_failed: dict[str, str] = {}  # model digest -> why auto's native load failed
+        self.placement = Placement(settings)  # which backend, what spec, what memory: for each load
         self._forgotten: dict[str, int] = {}  # model name -> how many times it was deleted (see forget)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -231,7 +109,7 @@ class ModelManager:
         except ValueError as exc:
             raise InvalidRequest(f"keep_alive: {exc}") from None
 
-    def _set_expiry(self, r: Runner, keep_alive: float | None) -> None:
+    def _set_expiry(self, r: LoadedModel, keep_alive: float | None) -> None:
         r.keep_alive = keep_alive
         r.last_used = time.monotonic()
         if r.active or r.waiting:
@@ -243,9 +121,7 @@ class ModelManager:
 
     # -- using a model -------------------------------------------------------------------
     def default_num_ctx(self, resolved: Any, quiet: bool = False) -> int:
-        n = resolved.parameters.get("num_ctx") if resolved.parameters else None
-        n = int(n or self.settings.context_length)
-        return self._cap_ctx(resolved, n, quiet)
+        return self.placement.default_num_ctx(resolved, quiet)
 
     def window(self, resolved: Any) -> int:
         """The context a request that names no num_ctx gets: the loaded model's, else the one a load
@@ -253,58 +129,12 @@ class ModelManager:
         r = self.runners.get(resolved.name)
         if r is not None and not r.closing and r.digest == resolved.digest:
             return r.num_ctx
-        return self.default_num_ctx(resolved, quiet=True)
-
-    def _cap_ctx(self, resolved: Any, n: int, quiet: bool = False) -> int:
-        train = getattr(getattr(resolved, "info", None), "context_length", None)
-        if train and n > train:
-            if not quiet:
-                log.info("%s: num_ctx %d capped at the model's trained context %d", resolved.name, n, train)
-            n = int(train)
-        if n > POOLED_WINDOW and model_kind(resolved) != "completion":  # an embedding model's or a reranker's
-            n = POOLED_WINDOW
-        return n
+        return self.placement.default_num_ctx(resolved, quiet=True)
 
     async def fitting_context(self, resolved: Any, ceiling: int) -> tuple[int, str]:
         """The largest num_ctx up to `ceiling` (the ceiling, or a multiple of 1,024) that a load of
-        `resolved` fits in the memory free with every model unloaded: the plan a load makes
-        (estimate_memory, then plan_load), asked at each size; one sequence when NUM_PARALLEL is
-        auto (a load then sizes its slots from what is left). (num_ctx, why)."""
-        gpu = await asyncio.to_thread(local_cuda_gpu)
-        choice = self._choose(resolved, gpu)
-        if self._fell_back(resolved, choice):  # auto's native load of it failed before: llama.cpp loads it
-            choice = BackendChoice("llamacpp", "llama.cpp")
-        module = backend_module(choice.backend)
-        offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
-        gpu_kind, gpu_free = None, None
-        if gpu is not None and (choice.backend == "native" or offload):
-            gpu_kind, gpu_free = "CUDA", gpu.free_bytes + sum(r.plan.size_vram for r in self.runners.values())
-        elif offload and is_apple_silicon():
-            gpu_kind = "Metal"
-        ram = free_ram() + sum(r.plan.size - r.plan.size_vram for r in self.runners.values())
-        layers = int(getattr(resolved.info, "block_count", 0) or 1)
-        spec = self._spec(resolved, ceiling)  # the spec a load of it would get
-
-        def fits(n: int) -> bool:
-            try:
-                plan_load(module.estimate_memory(dataclasses.replace(spec, num_ctx=n)), layers, ram_free=ram,
-                          gpu_free=gpu_free, gpu_kind=gpu_kind)
-                return True
-            except InsufficientMemory:
-                return False
-
-        def search() -> tuple[int, str]:
-            if fits(ceiling):
-                return ceiling, "the model's trained context, which the free memory holds"
-            lo, hi = 0, ceiling // 1024  # fits(lo * 1024) (or lo 0: none checked fits), not fits(hi * 1024)
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
-            if lo == 0:
-                return min(ceiling, 1024), "not even 1,024 tokens fit the free memory: the load will say why"
-            return lo * 1024, f"what the free memory holds (the model was trained for {ceiling})"
-
-        return await asyncio.to_thread(search)
+        `resolved` fits in the memory free with every model unloaded (Placement.fitting_context). (num_ctx, why)."""
+        return await self.placement.fitting_context(resolved, ceiling, self.runners, free_ram)
 
     @asynccontextmanager
     async def use(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT,
@@ -322,7 +152,7 @@ class ModelManager:
         self._queued[key] = queued + 1
         t0 = time.perf_counter()
         loaded_now = False
-        runner: Runner | None = None
+        runner: LoadedModel | None = None
         try:
             while True:
                 runner, did_load = await self._ensure(resolved, num_ctx)
@@ -360,7 +190,8 @@ class ModelManager:
             if ka == 0 and runner.active == 0 and runner.waiting == 0:
                 asyncio.get_running_loop().create_task(self._unload_if_idle(runner))
 
-    async def load(self, resolved: Any, *, num_ctx: int | None = None, keep_alive: Any = DEFAULT) -> tuple[Runner, float]:
+    async def load(self, resolved: Any, *, num_ctx: int | None = None,
+                   keep_alive: Any = DEFAULT) -> tuple[LoadedModel, float]:
         """Load (or keep) a model without generating: Ollama's empty-prompt request."""
         ka = self.keep_alive_seconds(keep_alive)
         t0 = time.perf_counter()
@@ -379,14 +210,14 @@ class ModelManager:
         if r is not None:
             self._orphan(r)
 
-    def _orphan(self, r: Runner) -> None:
+    def _orphan(self, r: LoadedModel) -> None:
         r.orphan = True
         self._set_expiry(r, 0)
         if not r.active and not r.waiting:
             asyncio.get_running_loop().create_task(self._unload_if_idle(r))
         self._notify()
 
-    async def _unload_if_idle(self, runner: Runner) -> None:
+    async def _unload_if_idle(self, runner: LoadedModel) -> None:
         if runner.active == 0 and runner.waiting == 0 and self.runners.get(runner.name) is runner:
             await self.unload(runner.name)
 
@@ -416,11 +247,11 @@ class ModelManager:
         finally:
             waiter.cancel()
 
-    async def _ensure(self, resolved: Any, num_ctx: int | None) -> tuple[Runner, bool]:
+    async def _ensure(self, resolved: Any, num_ctx: int | None) -> tuple[LoadedModel, bool]:
         key = resolved.name
-        want = self._cap_ctx(resolved, num_ctx) if num_ctx else None
+        want = self.placement.cap_ctx(resolved, num_ctx) if num_ctx else None
 
-        def fits(r: Runner | None) -> bool:
+        def fits(r: LoadedModel | None) -> bool:
             return (r is not None and not r.closing and r.digest == resolved.digest and (want is None or want <= r.num_ctx)
                     and load_options(r.resolved) == load_options(resolved))
 
@@ -435,9 +266,9 @@ class ModelManager:
                 log.info("reloading %s (num_ctx %s -> %s, load options %s -> %s)", key, r.num_ctx, want,
                          load_options(r.resolved) or "none", load_options(resolved) or "none")
                 await self.unload(key)
-            return await self._load(resolved, want or self.default_num_ctx(resolved)), True
+            return await self._load(resolved, want or self.placement.default_num_ctx(resolved)), True
 
-    def _evictable(self, exclude: str) -> list[Runner]:
+    def _evictable(self, exclude: str) -> list[LoadedModel]:
         idle = [r for r in self.runners.values() if r.name != exclude and r.active == 0 and r.waiting == 0]
         return sorted(idle, key=lambda r: r.last_used)
 
@@ -450,41 +281,7 @@ class ModelManager:
                 await self.unload(idle[0].name)
             else:
                 await self._wait_change(1.0)
-
-    def _choose(self, resolved: Any, gpu: Any) -> BackendChoice:
-        """The backend `choose` picks for `resolved` on this machine, with this daemon's settings."""
-        return choose(self.settings.backend, resolved.format, gpu, info=resolved.info,
-                      arch=model_architecture(resolved.format, resolved.weights, resolved.info),
-                      vision=getattr(resolved, "projector", None) is not None,
-                      native_on_cpu=self.settings.native_on_cpu, pooled=model_kind(resolved) != "completion")
-
-    def _may_fall_back(self, resolved: Any, choice: BackendChoice) -> bool:
-        """auto picked the native engine for a GGUF: llama.cpp runs it if that load fails."""
-        return self.settings.backend == "auto" and choice.backend == "native" and resolved.format == "gguf"
-
-    def _fell_back(self, resolved: Any, choice: BackendChoice) -> bool:
-        """Such a load failed before (kept until the daemon restarts): llama.cpp loads it."""
-        return self._may_fall_back(resolved, choice) and resolved.digest in self._native_failed
-
-    def _spec(self, resolved: Any, num_ctx: int) -> LoadSpec:
-        """What a load of `resolved` with `num_ctx` asks its backend for."""
-        spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
-                        num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info},
-                        embedding=model_kind(resolved) != "completion")
-        if getattr(resolved, "projector", None) is not None:
-            spec.extra["projector"] = str(resolved.projector)
-        if getattr(resolved, "adapter", None):
-            spec.extra["adapter"] = str(resolved.adapter)
-        if resolved.parameters:
-            for k in ("repeat_last_n", "num_thread", "num_gpu", "main_gpu", "use_mmap", "tensor_parallel",
-                      "kv_cache_type", "weight_dtype", "speculative", "num_speculative_tokens"):
-                if k in resolved.parameters:
-                    spec.extra[k] = resolved.parameters[k]
-        if "num_thread" in spec.extra:
-            spec.extra["n_threads"] = int(spec.extra["num_thread"])
-        return spec
-
-    async def _load(self, resolved: Any, num_ctx: int) -> Runner:
+    async def _load(self, resolved: Any, num_ctx: int) -> LoadedModel:
         """Load with the backend `choose` picks; when auto picked the native engine for a GGUF and
         that load fails (for any reason: an architecture or quantization it cannot run, a CUDA
         error, no memory), load it with llama.cpp instead. The failure is logged once and kept
@@ -492,53 +289,28 @@ class ModelManager:
         shown in ps's "fallbacks". LOCALRUN_BACKEND=native reports the error instead."""
         key = resolved.name
         gpu = await asyncio.to_thread(local_cuda_gpu)
-        choice = self._choose(resolved, gpu)
-        if not self._may_fall_back(resolved, choice):
+        choice = self.placement.choose(resolved, gpu)
+        if not self.placement.may_fall_back(resolved, choice):
             return await self._load_with(resolved, num_ctx, gpu, choice)
-        error = self._native_failed.get(resolved.digest)
+        error = self.placement.native_failed.get(resolved.digest)
         if error is None:
             try:
                 return await self._load_with(resolved, num_ctx, gpu, choice)
             except Exception as exc:  # noqa: BLE001 - any failure of the native load: llama.cpp runs it
                 error = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
                 error = error.removeprefix(f"failed to load {key}: ")  # the runner's wrapping says it twice
-                self._native_failed[resolved.digest] = error
+                self.placement.native_failed[resolved.digest] = error
                 log.warning("%s: %s", key, fallback_reason(error))
             gpu = await asyncio.to_thread(local_cuda_gpu)
         why = fallback_reason(error)
         return await self._load_with(resolved, num_ctx, gpu, BackendChoice("llamacpp", f"llama.cpp: {why}"), [why])
 
     async def _load_with(self, resolved: Any, num_ctx: int, gpu: Any, choice: BackendChoice,
-                         fallbacks: list[str] | None = None) -> Runner:
+                         fallbacks: list[str] | None = None) -> LoadedModel:
         key = resolved.name
         deleted = self._forgotten.get(key, 0)  # (deleted while loading: see forget)
-        module = backend_module(choice.backend)
-        spec = self._spec(resolved, num_ctx)
-        # what llama.cpp's build can do is asked once, in a child process: off the event loop
-        offload = choice.backend == "llamacpp" and (await asyncio.to_thread(llamacpp_build)).gpu_offload
-
-        def where(g) -> tuple[str | None, int | None]:
-            if choice.backend == "native":
-                return ("CUDA", g.free_bytes) if g else (None, None)
-            if offload:
-                if g is not None:
-                    return "CUDA", g.free_bytes
-                if is_apple_silicon():
-                    return "Metal", None
-            return None, None
-
-        layers = int(getattr(resolved.info, "block_count", 0) or 1)
-        parallel_why = ""
-        if not self.settings.num_parallel and choice.backend == "llamacpp" and not spec.embedding:  # auto: from memory
-            gpu_kind, gpu_free = where(gpu)
-
-            def estimate(n: int):
-                return module.estimate_memory(dataclasses.replace(spec, num_parallel=n))
-
-            spec.num_parallel, parallel_why = await asyncio.to_thread(
-                auto_parallel, estimate, layers, AUTO_PARALLEL, ram_free=free_ram(), gpu_free=gpu_free,
-                gpu_kind=gpu_kind)
-        est = await asyncio.to_thread(module.estimate_memory, spec)
+        sized = await self.placement.sized(resolved, num_ctx, gpu, choice, free_ram)
+        est, layers, where = sized.estimate, sized.layers, sized.where
 
         # admission before eviction: refuse a model that cannot fit even with every other model
         # unloaded, without touching the loaded ones
@@ -563,21 +335,16 @@ class ModelManager:
                 log.info("evicting %s to make room for %s", idle[0].name, key)
                 await self.unload(idle[0].name)
                 gpu = await asyncio.to_thread(local_cuda_gpu)
-        if "num_gpu" in spec.extra and choice.backend == "llamacpp":  # Modelfile PARAMETER num_gpu wins
-            plan.n_gpu_layers = int(spec.extra["num_gpu"])
-        spec.extra.update(n_gpu_layers=plan.n_gpu_layers, device=plan.device, processor=plan.processor,
-                          reason="; ".join(x for x in (choice.reason, plan.detail, parallel_why) if x),
-                          size_vram=plan.size_vram)
-        spec.extra.update(size_bytes=est.total_bytes, extra_buffers=self.settings.llamacpp_extra_buffers)
+        spec = self.placement.placed(sized, choice, plan)
         log.info("loading %s with %s: %s; %s (num_ctx %d, %d slots)", key, choice.backend, choice.reason,
                  plan.summary, num_ctx, spec.num_parallel)
         t0 = time.perf_counter()
         backend = await self._start(spec, choice.backend)
         dt = time.perf_counter() - t0
         log.info("loaded %s in %.2fs", key, dt)
-        runner = Runner(name=key, digest=resolved.digest, resolved=resolved, backend=backend, choice=choice,
-                        plan=plan, num_ctx=num_ctx, load_seconds=dt, sem=asyncio.Semaphore(backend.info.slots),
-                        keep_alive=self.settings.keep_alive, fallbacks=list(fallbacks or ()))
+        runner = LoadedModel(name=key, digest=resolved.digest, resolved=resolved, backend=backend, choice=choice,
+                             plan=plan, num_ctx=num_ctx, load_seconds=dt, sem=asyncio.Semaphore(backend.info.slots),
+                             keep_alive=self.settings.keep_alive, fallbacks=list(fallbacks or ()))
         self.runners[key] = runner
         exited = getattr(backend, "exited", None)
         if exited is not None:
@@ -606,7 +373,7 @@ class ModelManager:
                 raise BackendError(f"failed to load {spec.name}: {type(exc).__name__}: {exc}") from None
         raise AssertionError("unreachable")
 
-    def _runner_exited(self, runner: Runner) -> None:
+    def _runner_exited(self, runner: LoadedModel) -> None:
         """A runner process ended: forget it (unless it was being unloaded anyway)."""
         if self.runners.get(runner.name) is runner:
             del self.runners[runner.name]
@@ -618,14 +385,3 @@ class ModelManager:
     def ps(self) -> list[dict[str, Any]]:
         return [r.ps() for r in sorted(self.runners.values(), key=lambda r: -r.last_used)]
 
-
-@dataclass
-class Lease:
-    runner: Runner
-    num_ctx: int  # the window this request may use (<= the loaded one)
-    load_seconds: float
-    waited_seconds: float
-
-    @property
-    def backend(self) -> Backend:
-        return self.runner.backend

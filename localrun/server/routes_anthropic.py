@@ -46,7 +46,9 @@ from localrun.library.modelfile import PARAMETERS
 from localrun.server import params as p
 from localrun.server.error_shapes import anthropic_error
 from localrun.server.images import ImageInput, from_base64, from_url, take_images
-from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.disconnect import until_disconnected
+from localrun.server.generation import Generation
+from localrun.server.job import Delta, Done, FinishedChoice, Job, ToolCalls
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
@@ -326,7 +328,7 @@ def _usage(u: Usage) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.cached_tokens}
 
 
-def _stop_reason(done: Done | Choice, stops: list[str], max_tokens: int) -> tuple[str, str | None]:
+def _stop_reason(done: Done | FinishedChoice, stops: list[str], max_tokens: int) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) for how the service says the output ended."""
     if done.finish_reason == "tool_calls":
         return "tool_use", None

@@ -29,7 +29,9 @@ from localrun.errors import InvalidRequest, LocalrunError
 from localrun.library.modelfile import PARAMETERS
 from localrun.server import params as p
 from localrun.server.error_shapes import llama_server_error as error_shape
-from localrun.server.generation import Delta, Done, Generation, Job, until_disconnected
+from localrun.server.disconnect import until_disconnected
+from localrun.server.generation import Generation
+from localrun.server.job import Delta, Done, Job
 from localrun.server.images import take_images
 from localrun.server.routes_openai import BATCH_CONCURRENCY, gather_bounded
 from localrun.server.state import State, generation_response, json_body

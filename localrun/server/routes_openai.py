@@ -18,7 +18,9 @@ from localrun.backends.base import Infill, Usage
 from localrun.errors import InvalidRequest, LocalrunError
 from localrun.server import params as p
 from localrun.server.images import take_images
-from localrun.server.generation import Choice, Delta, Done, Generation, Job, ToolCalls, until_disconnected
+from localrun.server.disconnect import until_disconnected
+from localrun.server.generation import Generation
+from localrun.server.job import Delta, Done, FinishedChoice, Job, ToolCalls
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter(prefix="/v1")
@@ -161,7 +163,7 @@ def stream_error(exc: BaseException) -> dict:
     return {"error": {"message": exc.public_message, "type": etype, "param": None, "code": exc.code}}
 
 
-async def _run_to_end(st: State, job: Job) -> tuple[Generation, list[Choice]]:
+async def _run_to_end(st: State, job: Job) -> tuple[Generation, list[FinishedChoice]]:
     gen = await st.generation.start(job)
     try:
         return gen, await gen.collect()
@@ -169,7 +171,7 @@ async def _run_to_end(st: State, job: Job) -> tuple[Generation, list[Choice]]:
         await gen.release()
 
 
-async def _collect(request: Request, st: State, job: Job) -> tuple[Generation, list[Choice]]:
+async def _collect(request: Request, st: State, job: Job) -> tuple[Generation, list[FinishedChoice]]:
     return await until_disconnected(request, _run_to_end(st, job))
 
 
@@ -429,7 +431,7 @@ async def completions(request: Request):
     return _sse_response("text_completion", cid, created, gen, include_usage, render, cut)
 
 
-async def _collect_batch(st: State, jobs: list[Job]) -> list[tuple[Generation, list[Choice]]]:
+async def _collect_batch(st: State, jobs: list[Job]) -> list[tuple[Generation, list[FinishedChoice]]]:
     """Every job run to its end, at most BATCH_CONCURRENCY at once; the first failure ends the rest
     (and is raised)."""
     return await gather_bounded([lambda job=job: _run_to_end(st, job) for job in jobs], BATCH_CONCURRENCY)

@@ -15,7 +15,8 @@ from starlette.responses import StreamingResponse
 
 from localrun.config import Settings
 from localrun.errors import InvalidRequest
-from localrun.server.generation import CANCEL_IN_TASK, ClientGone, GenerationService, disconnect_cancels
+from localrun.server.disconnect import CANCEL_IN_TASK, ClientGone, disconnect_cancels
+from localrun.server.generation_service import GenerationService
 from localrun.server.manager import DEFAULT, Loader, ModelManager
 
 
@@ -89,8 +90,6 @@ async def json_body(request: Request) -> dict:
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone before its body was whole: nobody to answer, nothing to log as an error
-        from localrun.server.generation import ClientGone
-
         raise ClientGone("the client closed the connection before the body was sent") from None
     if not raw.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
