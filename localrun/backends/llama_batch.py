@@ -1072,7 +1072,7 @@ class BatchedLlama:
             if not m.is_error() and allowed.any():
                 tok = c.pick(np.where(allowed, logits, np.float32("-inf")), r.sampler)
         if m.is_error() or not m.consume_token(tok):
-            from localrun.backends.constraints import stopped_message
+            from localrun.structured.constraints import stopped_message
 
             self._finish_error(r, InvalidRequest(stopped_message(m.get_error())))
             return None
