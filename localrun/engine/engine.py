@@ -43,7 +43,7 @@ from localrun.engine.scheduler import ScheduledBatch, Scheduler
 from localrun.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from localrun.engine.grammar import Grammar
+    from localrun.structured.masks import Grammar
 
 log = logging.getLogger("localrun.engine")
 
@@ -121,7 +121,7 @@ class LLMEngine(TokenOutput, StepFailures):
         self._inbox: list[tuple[str, object]] = []
         self._inflight: StepHandle | None = None  # launched, its tokens not yet handled
         self.groups = RequestGroups(self.scheduler, enabled=self.tp.world == 1)  # n > 1: members still arriving
-        self._grammars = None  # grammar.GrammarCompiler, made at the first structured request
+        self._grammars = None  # structured.masks.GrammarCompiler, made at the first structured request
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # held while a step (or embed, or abort) touches state
         self._thread: threading.Thread | None = None
@@ -306,7 +306,7 @@ class LLMEngine(TokenOutput, StepFailures):
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
         with self._cv:
             if self._grammars is None:
-                from localrun.engine.grammar import GrammarCompiler
+                from localrun.structured.masks import GrammarCompiler
 
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
         return self._grammars.lark(lark) if lark is not None else self._grammars.json_schema(json_schema)

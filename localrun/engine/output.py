@@ -137,7 +137,7 @@ class TokenOutput:
     def _grammar_failed(self, req: EngineRequest, why: str) -> None:
         """End `req` with an error: its grammar stopped the generation (an empty language, or more work for one
         token than llguidance's bounds allow)."""
-        from localrun.backends.constraints import stopped_message
+        from localrun.structured.constraints import stopped_message
 
         self._finish(req, "abort", error=stopped_message(why), error_kind="grammar")
 
