@@ -5,7 +5,7 @@
 rank's model and fills its weights while the Triton kernels' first compile and trial runs on
 a thread of its own (`KernelTrials`, CUDA), then constructs the engine. The engine's
 constructor sizes its KV pool with `kv_budget`, adds the prefix cache's host tier
-(`host_kv_pool`) and captures the decode graphs (`setup_graphs`).
+(`host_kv_pool`) and captures the decode graphs (`decode_graphs`).
 """
 
 from __future__ import annotations
@@ -181,3 +181,24 @@ def setup_graphs(runner: ModelRunner, capture: bool, fallback: Callable[[str], N
         fallback(f"decode batch {', '.join(map(str, sizes))}: eager, not a CUDA graph "
                  f"({' '.join(why.split())[:fb.REASON_CHARS]})")
     return t
+
+
+def decode_graphs(config: EngineConfig, device: torch.device, triton: bool, runner: ModelRunner,
+                  fallback: Callable[[str], None], timings: dict) -> bool:
+    """Whether decode steps run at padded sizes as graphs (config.cuda_graphs; by default on CUDA
+    with the Triton kernels), captured here on CUDA (eager on CPU); False when attention cannot
+    be captured (a fallback)."""
+    graphs = config.cuda_graphs
+    if graphs is None:
+        graphs = device.type == "cuda" and triton
+    if graphs:
+        capture = device.type == "cuda"
+        if capture and not triton:
+            raise ValueError("cuda_graphs=True needs the Triton kernels (use_triton); the torch reference "
+                             "path syncs with the host")
+        if capture and not runner.attn.graphable:
+            graphs = False
+            fallback("CUDA graphs off: attention runs a torch reference (it reads lengths on the host)")
+        else:
+            timings["graphs_s"] = setup_graphs(runner, capture, fallback)
+    return graphs

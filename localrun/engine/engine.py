@@ -21,7 +21,7 @@ import torch
 
 from localrun.engine import fallbacks as fb
 from localrun.engine import faults
-from localrun.engine.build import KernelTrials, host_kv_pool, kernel_names, kv_budget, make_engine, setup_graphs
+from localrun.engine.build import KernelTrials, decode_graphs, host_kv_pool, kernel_names, kv_budget, make_engine
 from localrun.engine.config import EngineConfig, ModelConfig, kv_dtype_name
 from localrun.engine.failures import StepFailures
 from localrun.engine.groups import RequestGroups
@@ -93,19 +93,7 @@ class LLMEngine(TokenOutput, StepFailures):
         self.runner.step_faults = bool(faults.active("step_oom"))  # read once: nothing per step otherwise
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.table)
         self.timings["kv_alloc_s"] = time.perf_counter() - t
-        graphs = config.cuda_graphs
-        if graphs is None:
-            graphs = self.device.type == "cuda" and triton
-        if graphs:
-            capture = self.device.type == "cuda"
-            if capture and not triton:
-                raise ValueError("cuda_graphs=True needs the Triton kernels (use_triton); the torch reference "
-                                 "path syncs with the host")
-            if capture and not self.runner.attn.graphable:
-                graphs = False
-                self._fallback("CUDA graphs off: attention runs a torch reference (it reads lengths on the host)")
-            else:
-                self.timings["graphs_s"] = setup_graphs(self.runner, capture, self._fallback)
+        graphs = decode_graphs(config, self.device, triton, self.runner, self._fallback, self.timings)
         self.spec = None
         if config.speculative != "off":
             from localrun.engine.speculative import SpecDecoder
