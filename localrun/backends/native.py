@@ -148,7 +148,7 @@ def _host_tier_bytes(kv_bytes: int, tp: int) -> int:
     """The most host RAM the prefix cache's host tier will take (LOCALRUN_HOST_CACHE; auto: the
     engine's default, at most HOST_AUTO_POOL_MULTIPLE x the KV pool; none under tensor parallelism)."""
     from localrun.config import settings
-    from localrun.engine.engine import HOST_AUTO_POOL_MULTIPLE
+    from localrun.engine.build import HOST_AUTO_POOL_MULTIPLE
     from localrun.engine.kv.host import default_host_cache_bytes
 
     if tp > 1:

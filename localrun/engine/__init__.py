@@ -5,7 +5,8 @@ that need them.
 """
 
 from localrun.engine.config import EngineConfig, ModelConfig
-from localrun.engine.engine import GenerationOutput, LLMEngine, RequestStream, StreamDelta
+from localrun.engine.engine import LLMEngine
+from localrun.engine.requests import GenerationOutput, RequestStream, StreamDelta
 from localrun.engine.sampler import SamplingParams
 
 __all__ = ["LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "GenerationOutput",
