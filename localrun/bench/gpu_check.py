@@ -22,7 +22,7 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
 4. throughput: the ShareGPT workload (1,000 prompts; the bundled SmolLM2-tokenized file, or
    --prompts from `localrun bench sample`), temperature 1.0, ignore_eos, a warm-up of 20 prompts,
    one timed pass; total and output tok/s against the goal and the published figures
-   (../shared/reference/benchmarks.md) and as a fraction of the machine's ceiling.
+   (docs/benchmarks.md) and as a fraction of the machine's ceiling.
 5. ttft_512: time to first token at 512 prompt tokens (one request at a time, fresh prompts).
 6. itl: batch-1 inter-token latency (512-token prompt, 256 tokens out), through the streaming API.
 7. prefix: a 1,024-token shared system prompt + 64 questions sent at once, prefix cache on vs off.
@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 # The engine's goals (H100 80GB, Llama-3.1-8B shape, bf16), the published figures they beat
-# (benchmarks.md) and the machine's ceilings.
+# (docs/benchmarks.md) and the machine's ceilings.
 TARGETS = {"total_tok_s_min": 20000.0, "itl_ms_p50_max": 5.5, "ttft_512_ms_p50_max": 25.0,
            "prefix_speedup_min": 5.0, "cold_start_s_max": 10.0}
 PUBLISHED = {"throughput": "SGLang 16,215, LMDeploy 16,132, vLLM 12,553 tok/s (8B, H100, ShareGPT 1,000)",

@@ -1,6 +1,6 @@
 """`localrun bench throughput`: offline throughput, engine in-process.
 
-Method (../shared/reference/benchmarks.md): ShareGPT prompts sampled as vLLM does, a
+Method (docs/benchmarks.md): ShareGPT prompts sampled as vLLM does, a
 warm-up of 20 prompts, then timed passes of ``engine.generate`` over all prompts with
 temperature 1.0, top_p 1.0, ignore_eos and max_tokens = the real completion length, so
 every engine produces the same token counts (a pass where any request's token count differs
