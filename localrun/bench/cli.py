@@ -18,6 +18,8 @@
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
     localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
+    localrun bench ab --measure itl|ttft|decode|throughput [--a-rev REV] [--b-env K=V] ... (see bench/ab.py)
+    localrun bench profile --random-weights --shape NAME [--batch 8] [--steps 32] (see bench/step_profile.py)
 
 Every result is appended to results/bench.jsonl (``--out`` to change) with the machine,
 device, versions and git commit. Only throughput/prefix/startup-engine import the
@@ -31,7 +33,7 @@ import sys
 from pathlib import Path
 
 from localrun.bench import cli_commands
-from localrun.bench.cli_args import add_common, add_engine, add_model, console, finish, ladder, positive_int
+from localrun.bench.cli_args import add_common, add_engine, add_model, console, finish, ladder, positive_int, source
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     from localrun.bench import tokenize  # stdlib-only at import
 
     tokenize.add_parser(sub)
+
+    from localrun.bench import ab  # stdlib-only at import
+
+    ab.add_parser(sub, positive_int)
+
+    from localrun.bench import step_profile  # stdlib-only at import
+
+    step_profile.add_parser(sub, add_model, add_common, positive_int)
     sub.add_parser("build-llama-server", help="print llama.cpp's llama-server binary's path: LOCALRUN_LLAMA_SERVER, "
                    "else a cached build, else built once from the llama.cpp that llama-cpp-python vendors")
     return p
@@ -266,6 +276,20 @@ def _cmd_build_llama_server(a: argparse.Namespace) -> int:
     return llama_server_build.main()
 
 
+def _cmd_ab(a: argparse.Namespace) -> int:
+    from localrun.bench import ab
+
+    return ab.run(a, console=console())
+
+
+def _cmd_profile(a: argparse.Namespace) -> int:
+    from localrun.bench import step_profile
+
+    res = step_profile.run_profile(source(a), a.batch, a.prompt_len, a.steps, step_profile.engine_args(a),
+                                   seed=a.seed, console=console())
+    return finish(res, a, lambda con: step_profile.print_rows(res, con))
+
+
 def _cmd_gpu_check(a: argparse.Namespace) -> int:
     from localrun.bench import gpu_check
 
@@ -278,7 +302,7 @@ COMMANDS = {"throughput": cli_commands.cmd_throughput, "serve": cli_commands.cmd
             "spec": cli_commands.cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
             "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "overhead": _cmd_overhead,
             "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
-            "build-llama-server": _cmd_build_llama_server}
+            "build-llama-server": _cmd_build_llama_server, "ab": _cmd_ab, "profile": _cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.mode:
         parser.print_help()
         return 0
+    from localrun.bench.ab import AbError
     from localrun.bench.dataset import DatasetError
     from localrun.bench.serve import ServeBenchError
     from localrun.bench.gpu_check import GpuCheckError
@@ -302,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
         restore_threads = torch.get_num_threads()
         torch.set_num_threads(a.threads)
-    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, GpuCheckError, ValueError,
+    known = (DatasetError, ServeBenchError, StartupError, ThroughputError, GpuCheckError, AbError, ValueError,
              FileNotFoundError)
     try:
         return COMMANDS[a.mode](a)

@@ -88,14 +88,16 @@ def engine_config(args: dict[str, Any]):
         raise ThroughputError(f"bad engine setting: {exc}") from None
 
 
-def load_engine(src: BenchModelSource, config):
+def load_engine(src: BenchModelSource, config, engine_class=None):
+    """The engine of `src`; `engine_class` a subclass of LLMEngine to build instead (bench profile's)."""
     from localrun.engine import LLMEngine
 
+    cls = engine_class or LLMEngine
     if src.kind == "gguf":
-        return LLMEngine.from_gguf(src.path, config)
+        return cls.from_gguf(src.path, config)
     if src.kind == "safetensors":
-        return LLMEngine.from_safetensors(src.path, config)
-    return LLMEngine.from_random(src.shape, config, seed=0)
+        return cls.from_safetensors(src.path, config)
+    return cls.from_random(src.shape, config, seed=0)
 
 
 def engine_encoder(engine) -> Callable[[str], list[int]] | None:
