@@ -13,7 +13,7 @@ from localrun.bench.step_profile import PHASES
 def test_profile_times_every_step_in_phases(capsys):
     rc = main(["profile", "--random-weights", "--shape", "tiny", "--batch", "3", "--prompt-len", "12", "--steps", "5",
                "--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "256", "--threads", "1",
-               "--no-save", "--json"])
+               "--kernels", "5", "--no-save", "--json"])
     out = capsys.readouterr()
     assert rc == 0, out.err[-3000:]
     res = json.loads(out.out)
@@ -39,3 +39,6 @@ def test_profile_times_every_step_in_phases(capsys):
     assert math.isclose(step_ms, res["step_ms_sum"], rel_tol=1e-6)
     assert 0 < res["step_ms_sum"] <= 1000 * res["wall_s"]
     assert "profile: random:tiny on cpu" in out.err and "launch" in out.err
+    ops = res["top_ops"]  # --kernels 5: the ops of one more run under torch.profiler
+    assert len(ops) == 5 and all(o["op"] and o["calls"] > 0 and o["self_ms"] >= 0 for o in ops)
+    assert ops[0]["where"] == "host" and ops[0]["self_ms"] == max(o["self_ms"] for o in ops) > 0

@@ -286,7 +286,7 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     from localrun.bench import step_profile
 
     res = step_profile.run_profile(source(a), a.batch, a.prompt_len, a.steps, step_profile.engine_args(a),
-                                   seed=a.seed, console=console())
+                                   seed=a.seed, console=console(), kernels=a.kernels)
     return finish(res, a, lambda con: step_profile.print_rows(res, con))
 
 

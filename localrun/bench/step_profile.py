@@ -14,7 +14,8 @@ The engine runs serially (overlap off) unless --overlap: only then is a step's w
 the wait for step N happens inside the handling of step N in step N+1, and is counted in handle. On a CPU
 the forward runs inside launch and wait is about zero. One untimed warm-up generate (the same sizes, two
 tokens) comes first; then --batch prompts of --prompt-len random tokens generate --steps tokens each
-(temperature 1.0, ignore_eos) with every step timed.
+(temperature 1.0, ignore_eos) with every step timed. --kernels N: one more run of the same under
+torch.profiler, and its N ops with the most device time (on a CPU, host time).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def add_parser(sub, add_model, add_common, positive_int) -> None:
     p.add_argument("--steps", type=positive_int, default=32, help="tokens each prompt generates (default 32)")
     p.add_argument("--overlap", action="store_true", help="overlap scheduling on (its wait is counted in handle)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="then one more run under torch.profiler: its N ops with the most device time (CPU: host time)")
     g = p.add_argument_group("engine")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -148,8 +151,24 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def top_ops(engine, run, n: int) -> list[dict[str, Any]]:
+    """`run()` under torch.profiler: its n ops with the most self time on the device (on a CPU: the host)."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    cuda = engine.config.is_cuda
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        run()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))[:n]
+    return [{"op": e.key, "calls": e.count, "self_ms": getattr(e, key, 0) / 1000,
+             "where": "device" if cuda else "host"} for e in events]
+
+
 def run_profile(src, batch: int, prompt_len: int, steps: int, engine_args: dict[str, Any], seed: int = 0,
-                console=None) -> dict[str, Any]:
+                console=None, kernels: int = 0) -> dict[str, Any]:
     from localrun.bench.throughput import engine_config, load_engine, shutdown_engine
     from localrun.engine import SamplingParams
 
@@ -174,10 +193,15 @@ def run_profile(src, batch: int, prompt_len: int, steps: int, engine_args: dict[
         engine.generate(prompts(), SamplingParams(temperature=1.0, max_tokens=steps, ignore_eos=True))
         wall = time.perf_counter() - t
         recorded, engine.profile = engine.profile.steps, None
+        ops = []
+        if kernels > 0:  # a separate run: the profiler's own cost stays out of the phases above
+            engine.clear_prefix_cache()
+            params = SamplingParams(temperature=1.0, max_tokens=steps, ignore_eos=True)
+            ops = top_ops(engine, lambda: engine.generate(prompts(), params), kernels)
         return {"mode": "profile", "model": src.name or src.kind, "device": str(engine.config.device),
                 "batch": batch, "prompt_len": prompt_len, "steps_per_request": steps,
                 "overlap": bool(engine.overlap), "load_s": load_s, "wall_s": wall, "steps": len(recorded),
-                "step_ms_sum": 1000 * sum(s["total"] for s in recorded), "kinds": summarize(recorded),
+                "step_ms_sum": 1000 * sum(s["total"] for s in recorded), "kinds": summarize(recorded), "top_ops": ops,
                 "engine_config": {k: getattr(engine.config, k) for k in vars(engine.config)}}
     finally:
         shutdown_engine(engine)
@@ -204,3 +228,7 @@ def print_rows(res: dict[str, Any], con) -> None:
                 f"{res['steps_per_request']} out each, overlap {'on' if res['overlap'] else 'off'}",
                 ["steps", "phase", "mean ms", "p50 ms", "p95 ms", "total ms", "share"], table, con)
     con.print(f"{res['steps']} steps, {res['step_ms_sum']:.1f} ms in steps of {1000 * res['wall_s']:.1f} ms wall")
+    if res["top_ops"]:
+        print_table(f"ops with the most {res['top_ops'][0]['where']} time (one more run, under torch.profiler)",
+                    ["op", "calls", "self ms"], [[o["op"][:80], o["calls"], o["self_ms"]] for o in res["top_ops"]],
+                    con)
