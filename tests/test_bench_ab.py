@@ -1,11 +1,13 @@
 """`localrun bench ab` for real at a tiny shape on the CPU: a git revision checked out against this tree with
-an engine option changed, each trial a fresh process, alternated; the results file's structure and numbers.
-And its arithmetic: the A,B,B,A order and the bootstrap interval of the difference of medians."""
+an engine option changed, each trial a fresh process, alternated, in an interpreter that cannot import the
+server stack (as on the GPU box); the results file's structure and numbers. And its arithmetic: the A,B,B,A
+order and the bootstrap interval of the difference of medians."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +18,14 @@ import pytest
 from localrun.bench.ab import compare, order
 
 ROOT = Path(__file__).resolve().parents[1]
+BLOCKER = """
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"fastapi", "uvicorn", "pydantic", "gguf", "platformdirs", "textual", "llama_cpp"}:
+            raise ImportError(f"{name} is not installed on a GPU box")
+sys.meta_path.insert(0, Blocker())
+"""
 
 
 def test_order_alternates_which_side_goes_first():
@@ -41,12 +51,15 @@ def test_compare_medians_and_interval():
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
 def test_ab_of_a_revision_and_this_tree(tmp_path):
     out = tmp_path / "ab.json"
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCALRUN_", "TRITON_"))}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{ROOT}"
     p = subprocess.run([sys.executable, "-m", "localrun.bench", "ab", "--measure", "decode", "--rounds", "1",
                         "--device", "cpu", "--shape", "tiny", "--prompt-len", "8", "--output-len", "4", "--batch", "2",
                         "--repeats", "1", "--a-rev", "HEAD", "--b-engine", "max_num_seqs=8", "--engine",
                         "max_model_len=256", "--a-env", "OMP_NUM_THREADS=1", "--b-env", "OMP_NUM_THREADS=1",
                         "--output", str(out), "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     res = json.loads(out.read_text())
     assert json.loads(p.stdout) == {**res, "saved_to": str(out)}
