@@ -1,5 +1,7 @@
-"""`localrun bench` commands that run in this process and print a table: throughput, serve, prefix, spec,
-startup, sample and typing."""
+"""The `localrun bench` commands whose tables are printed here: throughput, serve, prefix, spec, startup, typing.
+
+And `bench sample`, which writes a prompt file.
+"""
 
 from __future__ import annotations
 
