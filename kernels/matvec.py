@@ -4,7 +4,7 @@ At one row (a decode step of one sequence) a linear layer is a matrix-vector pro
 the whole weight once and does two flops per weight, so its time is the weight's bytes over the
 memory bandwidth. cuBLAS picks GEMM tiles (8 rows wide, split-K for the smaller matrices) that
 reach 2.1-2.8 TB/s on an H100 for Llama-3.1-8B's matrices; this kernel 2.4-3.2 TB/s
-(results/gpu-check-nvidia-h100.txt, session 37). With more rows cuBLAS wins (its tiles reuse
+(results/itl-diag-nvidia-h100.json, 2026-11-26). With more rows cuBLAS wins (its tiles reuse
 each weight for 8 rows; here each row is another pass over registers), so the engine calls
 it for one row only (layers/ops.Ops.linear).
 
@@ -13,7 +13,7 @@ them in BLOCK_K chunks. At one row (_gemv_row_kernel, the engine's case) product
 elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator with x read as a vector; at 2-MAX_M rows
 (_gemv_kernel) into a [BLOCK_M, BLOCK_N, BLOCK_K] one. Each is reduced once at the end: the same
 results as F.linear up to fp32 summation order. On an H100 (8B shape, batch-1 ITL, alternated on
-one engine, session 47: results/gemv-ab-nvidia-h100.json) the one-row kernel took the step from
+one engine, 2026-11-27: results/gemv-ab-nvidia-h100.json) the one-row kernel took the step from
 5.88 to 5.65 ms against the M-row kernel at one row; launching it as a programmatic dependent
 launch (its first weight tile loaded before waiting for the kernel that writes x) was slower,
 5.70 ms, and is not done. N is not specialised (only masks read it): any matrix of a model runs

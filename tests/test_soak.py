@@ -19,7 +19,8 @@ import os
 import pytest
 
 from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
-from localrun.bench.soak import PROMPTS, SoakConfig, SoakError, check_loopback, rss_steady, run_soak
+from localrun.bench.soak import PROMPTS, rss_steady, run_soak
+from localrun.bench.soak_daemon import SoakConfig, SoakError, check_loopback
 
 pytestmark = pytest.mark.timeout(3600)
 

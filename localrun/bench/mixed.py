@@ -195,7 +195,7 @@ async def _library_churn(c, deadline: float, tally: Tally) -> None:
 async def _mix(url: str, seconds: float, clients: int, seed: int, models_dir: Path | None) -> Tally:
     import httpx
 
-    from localrun.bench.soak import SoakError
+    from localrun.bench.soak_daemon import SoakError
 
     tally = Tally()
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
@@ -231,7 +231,7 @@ async def _mix(url: str, seconds: float, clients: int, seed: int, models_dir: Pa
 
 
 def run(a: argparse.Namespace) -> int:
-    from localrun.bench.soak import OwnDaemon, SoakConfig, SoakError, check_loopback, wait_ready
+    from localrun.bench.soak_daemon import OwnDaemon, SoakConfig, SoakError, check_loopback, wait_ready
 
     own = None
     try:

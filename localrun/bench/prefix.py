@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from localrun.bench.results import PeakMemory, percentile, progress_bar
-from localrun.bench.throughput import ModelSource, engine_config, load_engine, release_memory, shutdown_engine
+from localrun.bench.throughput import BenchModelSource, engine_config, load_engine, release_memory, shutdown_engine
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -114,7 +114,7 @@ def run_multiturn(engine, vocab: int, chats: int, turns: int, user_len: int, max
 
 
 def run_prefix(
-    src: ModelSource,
+    src: BenchModelSource,
     system_len: int = 1024,
     num_questions: int = 64,
     question_len: int = 32,
@@ -193,7 +193,7 @@ def run_roundrobin(engine, vocab: int, chats: int, turns: int, user_len: int, ma
 
 
 def run_host_tier(
-    src: ModelSource,
+    src: BenchModelSource,
     turns: int = 4,
     user_len: int = 64,
     max_tokens: int = 32,

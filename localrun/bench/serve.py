@@ -1,6 +1,6 @@
 """`localrun bench serve`: online latency/throughput against any OpenAI-compatible URL.
 
-Method (../shared/reference/benchmarks.md): async clients, fixed input / output lengths
+Method (docs/benchmarks.md): async clients, fixed input / output lengths
 (default 512 / 256), a concurrency ladder (default 1, 10, 50, 100). At each level, ``c``
 clients send streamed requests back to back; the first ``warmup`` seconds are not
 measured, then a fixed ``window`` is. Measured in the window, from SSE chunk arrival

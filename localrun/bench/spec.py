@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from localrun.bench.throughput import ModelSource, engine_config, load_engine, release_memory, shutdown_engine
+from localrun.bench.throughput import BenchModelSource, engine_config, load_engine, release_memory, shutdown_engine
 
 PASSAGES = [
     "The river runs past the old mill, where the miller grinds wheat into flour every morning. "
@@ -88,7 +88,7 @@ def _run_case(engine, prompts: list[list[int]], params, one_at_a_time: bool) -> 
     return outs, elapsed, _delta(engine.stats(), before)
 
 
-def run_spec(src: ModelSource, requests: int = 4, batch: int = 32, max_tokens: int = 96, rounds: int = 2,
+def run_spec(src: BenchModelSource, requests: int = 4, batch: int = 32, max_tokens: int = 96, rounds: int = 2,
              spec_tokens: int = 4, mode: str = "ngram", draft_model: str | None = None,
              engine_args: dict[str, Any] | None = None, console=None) -> dict[str, Any]:
     from localrun.engine import SamplingParams

@@ -1,6 +1,6 @@
 """`localrun bench throughput`: offline throughput, engine in-process.
 
-Method (../shared/reference/benchmarks.md): ShareGPT prompts sampled as vLLM does, a
+Method (docs/benchmarks.md): ShareGPT prompts sampled as vLLM does, a
 warm-up of 20 prompts, then timed passes of ``engine.generate`` over all prompts with
 temperature 1.0, top_p 1.0, ignore_eos and max_tokens = the real completion length, so
 every engine produces the same token counts (a pass where any request's token count differs
@@ -32,14 +32,16 @@ class ThroughputError(Exception):
 
 
 @dataclass
-class ModelSource:
+class BenchModelSource:
+    """The model a benchmark runs: a GGUF file, a safetensors dir, or random weights of a named shape."""
+
     kind: str  # "gguf" | "safetensors" | "random"
     path: Path | None = None
     shape: str | None = None
     name: str = ""
 
 
-def resolve_model(model: str | None, random_weights: bool = False, shape: str | None = None) -> ModelSource:
+def resolve_model(model: str | None, random_weights: bool = False, shape: str | None = None) -> BenchModelSource:
     """--model (a GGUF file, a safetensors dir, or a library name) or --random-weights --shape."""
     if random_weights:
         if not shape:
@@ -48,20 +50,20 @@ def resolve_model(model: str | None, random_weights: bool = False, shape: str | 
 
         if shape.lower() not in SHAPES:
             raise ThroughputError(f"unknown --shape {shape!r}; known: {', '.join(SHAPES)}")
-        return ModelSource("random", shape=shape.lower(), name=f"random:{shape.lower()}")
+        return BenchModelSource("random", shape=shape.lower(), name=f"random:{shape.lower()}")
     if not model:
         raise ThroughputError("pass --model (a library model, a .gguf file or a safetensors dir) or --random-weights --shape NAME")
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return ModelSource("gguf", p, name=p.name)
+        return BenchModelSource("gguf", p, name=p.name)
     if p.is_dir():
         if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-            return ModelSource("safetensors", p, name=p.name)
+            return BenchModelSource("safetensors", p, name=p.name)
         raise ThroughputError(f"{p} is not a safetensors model directory (config.json + *.safetensors)")
     return _resolve_library(model)
 
 
-def _resolve_library(name: str) -> ModelSource:
+def _resolve_library(name: str) -> BenchModelSource:
     try:
         from localrun.library.api import Library
     except ImportError as exc:
@@ -73,7 +75,7 @@ def _resolve_library(name: str) -> ModelSource:
         rm = Library().resolve(name)
     except Exception as exc:  # the library's NotFound / InvalidRequest carry a message
         raise ThroughputError(f"{name}: {getattr(exc, 'message', exc)}") from None
-    return ModelSource(rm.format, Path(rm.weights), name=rm.name)
+    return BenchModelSource(rm.format, Path(rm.weights), name=rm.name)
 
 
 def engine_config(args: dict[str, Any]):
@@ -86,14 +88,16 @@ def engine_config(args: dict[str, Any]):
         raise ThroughputError(f"bad engine setting: {exc}") from None
 
 
-def load_engine(src: ModelSource, config):
+def load_engine(src: BenchModelSource, config, engine_class=None):
+    """The engine of `src`; `engine_class` a subclass of LLMEngine to build instead (bench profile's)."""
     from localrun.engine import LLMEngine
 
+    cls = engine_class or LLMEngine
     if src.kind == "gguf":
-        return LLMEngine.from_gguf(src.path, config)
+        return cls.from_gguf(src.path, config)
     if src.kind == "safetensors":
-        return LLMEngine.from_safetensors(src.path, config)
-    return LLMEngine.from_random(src.shape, config, seed=0)
+        return cls.from_safetensors(src.path, config)
+    return cls.from_random(src.shape, config, seed=0)
 
 
 def engine_encoder(engine) -> Callable[[str], list[int]] | None:
@@ -240,7 +244,7 @@ def hf_config_for(cfg) -> Any:
     return AutoConfig.for_model("gemma3_text" if cfg.arch == "gemma3" else cfg.arch, **kw)
 
 
-def load_hf_model(src: ModelSource, model_config, dtype, device: str):
+def load_hf_model(src: BenchModelSource, model_config, dtype, device: str):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -377,7 +381,7 @@ def get_prompts(
 
 
 def run_throughput(
-    src: ModelSource,
+    src: BenchModelSource,
     num_prompts: int = 1000,
     prompts_file: Path | None = None,
     dataset: Path | None = None,
@@ -440,7 +444,7 @@ def run_throughput(
 
 
 __all__ = [
-    "ModelSource", "ThroughputError", "DatasetError", "resolve_model", "engine_config", "load_engine",
+    "BenchModelSource", "ThroughputError", "DatasetError", "resolve_model", "engine_config", "load_engine",
     "engine_encoder", "check_vocab", "run_engine", "run_hf_baseline", "hf_batches", "rates",
     "load_hf_model", "model_flops_fraction", "shutdown_engine", "release_memory", "BUNDLED_PROMPTS", "get_prompts", "run_throughput",
 ]
