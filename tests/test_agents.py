@@ -286,7 +286,7 @@ enabled = false
 
 # -- localrun launch ---------------------------------------------------------------------------------
 def test_launch_points_the_agents_at_the_daemon_only():
-    from localrun.launch import agent_model_name, command, trained_context
+    from localrun.cli.launch import agent_model_name, command, trained_context
 
     argv, env = command("codex", "/x/codex", "http://127.0.0.1:9", "m:1b-agent", None, ["exec", "hi"])
     assert argv[-4:] == ["-m", "m:1b-agent", "exec", "hi"] and argv[0] == "/x/codex"

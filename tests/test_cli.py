@@ -818,7 +818,7 @@ def test_serve_refuses_a_second_daemon_on_the_same_address(daemon):
 def test_word_wrap_breaks_between_words():
     import io
 
-    from localrun.cli import WordWrapper
+    from localrun.cli.stream import WordWrapper
 
     out = io.StringIO()
     w = WordWrapper(out, 20)

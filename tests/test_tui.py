@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localrun.tui.app import ChatApp, describe_processor, final_stats
+from localrun.tui.app import ChatApp
+from localrun.tui.reporting import describe_processor, final_stats
 from localrun.tui.commands import CommandError, parse_command
 from localrun.tui.store import ChatStore, Conversation
 from localrun.tui.widgets import ChatList, MessageView, ModelPicker, Notice, PullBar, SettingsPanel

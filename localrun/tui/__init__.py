@@ -1,6 +1,8 @@
-"""localrun's chat TUI (Textual). `run_chat` is what `localrun run MODEL` (on a terminal)
-and `localrun chat [MODEL]` call. Textual is imported lazily, so importing this package
-costs nothing on machines that never open the TUI."""
+"""localrun's chat TUI (Textual).
+
+`run_chat` is what `localrun run MODEL` (on a terminal) and `localrun chat [MODEL]` call.
+Textual is imported lazily, so importing this package costs nothing on machines that never
+open the TUI."""
 
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from localrun.cli.common import CLIError
+from localrun.client import DaemonClient
+
 AGENTS = {"claude": ("claude", "@anthropic-ai/claude-code"), "codex": ("codex", "@openai/codex")}
 CACHE = Path.home() / ".cache" / "localrun-agents" / "node_modules" / ".bin"
 
@@ -113,4 +116,11 @@ def run(args, client) -> int:
         return 130
 
 
-__all__ = ["run", "command", "agent_binary", "trained_context", "agent_model_name", "LaunchError"]
+def cmd_launch(args, client: DaemonClient) -> int:
+    try:
+        return run(args, client)
+    except LaunchError as exc:
+        raise CLIError(str(exc)) from None
+
+
+__all__ = ["run", "command", "agent_binary", "trained_context", "agent_model_name", "LaunchError", "cmd_launch"]
