@@ -73,7 +73,7 @@ def _upload(client: DaemonClient, fn: str, path: Path) -> str:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from localrun.library.store import sha256_file
+    from localrun.library.blobs import sha256_file
 
     try:
         size = path.stat().st_size

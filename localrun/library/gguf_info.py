@@ -2,11 +2,11 @@
 
 A GGUF file is untrusted input: truncated headers, string or array lengths that run
 past the end of the file, absurd dimension counts and tensor data past the end of the
-file all crashed llama.cpp and Ollama (security.md items 1-2). :func:`read_gguf_info`
-walks the whole header with a bounds check on every read BEFORE anything else reads
-the file, and only then reports what it found. The format knowledge (value types,
-quantization block sizes, file types, key names) comes from the ``gguf`` library;
-the walk itself is bounded and skips the large token arrays instead of building
+file all crashed llama.cpp and Ollama (see docs/security.md, 'Untrusted model files').
+:func:`read_gguf_info` walks the whole header with a bounds check on every read BEFORE
+anything else reads the file, and only then reports what it found. The format knowledge
+(value types, quantization block sizes, file types, key names) comes from the ``gguf``
+library; the walk itself is bounded and skips the large token arrays instead of building
 them (``gguf.GGUFReader`` materializes all of them: seconds per call on a 100 MB
 file, and unbounded memory on a hostile one).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ MAX_ELEMENTS = 1 << 60
 METADATA_ARRAY_LIMIT = 16  # small arrays (general.languages) are kept in .metadata; big ones omitted
 METADATA_STRING_LIMIT = 1 << 20  # longer strings are skipped (shown as null), never decoded
 MAX_KEPT_STRINGS = 16 << 20  # bytes of metadata strings decoded per header, all together
+# cached_gguf_info: (path, inode, size, mtime) -> the header read
+_info_cache: dict[tuple, GGUFInfo] = {}
+_info_lock = threading.Lock()
 
 
 @dataclass
@@ -483,4 +487,21 @@ def has_token_texts(path: str, size: int, groups) -> bool:
     return False
 
 
-__all__ = ["GGUFInfo", "read_gguf_info", "format_parameter_count", "has_token_texts"]
+
+def cached_gguf_info(path: Path) -> GGUFInfo:
+    """read_gguf_info of a stored file, kept while the file's inode, size and mtime stay the same (the
+    library reads the same few blobs' headers on every resolve, list and show)."""
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    with _info_lock:
+        hit = _info_cache.get(key)
+    if hit is None:
+        hit = read_gguf_info(path)
+        with _info_lock:
+            if len(_info_cache) > 64:
+                _info_cache.clear()
+            _info_cache[key] = hit
+    return hit
+
+
+__all__ = ["GGUFInfo", "read_gguf_info", "cached_gguf_info", "format_parameter_count", "has_token_texts"]

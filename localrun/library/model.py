@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from localrun.errors import LocalrunError
 from localrun.library.gguf_info import GGUFInfo
@@ -57,3 +57,6 @@ class PullEvent:
     def to_dict(self) -> dict:
         return {k: v for k, v in (("status", self.status), ("digest", self.digest),
                                   ("total", self.total), ("completed", self.completed)) if v is not None}
+
+
+ProgressFn = Callable[[PullEvent], None] | None  # where a pull or create reports its progress

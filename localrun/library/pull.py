@@ -29,7 +29,8 @@ from typing import Callable
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
 from localrun.library.model import Cancelled, PullEvent
 from localrun.library.names import validate_digest, validate_filename
-from localrun.library.store import Store, disk_full_error
+from localrun.library.disk_errors import disk_full_error
+from localrun.library.store import Store
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 METADATA_TIMEOUT = 10.0

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from localrun.errors import InvalidRequest, LocalrunError, NotFound
-from localrun.library.store import storage_errors
+from localrun.library.disk_errors import storage_errors
 
 MAX_RESPONSES = 1000
 MAX_BYTES = 256 * 2**20

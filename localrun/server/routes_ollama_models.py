@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from localrun.library.modelfile import PARAMETERS, ROLES, format_parameter_value, parse_modelfile, parse_parameter, quote_value
 from localrun.library.names import parse_name
 from localrun.library.paths import files_view
-from localrun.library.store import DiskFull
+from localrun.library.disk_errors import DiskFull
 
 import localrun
 from localrun.errors import InvalidRequest, LocalrunError
