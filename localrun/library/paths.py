@@ -1,8 +1,8 @@
 """Paths a user supplies (``FROM ./model.gguf``, a safetensors directory, ``/api/create``'s
 ``from``): opened without blocking on a FIFO or a device, and every OSError they cause
 turned into an InvalidRequest (HTTP 400) that names only what the user wrote, never the
-daemon's working directory, home or user name (see docs/security.md, 'Paths in error
-messages')."""
+daemon's working directory, home or user name (see docs/security.md, 'Paths a user
+names')."""
 
 from __future__ import annotations
 

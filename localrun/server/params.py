@@ -3,8 +3,8 @@ and Ollama's), messages, tools and tool_choice, JSON schemas.
 
 The API translators (routes_*.py) build a generation job from these; nothing here knows
 HTTP beyond already-parsed JSON values. Everything a backend sees is validated first (see
-docs/security.md, "Inputs and faults to handle": invalid JSON, wrong types, out-of-range values,
-invalid JSON schemas): bad values raise InvalidRequest (400) before any work. Output constraints
+docs/security.md, 'Request bounds' and 'Structured output bounds': invalid JSON, wrong types,
+out-of-range values, invalid JSON schemas): bad values raise InvalidRequest (400) before any work. Output constraints
 are checked and bounded by localrun.structured; this module reads each server's names for them.
 """
 
