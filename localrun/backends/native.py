@@ -270,7 +270,7 @@ class NativeBackend:
                 raise InvalidRequest(f"{exc}; fix or simplify it") from None
         if o.json_schema is None and not o.json_mode:
             return None
-        from localrun.backends.llamacpp import check_schema_bounds
+        from localrun.backends.llamacpp.backend import check_schema_bounds
 
         if o.json_schema is not None:
             check_schema_bounds(o.json_schema)

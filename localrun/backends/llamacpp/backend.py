@@ -1,7 +1,7 @@
-"""The llama.cpp backend (llama-cpp-python's low-level bindings).
+"""The llama.cpp backend (llama-cpp-python's low-level bindings): the load, and requests into the batched loop.
 
 One llama.cpp context per loaded model, driven by one batched loop
-(``localrun.backends.llama_batch``): up to ``num_parallel`` requests decode together, each
+(``localrun.backends.llamacpp.batch``): up to ``num_parallel`` requests decode together, each
 with its own sampler chain and KV stream, and a prompt starts from the longest prefix any earlier
 or running request left in the cache. A request's chunks reach its async generator through an
 asyncio queue; closing the generator cancels the request, which ends at the next step (within a
@@ -18,8 +18,6 @@ import asyncio
 import functools
 import json
 import logging
-import os
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from localrun.backends.base import (
@@ -27,22 +25,22 @@ from localrun.backends.base import (
     check_token_ids,
     Chunk,
     GenerationRequest,
-    INFILL_BATCH,
     INLINE_TOKENIZE_CHARS,
-    Infill,
     LoadSpec,
-    MEDIA_MARKER,
-    MemoryEstimate,
     fit_window,
     merge_chunks,
 )
-from localrun.backends.amx import cpu_has_amx, deny_amx
 from localrun.backends.constraints import Matchers, constraint_lark, has_number_bounds, json_schema_lark
-from localrun.backends.fresh_threads import FreshThreadExecutor
-from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text, prompt_logprobs_rows
-from localrun.backends.llama_pieces import PieceTokenizer, llama_tokenize
-from localrun.backends.llama_pooled import (MAX_WINDOW as EMBED_WINDOW, Pooled, backend_pooling, is_causal, load_options,
-                                           pooled_ubatch, pooled_window)
+from localrun.backends.llamacpp.cpu import cpu_choices
+from localrun.backends.llamacpp.fresh_threads import FreshThreadExecutor
+from localrun.backends.llamacpp.images import Vision, mtmd_lib
+from localrun.backends.llamacpp.infill import fim_tokens, infill_tokens
+from localrun.backends.llamacpp.lora import load_lora
+from localrun.backends.llamacpp.memory import (KV_TYPES, QUANTIZED_KV, estimate_memory, kv_cache_type, kv_type_for_model,
+                                              spec_gguf_info)
+from localrun.backends.llamacpp.pieces import PieceTokenizer, llama_tokenize, longest_piece, pieces_text
+from localrun.backends.llamacpp.pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, load_options
+from localrun.backends.llamacpp.streaming import ShapedSink, stream_shaper
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -53,150 +51,6 @@ _JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 # token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
 # chunk, not the whole prompt
 STEP_TOKENS = 512
-
-
-def physical_cores() -> int:
-    """llama-cpp-python defaults to a poor thread count; use the physical cores."""
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-    except Exception:  # pragma: no cover - psutil is a dependency
-        n = None
-    return max(1, n or os.cpu_count() or 1)
-
-
-def extra_buffers(setting: str, amx: bool | None = None, deny=deny_amx) -> tuple[bool, str]:
-    """Whether llama.cpp may use its extra buffer types (AMX and repacked CPU weights), and why.
-
-    ``auto`` keeps them on CPUs with AMX too, with AMX itself denied to llama.cpp (`deny`, see
-    localrun.backends.amx: llama-cpp-python 0.3.36's AMX path crashes on the first token there,
-    llama.cpp #20824, Ollama #17249), so the repacked weights stay; where that denial cannot be put in
-    place, they go off. ``on`` leaves llama.cpp every type it finds, AMX included."""
-    if setting == "on":
-        return True, "extra buffer types on (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=on)"
-    if setting == "off":
-        return False, "extra buffer types off (LOCALRUN_LLAMACPP_EXTRA_BUFFERS=off)"
-    if cpu_has_amx() if amx is None else amx:
-        if deny():
-            return True, "extra buffer types on, AMX denied to llama.cpp (its AMX path crashes on this CPU)"
-        return False, "extra buffer types off: this CPU has AMX, where llama.cpp's AMX path crashes"
-    return True, "extra buffer types on"
-
-
-def cpu_choices(spec: LoadSpec) -> tuple[int, bool, str]:
-    """(compute threads: the spec's n_threads, else the physical cores; whether llama.cpp's extra buffer types are
-    on, and why) for a load of `spec`."""
-    bufts, why = extra_buffers(str(spec.extra.get("extra_buffers", "auto")))
-    return int(spec.extra.get("n_threads") or physical_cores()), bufts, why
-
-
-def spec_gguf_info(spec: LoadSpec):
-    """The GGUF header of the spec's weights: the daemon's parsed one when it came along, else read here (None
-    without the library's reader)."""
-    info = spec.extra.get("gguf_info")
-    if info is not None:
-        return info
-    try:
-        from localrun.library import read_gguf_info
-
-        return read_gguf_info(spec.weights)
-    except ImportError:
-        return None
-
-
-# LOCALRUN_KV_CACHE_TYPE's names (config.KV_CACHE_TYPES) as llama.cpp's cache types; fp8 has no
-# llama.cpp type, q8_0 is its 8-bit one
-_KV_TYPE_NAMES = {"auto": "f16", "fp16": "f16", "bf16": "bf16", "fp32": "f32", "int8": "q8_0", "fp8": "q8_0",
-                  "q4_0": "q4_0"}
-# llama.cpp cache type -> (ggml_type, bytes per element); q8_0 and q4_0 are blocks of 32 elements
-# (34 and 18 bytes), so a quantized cache needs head sizes that 32 divides
-KV_TYPES = {"f16": (1, 2.0), "bf16": (30, 2.0), "f32": (0, 4.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
-KV_BLOCK = 32
-QUANTIZED_KV = ("q8_0", "q4_0")
-
-
-def kv_cache_type(spec: LoadSpec) -> str:
-    """llama.cpp's KV cache type for a load: PARAMETER kv_cache_type, else LOCALRUN_KV_CACHE_TYPE."""
-    from localrun.config import parse_kv_cache_type, settings
-
-    raw = spec.extra.get("kv_cache_type")
-    try:
-        name = parse_kv_cache_type(str(raw)) if raw is not None else settings().kv_cache_type
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
-    return _KV_TYPE_NAMES[name]
-
-
-def _head_sizes(info) -> tuple[int, int]:
-    """(K, V) head sizes from the GGUF header: attention.key_length / value_length, else width / heads."""
-    hidden = int(getattr(info, "embedding_length", 0) or 0)
-    heads = int(getattr(info, "head_count", 0) or 0)
-    meta = getattr(info, "metadata", None) or {}
-    arch = getattr(info, "architecture", "")
-    default = hidden // heads if heads else 0
-
-    def size(key: str) -> int:
-        v = meta.get(f"{arch}.attention.{key}")
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
-
-    return size("key_length"), size("value_length")
-
-
-def kv_type_for_model(kv_type: str, info) -> tuple[str, str]:
-    """The cache type a load gets, and why when that is not the one asked for: a quantized cache is
-    made of 32-element blocks, so a model whose head size 32 does not divide keeps f16 (llama.cpp
-    would refuse the context)."""
-    if kv_type not in QUANTIZED_KV:
-        return kv_type, ""
-    k, v = _head_sizes(info)
-    odd = [x for x in (k, v) if x and x % KV_BLOCK]
-    if odd:
-        return "f16", (f"KV cache f16, not {kv_type}: the model's head size {odd[0]} is not a multiple of "
-                       f"{KV_BLOCK}, {kv_type}'s block")
-    return kv_type, ""
-
-
-def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
-    """Weights + the KV cache (LOCALRUN_KV_CACHE_TYPE) for num_ctx x slots + compute buffers, from the GGUF header."""
-    info = spec_gguf_info(spec)
-    weights = int(getattr(info, "tensor_bytes", 0) or 0) or Path(spec.weights).stat().st_size
-    if spec.extra.get("adapter"):  # a LoRA adapter's tensors sit beside the model's
-        weights += Path(spec.extra["adapter"]).stat().st_size
-    layers = int(getattr(info, "block_count", 0) or 0)
-    hidden = int(getattr(info, "embedding_length", 0) or 0)
-    heads = int(getattr(info, "head_count", 0) or 0)
-    kv_heads = int(getattr(info, "head_count_kv", 0) or 0) or heads
-    vocab = int(getattr(info, "vocab_size", 0) or 0)
-    k_dim, v_dim = _head_sizes(info)
-    kv_type, _ = kv_type_for_model(kv_cache_type(spec), info)
-    per_element = KV_TYPES[kv_type][1]
-    slots = max(1, spec.num_parallel)
-    if spec.embedding:  # one pooling context of its window (llama_pooled), no decoding streams
-        return _pooled_estimate(info, weights, layers, hidden, kv_heads, k_dim + v_dim, pooled_window(spec, info))
-    # K and V per layer per token per KV head
-    kv = int(layers * spec.num_ctx * kv_heads * (k_dim + v_dim) * per_element * slots)
-    if not kv:  # unknown header: assume a 4096-wide, 32-layer model
-        kv = int(2 * 32 * spec.num_ctx * 4096 * per_element * slots // 4)
-    # compute buffer (~ batch x hidden activations + logits) per slot, plus a fixed margin, plus the
-    # output rows a scored prompt (echo + logprobs) fills in one step
-    overhead = (64 * 2**20 + slots * (512 * max(hidden, 1) * 4 * 8 + vocab * 4 * 2)
-                + prompt_logprobs_rows(vocab) * vocab * 4)
-    return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead,
-                          kv_type=kv_type if kv_type != "f16" else "")
-
-
-def _pooled_estimate(info, weights: int, layers: int, hidden: int, kv_heads: int, kv_dims: int,
-                     window: int) -> MemoryEstimate:
-    """An embedding model's or a reranker's memory: weights, a KV cache of one window when the model is causal
-    (an encoder keeps none: llama.cpp makes it no memory), and the compute buffer of one pass (an encoder's is the
-    whole window): activations, and the attention scores of every head should flash attention be unavailable."""
-    causal = is_causal(info)
-    heads = int(getattr(info, "head_count", 0) or 0) or 1
-    kv = layers * window * kv_heads * kv_dims * 2 if causal else 0
-    ubatch = pooled_ubatch(window, backend_pooling(info), causal)
-    overhead = 32 * 2**20 + ubatch * max(hidden, 1) * 4 * 8 + ubatch * window * heads * 4
-    return MemoryEstimate(weights_bytes=weights, kv_bytes=int(kv), overhead_bytes=int(overhead))
 
 
 # Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
@@ -259,37 +113,8 @@ def _grammar(schema_json: str) -> str:
     return gbnf
 
 
-def cut_inside_char(tail: bytes) -> bool:
-    """Whether bytes ending in ``tail`` (their last 4) end inside a UTF-8 character: llama-server's
-    validate_utf8 (tools/server), which holds a stream's text back while this is so."""
-    for i in range(1, min(4, len(tail)) + 1):
-        c = tail[-i]
-        if (c & 0xE0 == 0xC0 and i < 2) or (c & 0xF0 == 0xE0 and i < 3) or (c & 0xF8 == 0xF0 and i < 4):
-            return True
-    return False
-
-
-class _ShapedSink:
-    """A direct stream's sink as the loop sees it: raw chunks go through the stream's ``shape``
-    (the held partial characters) on their way to the runner's sink. The loop's thread only."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink, self.outbox, self.delivered = sink, sink.outbox, sink.delivered
-        self.shape: Any = None  # set by _submit before the request reaches the loop
-
-    def put(self, item: Any) -> None:
-        if isinstance(item, BaseException):
-            self.sink.put(item)
-            return
-        chunk = self.shape(item)
-        if chunk is not None:
-            self.sink.put(chunk)
-        else:  # held (it ends inside a character): nothing for the consumer to take yet
-            self.delivered.set()
-
-
 class LlamaCppBackend:
-    """A GGUF model in one batched llama.cpp context (:class:`~localrun.backends.llama_batch.BatchedLlama`):
+    """A GGUF model in one batched llama.cpp context (:class:`~localrun.backends.llamacpp.batch.BatchedLlama`):
     up to ``spec.num_parallel`` sequences decode together, and a prompt starts from the longest
     prefix of it any earlier or running request left in the KV cache."""
 
@@ -298,8 +123,8 @@ class LlamaCppBackend:
         import llama_cpp.llama_cpp as lib
         from llama_cpp._logger import set_verbose
 
-        from localrun.backends.cpu_share import ThreadGovernor
-        from localrun.backends.llama_batch import BatchedLlama
+        from localrun.backends.llamacpp.batch import BatchedLlama
+        from localrun.backends.llamacpp.cpu_share import ThreadGovernor
 
         set_verbose(log.isEnabledFor(logging.DEBUG))  # llama.cpp's own log: errors only, unless debugging
         self._llama_cpp, self._lib = llama_cpp, lib
@@ -353,19 +178,19 @@ class LlamaCppBackend:
             lib.llama_model_free(model)
             raise BackendError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {spec.name}; "
                                "use a smaller num_ctx or LOCALRUN_NUM_PARALLEL")
-        self._mtmd = None  # llama.cpp's multimodal context: the vision projector (LoadSpec.extra["projector"])
+        self.vision: Vision | None = None  # the vision projector (LoadSpec.extra["projector"]), llama.cpp's mtmd
         adapter = None  # the LoRA adapter (LoadSpec.extra["adapter"]), applied to every sequence of the context
         try:
             if spec.extra.get("adapter"):
                 adapter = load_lora(lib, model, ctx, str(spec.extra["adapter"]), spec.name)
             if spec.extra.get("projector"):
-                self._mtmd = self._load_projector(str(spec.extra["projector"]), model)
+                self.vision = Vision(lib, str(spec.extra["projector"]), model, ctx, n_batch=int(cparams.n_batch),
+                                     use_gpu=self.n_gpu_layers != 0, n_threads=self.n_threads, name=spec.name)
         except BaseException:
             lib.llama_free(ctx)
             lib.llama_model_free(model)  # (and the adapter with it)
             raise
-        images = dict(encode=self._encode_image, decode_image=self._decode_image) if self._mtmd else {}
-        self._n_batch = int(cparams.n_batch)
+        images = dict(encode=self.vision.encode, decode_image=self.vision.decode) if self.vision else {}
         # a thread count chosen here gives way to other processes' load (cpu_share); one the model's
         # Modelfile sets (num_thread) is kept as it is
         governor = None if spec.extra.get("n_threads") else ThreadGovernor(self.n_threads)
@@ -377,10 +202,10 @@ class LlamaCppBackend:
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._matchers = Matchers(lib, self._vocab, self._n_vocab)
-        self._pieces = None  # llama_pieces.PieceTokenizer, set once the rest of the load is done
+        self._pieces = None  # pieces.PieceTokenizer, set once the rest of the load is done
         self._n_layer = int(lib.llama_model_n_layer(model))
         # a second context for embeddings, made on the first request: mean pooling (a generating model's GGUF
-        # sets no pooling; one that does is an embedding model, llama_pooled.PooledBackend's)
+        # sets no pooling; one that does is an embedding model, pooled.PooledBackend's)
         self._embedder = Pooled(spec, window=min(spec.num_ctx, EMBED_WINDOW), pooling=1, n_threads=self.n_threads,
                                 n_gpu_layers=self.n_gpu_layers, extra_bufts=self.extra_bufts)
         # embeddings compute on a thread that exits after each request: a thread that lived on would keep an
@@ -403,8 +228,8 @@ class LlamaCppBackend:
             max_token_bytes=longest_piece(lib, self._vocab, self._n_vocab),
             supports_groups=True,
             supports_logit_bias=True, supports_prompt_logprobs=True,
-            supports_images=self._mtmd is not None,
-            supports_infill=self._fim_tokens() is not None,
+            supports_images=self.vision is not None,
+            supports_infill=fim_tokens(lib, self._vocab) is not None,
             placement=placement(device, self.n_gpu_layers, self._n_layer),
             fallbacks=[self.kv_note] if self.kv_note else [],
             kv_cache_type=self.kv_type,
@@ -448,7 +273,7 @@ class LlamaCppBackend:
         return llama_tokenize(self._lib, self._vocab, data, add_special, special)
 
     def _piece_tokenizer(self, model):
-        """llama_pieces.PieceTokenizer for this vocabulary, or None (every text to llama.cpp whole)."""
+        """pieces.PieceTokenizer for this vocabulary, or None (every text to llama.cpp whole)."""
         try:
             return PieceTokenizer.for_vocab(self._lib, model, self._vocab, self._tokenize_raw)
         except Exception:  # noqa: BLE001 - only a cache: without it llama.cpp tokenizes every text whole
@@ -521,7 +346,7 @@ class LlamaCppBackend:
         threading.Event, set by whoever hands the first chunk on) ends the loop's first-token wait.
         Returns when the request has ended (``sink.done``, a future the outbox resolves); cancelled, it
         ends the request in the loop."""
-        req, _ = await self._submit(request, sink=_ShapedSink(sink))
+        req, _ = await self._submit(request, sink=ShapedSink(sink))
         try:
             await sink.done
         finally:
@@ -530,49 +355,18 @@ class LlamaCppBackend:
                 self.engine.cancel(req)
 
     async def _submit(self, request: GenerationRequest, *, loop: Any = None, queue: Any = None,
-                      sink: _ShapedSink | None = None):
+                      sink: ShapedSink | None = None):
         """Tokenize, check, make the sampler chain, and hand `request` to the loop, whose chunks go to
         `queue` on `loop` or to `sink`: (the loop's Request, the function that turns its raw chunks
         into this stream's)."""
-        from localrun.backends.llama_batch import Request, make_sampler, plain_greedy
+        from localrun.backends.llamacpp.sampling import make_sampler, plain_greedy
+        from localrun.backends.llamacpp.slots import Request
 
         o = request.options
         window = min(request.window or self.spec.num_ctx, self.spec.num_ctx)
         spans: list = []
         chunks = None  # the images' llama.cpp chunks: ours until the loop takes the request
         sampler = gsampler = None
-        # the prompt's length (image tokens, the infill layout) goes on the first chunk
-        first = bool(request.images) or request.infill is not None
-        opened = False  # the first chunk is out (it says how much of the prompt the cache gave)
-        tail, loose, held = b"", b"", None  # last bytes; bytes since the last whole character; held chunks
-        piece = self.engine.piece
-
-        def shape(item: Chunk) -> Chunk | None:
-            """As llama-server streams: no text while the output's bytes end inside a character
-            (None: held, it goes out with the next chunk)."""
-            nonlocal first, opened, tail, loose, held
-            if not opened:
-                item.cached_tokens, opened = req.n_cached, True  # (req: made below, before any chunk comes)
-            if first:
-                item.prompt_tokens, first = len(tokens), False
-                if request.infill is not None:  # the layout only this backend knows (Ollama's `context`)
-                    item.prompt_token_ids = list(tokens)
-            for t in item.token_ids:
-                p = piece(t)
-                tail, loose = (tail + p)[-4:], loose + p
-                if not cut_inside_char(tail):
-                    loose = b""
-            if held is not None:
-                item = merge_chunks(held, item)
-                held = None
-            if loose:
-                if item.finish_reason is None:
-                    held = item
-                    return None
-                cut = loose.decode("utf-8", "replace")
-                item.cut_chars = len(cut) if item.text.endswith(cut) else 0  # (not when a stop string cut it)
-            return item
-
         try:
             if request.images and o.prompt_logprobs is not None:
                 raise InvalidRequest("prompt logprobs cannot be computed for a prompt with images")
@@ -580,7 +374,8 @@ class LlamaCppBackend:
                 tokens, spans, chunks = await asyncio.to_thread(self._tokenize_images, request)
             elif request.infill is not None:
                 # llama-server lays it out with its own n_predict (-1 unless started with -n), not the request's
-                tokens = await asyncio.to_thread(self.infill_tokens, request.infill, request.prompt, window, None)
+                tokens = await asyncio.to_thread(infill_tokens, self._lib, self._vocab, self._tokenize, self.spec.name,
+                                                 request.infill, request.prompt, window, None)
             elif request.prompt_token_ids is not None:  # the daemon's, or a client's (a prompt of token ids)
                 tokens = list(request.prompt_token_ids)
                 check_token_ids(tokens, self._n_vocab)
@@ -609,7 +404,7 @@ class LlamaCppBackend:
             if o.own_constraint():
                 matcher = await asyncio.to_thread(
                     lambda: self._matchers.matcher(constraint_lark(o.regex, o.choices, o.grammar)))
-            banned = self.engine.eog_ids() if o.ban_eog else ()  # (llama-server's ignore_eos)
+            banned = self.engine.chooser.eog_ids() if o.ban_eog else ()  # (llama-server's ignore_eos)
             args = (self._lib, self._vocab, self._n_vocab, o, window, grammar, banned)
             # llama.cpp parses the grammar as the sampler is made: a long one off the event loop
             sampler, gsampler = (make_sampler(*args) if len(grammar or "") < 4096
@@ -618,11 +413,12 @@ class LlamaCppBackend:
                           window=window, speculative=self.speculative, rid=request.request_id, images=spans,
                           preserved=self._preserved(request.preserve), cache_key=request.cache_key,
                           matcher=matcher, argmax=plain_greedy(o, grammar) and matcher is None, sink=sink)
+            shape = stream_shaper(request, req, tokens, self.engine.chooser.piece)
             if sink is not None:
                 req.delivered = sink.delivered  # the daemon's 'delivered' ends the loop's first-token wait
                 sink.shape = shape  # before the loop can emit anything
             if chunks is not None:
-                req.on_end = functools.partial(self._mtmd_lib().mtmd_input_chunks_free, chunks)
+                req.on_end = functools.partial(mtmd_lib().mtmd_input_chunks_free, chunks)
             self.engine.submit(req)
             sampler = gsampler = chunks = None  # the loop frees them when the request leaves it
         finally:
@@ -630,174 +426,25 @@ class LlamaCppBackend:
                 if s is not None:
                     self._lib.llama_sampler_free(s)
             if chunks is not None:
-                self._mtmd_lib().mtmd_input_chunks_free(chunks)
+                mtmd_lib().mtmd_input_chunks_free(chunks)
         return req, shape
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
-    # -- fill in the middle -------------------------------------------------------------------------
-    def _fim_tokens(self) -> dict[str, int] | None:
-        """The vocabulary's FIM tokens (llama.cpp finds them by id in the GGUF or by their text); None
-        when prefix, suffix or middle is missing."""
-        lib, v = self._lib, self._vocab
-        ids = {k: int(getattr(lib, f"llama_vocab_fim_{k}")(v)) for k in ("pre", "suf", "mid", "rep", "sep")}
-        return ids if min(ids["pre"], ids["suf"], ids["mid"]) >= 0 else None
-
-    def infill_tokens(self, infill: Infill, prompt: str, n_ctx: int, n_predict: int | None) -> list[int]:
-        """The prompt llama-server's /infill builds (format_prompt_infill in tools/server): the repo-level
-        pattern [FIM_REP]myproject [FIM_SEP]file chunk ... [FIM_SEP]filename [FIM_PRE]prefix prompt
-        [FIM_SUF]suffix [FIM_MID], the prefix's tail and the suffix's head cut to fit a batch (3:1), the
-        extra chunks to fit the context; prefix/suffix/extra texts are not parsed for special tokens."""
-        fim = self._fim_tokens()
-        if fim is None:
-            raise InvalidRequest(f"{self.spec.name} cannot fill in the middle: its vocabulary has no "
-                                 "fill-in-the-middle tokens (use a code model such as Qwen2.5-Coder or CodeLlama)")
-        lib, v = self._lib, self._vocab
-
-        def tok(text: str) -> list[int]:
-            return self._tokenize(text, False, special=False)
-
-        extra: list[int] = []
-        if fim["rep"] >= 0:
-            extra += [fim["rep"], *tok("myproject\n")]
-        for chunk in infill.extra:
-            if fim["sep"] >= 0:
-                extra += [fim["sep"], *tok(str(chunk.get("filename") or "tmp") + "\n")]
-            else:
-                extra += tok("\n\n--- snippet ---\n\n")
-            extra += tok(str(chunk.get("text") or ""))
-        if fim["sep"] >= 0:
-            extra += [fim["sep"], *tok("filename\n")]
-        prefix, suffix = tok(infill.prefix), tok(infill.suffix)
-        head = self._tokenize(prompt, False) if prompt else []  # as llama-server tokenizes the prompt
-        n_batch = INFILL_BATCH
-        n_prefix = min(len(prefix), 3 * (n_batch // 4))
-        n_suffix = min(len(suffix), max(0, n_batch // 4 - (2 + len(head))))
-        n_extra = min(max(0, n_ctx - n_batch - 2 * (n_predict if n_predict is not None else -1)), len(extra))
-        inp = [fim["pre"], *prefix[len(prefix) - n_prefix:], *head]
-        end = [fim["suf"], *suffix[:n_suffix]]
-        if lib.llama_vocab_get_add_bos(v):
-            inp.insert(0, int(lib.llama_vocab_bos(v)))
-        return [*extra[len(extra) - n_extra:], *inp, *end, fim["mid"]]
-
-    # -- images (llama.cpp's multimodal library, mtmd) ----------------------------------------------
-    @staticmethod
-    def _mtmd_lib():
-        import llama_cpp.mtmd_cpp as mtmd
-
-        return mtmd
-
-    def _load_projector(self, path: str, model):
-        from llama_cpp._logger import llama_log_callback
-
-        mtmd = self._mtmd_lib()
-        mtmd.mtmd_helper_log_set(llama_log_callback, None)  # its log as llama.cpp's: errors only, unless debugging
-        params = mtmd.mtmd_context_params_default()
-        params.use_gpu = self.n_gpu_layers != 0
-        params.print_timings = False
-        params.n_threads = self.n_threads
-        mctx = mtmd.mtmd_init_from_file(path.encode("utf-8"), model, params)
-        if not mctx:
-            raise BackendError(f"llama.cpp could not load the vision projector {path} for {self.spec.name} (see the "
-                               "runner's log): is it the projector of this model?")
-        if not mtmd.mtmd_support_vision(mctx):
-            mtmd.mtmd_free(mctx)
-            raise BackendError(f"{path} is not a vision projector (it has no image encoder)")
-        if mtmd.mtmd_decode_use_mrope(mctx):  # positions are not cells there: no prefix sharing across images
-            log.info("%s uses M-RoPE positions: prompts with images are not shared with others", self.spec.name)
-        return mctx
-
     def _tokenize_images(self, request: GenerationRequest) -> tuple[list[int], list, Any]:
-        """(tokens, image spans, mtmd chunks) of a prompt with MEDIA_MARKER where each image goes;
-        an image's positions hold stand-ins from its bytes' hash (llama_batch.image_standins).
-        Runs off the event loop: decoding the images is real work."""
-        import ctypes
-        import hashlib
-
-        from localrun.backends.llama_batch import ImageSpan, image_standins
-
-        mtmd = self._mtmd_lib()
-        if self._mtmd is None:
+        """(tokens, image spans, mtmd chunks) of a prompt with MEDIA_MARKER where each image goes
+        (images.Vision.tokenize). Runs off the event loop: decoding the images is real work."""
+        if self.vision is None:
             raise InvalidRequest(f"{self.spec.name} has no vision projector: it cannot take images")
-        n_markers = request.prompt.count(MEDIA_MARKER)
-        if n_markers != len(request.images):
-            raise InvalidRequest(f"the prompt has {n_markers} image place(s) but {len(request.images)} image(s) came")
-        bitmaps = []
-        chunks = None
-        try:
-            for i, data in enumerate(request.images):
-                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                bm = mtmd.mtmd_helper_bitmap_init_from_buf(self._mtmd, buf, len(data), False)
-                if not bm:
-                    raise InvalidRequest(f"image {i + 1} could not be decoded: send a PNG, JPEG, GIF or BMP image")
-                mtmd.mtmd_bitmap_set_id(bm, hashlib.sha256(data).hexdigest().encode("ascii"))
-                bitmaps.append(bm)
-            text = mtmd.mtmd_input_text()
-            raw = request.prompt.replace(MEDIA_MARKER, mtmd.mtmd_default_marker().decode("utf-8")).encode("utf-8")
-            text.text, text.text_len = raw, len(raw)
-            text.add_special, text.parse_special = request.add_special, True
-            chunks = mtmd.mtmd_input_chunks_init()
-            arr = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
-            if mtmd.mtmd_tokenize(self._mtmd, chunks, ctypes.byref(text), arr, len(bitmaps)) != 0:
-                raise InvalidRequest("llama.cpp could not place the images in the prompt")
-            tokens: list[int] = []
-            spans = []
-            digests = [hashlib.sha256(d).digest() for d in request.images]
-            for k in range(mtmd.mtmd_input_chunks_size(chunks)):
-                chunk = mtmd.mtmd_input_chunks_get(chunks, k)
-                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
-                    n = ctypes.c_size_t()
-                    ptr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
-                    tokens += [ptr[j] for j in range(n.value)]
-                else:
-                    n_tok = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
-                    spans.append(ImageSpan(len(tokens), n_tok, chunk))
-                    tokens += image_standins(digests[len(spans) - 1], n_tok)
-            if spans and mtmd.mtmd_decode_use_mrope(self._mtmd):
-                # positions there are not one per cell: make the stand-ins unique to this request
-                salt = os.urandom(8)
-                for sp in spans:
-                    tokens[sp.start:sp.end] = image_standins(hashlib.sha256(salt + bytes(sp.start)).digest(), sp.n)
-            return tokens, spans, chunks
-        except BaseException:
-            if chunks is not None:
-                mtmd.mtmd_input_chunks_free(chunks)
-            raise
-        finally:
-            for bm in bitmaps:
-                mtmd.mtmd_bitmap_free(bm)
-
-    def _encode_image(self, span) -> Any:
-        """Runs on the loop's encoder thread: the image chunk's embeddings (a copy)."""
-        import numpy as np
-
-        mtmd = self._mtmd_lib()
-        if mtmd.mtmd_encode_chunk(self._mtmd, span.chunk) != 0:
-            raise BackendError("llama.cpp could not encode an image (see the runner's log)")
-        n_embd = int(self._lib.llama_model_n_embd_inp(self.engine.model))
-        ptr = mtmd.mtmd_get_output_embd(self._mtmd)
-        return np.ctypeslib.as_array(ptr, shape=(span.n * n_embd,)).copy()
-
-    def _decode_image(self, span, seq: int, pos: int) -> None:
-        """Runs on the loop's thread: the encoded image into sequence `seq` from position `pos`."""
-        import ctypes
-
-        mtmd = self._mtmd_lib()
-        new_pos = self._lib.llama_pos(0)
-        embd = span.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        rc = mtmd.mtmd_helper_decode_image_chunk(self._mtmd, self.engine.ctx, span.chunk, embd, pos, seq,
-                                                 self._n_batch, ctypes.byref(new_pos),
-                                                 mtmd.mtmd_helper_post_decode_callback(), None)
-        if rc != 0:
-            raise BackendError(f"llama.cpp could not decode an image into the context (code {rc})")
+        return self.vision.tokenize(request)
 
     # -- embeddings ----------------------------------------------------------------------
     def _embed_sync(self, texts: list[str], truncate: bool = False, cancel: Any = None) -> list[list[float]]:
         return self._embedder.embed(texts, truncate, cancel)
 
     async def embed(self, texts: list[str], truncate: bool = False) -> list[list[float]]:
-        from localrun.backends.llama_pooled import cancellable
+        from localrun.backends.llamacpp.pooled import cancellable
 
         return await cancellable(self._executor, self._embed_sync, texts, truncate)
 
@@ -811,9 +458,9 @@ class LlamaCppBackend:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
-        if getattr(self, "_mtmd", None):
-            self._mtmd_lib().mtmd_free(self._mtmd)
-            self._mtmd = None
+        if getattr(self, "vision", None):
+            self.vision.close()
+            self.vision = None
         if getattr(self, "_embedder", None) is not None:
             self._embedder.close()
 
@@ -832,11 +479,11 @@ def placement(device: str, n_gpu_layers: int, n_layer: int) -> str:
 
 def load(spec: LoadSpec):
     """The backend of a GGUF: an embedding model or a reranker (spec.embedding) gets only a pooling context
-    (llama_pooled.PooledBackend); a generating model the batched one (LlamaCppBackend)."""
+    (pooled.PooledBackend); a generating model the batched one (LlamaCppBackend)."""
     if spec.format != "gguf":
         raise BackendError(f"llama.cpp runs GGUF files only; {spec.name} is {spec.format} (use LOCALRUN_BACKEND=native)")
     if spec.embedding:
-        from localrun.backends.llama_pooled import PooledBackend
+        from localrun.backends.llamacpp.pooled import PooledBackend
 
         n_threads, extra_bufts, bufts_reason = cpu_choices(spec)
         return PooledBackend(spec, spec_gguf_info(spec), n_threads=n_threads, extra_bufts=extra_bufts,
