@@ -1,4 +1,4 @@
-"""Output constraints a request brings (a regex, choices, a GBNF grammar): localrun.backends.constraints turns them
+"""Output constraints a request brings (a regex, choices, a GBNF grammar): localrun.structured.constraints turns them
 into llguidance's grammars, checked against the real tokenizer of the bundled SmolLM2. A string the regex
 matches whole (re.fullmatch, ASCII classes) must be accepted by the matcher token by token, and one it does not
 match refused; the bounds refuse what would be too much work; the daemon's parsing takes each server's names."""
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from localrun.backends.base import SamplingOptions
-from localrun.backends.constraints import (MAX_REPEATS, check_gbnf, choice_lark, constraint_lark, gbnf_lark,
-                                           regex_lark)
+from localrun.structured.constraints import (MAX_REPEATS, check_gbnf, choice_lark, constraint_lark, gbnf_lark,
+                                             regex_lark)
 from localrun.errors import InvalidRequest
 from localrun.server.params import apply_structured
 

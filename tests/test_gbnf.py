@@ -1,4 +1,4 @@
-"""backends/gbnf.py: the JSON-schema converter's fixes, checked against the grammar's own meaning
+"""structured/gbnf.py: the JSON-schema converter's fixes, checked against the grammar's own meaning
 (the integer ranges as regular expressions) and against llama.cpp parsing them (test_llamacpp_batch)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from localrun.backends.gbnf import _bounds, integer_range
+from localrun.structured.gbnf import integer_bounds, integer_range
 from localrun.errors import InvalidRequest
 
 
@@ -42,13 +42,13 @@ def test_random_ranges_and_open_ends():
 
 
 def test_bounds_from_the_schema():
-    assert _bounds({"minimum": 1, "maximum": 5}) == (1, 5)
-    assert _bounds({"exclusiveMinimum": 0, "exclusiveMaximum": 10}) == (1, 9)
-    assert _bounds({"minimum": 0.5, "maximum": 4.5}) == (1, 4)
-    assert _bounds({"minimum": 1, "exclusiveMinimum": True, "maximum": 5, "exclusiveMaximum": True}) == (2, 4)
+    assert integer_bounds({"minimum": 1, "maximum": 5}) == (1, 5)
+    assert integer_bounds({"exclusiveMinimum": 0, "exclusiveMaximum": 10}) == (1, 9)
+    assert integer_bounds({"minimum": 0.5, "maximum": 4.5}) == (1, 4)
+    assert integer_bounds({"minimum": 1, "exclusiveMinimum": True, "maximum": 5, "exclusiveMaximum": True}) == (2, 4)
     with pytest.raises(InvalidRequest, match="no integer"):
-        _bounds({"minimum": 5, "maximum": 4})
+        integer_bounds({"minimum": 5, "maximum": 4})
     with pytest.raises(InvalidRequest, match="no value of at most 16 digits"):
         integer_range(10 ** 20, None)
     with pytest.raises(InvalidRequest, match="must be a number"):
-        _bounds({"minimum": "1"})
+        integer_bounds({"minimum": "1"})

@@ -66,7 +66,7 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None
 
     def own_constraint(self) -> bool:
-        """A regex, choices or a grammar of the request's own (llguidance runs them: backends/constraints.py)."""
+        """A regex, choices or a grammar of the request's own (llguidance runs them: structured/constraints.py)."""
         return self.regex is not None or self.choices is not None or self.grammar is not None
 
     def constraints(self) -> list[str]:

@@ -260,7 +260,7 @@ class NativeBackend:
         """The compiled grammar of a structured request (None otherwise): the llama.cpp backend's
         bounds on the schema, then a cached compile on a worker thread (never the event loop or
         the engine's loop thread); InvalidRequest (400) when the schema cannot be used."""
-        from localrun.backends.constraints import constraint_lark
+        from localrun.structured.constraints import constraint_lark
 
         if o.own_constraint():
             try:
@@ -270,7 +270,7 @@ class NativeBackend:
                 raise InvalidRequest(f"{exc}; fix or simplify it") from None
         if o.json_schema is None and not o.json_mode:
             return None
-        from localrun.backends.llamacpp.backend import check_schema_bounds
+        from localrun.structured.bounds import check_schema_bounds
 
         if o.json_schema is not None:
             check_schema_bounds(o.json_schema)

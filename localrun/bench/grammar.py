@@ -264,11 +264,11 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _engine_path(tok, vocab: int, a: argparse.Namespace) -> list[dict]:
-    """The engine's own per-step cost (localrun.engine.grammar, llguidance): a batch of 8 grammar
+    """The engine's own per-step cost (localrun.structured.masks, llguidance): a batch of 8 grammar
     rows (the nested schema) filling their masks on the host and masking [8, vocab] logits."""
     import torch
 
-    from localrun.engine.grammar import GrammarCompiler, apply_token_mask, fill_masks
+    from localrun.structured.masks import GrammarCompiler, apply_token_mask, fill_masks
 
     try:
         comp = GrammarCompiler(tok, vocab, tok.eos_token_ids)

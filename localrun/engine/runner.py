@@ -289,7 +289,7 @@ class ModelRunner:
 
     def grammar_masks(self, handle: StepHandle) -> None:
         """Fill the grammar rows' bitmasks from their matchers (host) and attach them (device)."""
-        from localrun.engine.grammar import fill_masks
+        from localrun.structured.masks import fill_masks
 
         rows = [i for i, s in enumerate(handle.seqs) if s.matcher is not None]
         sb = handle.sampling

@@ -326,7 +326,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, last_tokens: torch.Tensor | N
     if b.logprob_rows is not None:
         lp = torch.log_softmax(logits[b.logprob_rows], dim=-1)
     if b.token_mask is not None:  # grammar rows: disallowed tokens never drawn (logprobs stay raw)
-        from localrun.engine.grammar import apply_token_mask
+        from localrun.structured.masks import apply_token_mask
 
         logits = apply_token_mask(logits, b.mask_rows, b.token_mask)
     x = logits if b.penalties is None else _apply_penalties(logits, b.penalties, last_tokens)

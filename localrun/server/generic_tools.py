@@ -237,7 +237,7 @@ def _buildable(schema: dict, tools: list[dict]) -> dict:
     """`schema`, or the loose one when llama.cpp's converter cannot make (or bound) its grammar:
     some agents' argument schemas use keywords it lacks, and two dozen tools make a big one."""
     try:
-        from localrun.backends.llamacpp.backend import json_schema_grammar
+        from localrun.structured.gbnf import json_schema_grammar
 
         json_schema_grammar(schema)
     except ImportError:

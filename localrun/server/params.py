@@ -2,8 +2,10 @@
 and Ollama's), messages, tools and tool_choice, JSON schemas.
 
 The API translators (routes_*.py) build a generation job from these; nothing here knows
-HTTP beyond already-parsed JSON values. Everything a backend sees is validated first
-(security.md items 14-17): bad values raise InvalidRequest (400) before any work.
+HTTP beyond already-parsed JSON values. Everything a backend sees is validated first (see
+docs/security.md, "Inputs and faults to handle": invalid JSON, wrong types, out-of-range values,
+invalid JSON schemas): bad values raise InvalidRequest (400) before any work. Output constraints
+are checked and bounded by localrun.structured; this module reads each server's names for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from localrun.chat_template import template_supports_tools
 from localrun.errors import InvalidRequest
 from localrun.library.modelfile import PARAMETERS
 from localrun.server import images as img
+from localrun.structured.bounds import SCHEMA_MAX_DEPTH, SCHEMA_MAX_NODES, check_json_size
+from localrun.structured.constraints import check_choices, check_gbnf, regex_lark
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -117,30 +121,9 @@ def get_logit_bias(body: dict, key: str = "logit_bias") -> dict[int, float] | No
     return out
 
 
-MAX_SCHEMA_NODES = 5000  # objects + arrays; checked before the (event-loop) validation
-MAX_SCHEMA_DEPTH = 32  # as the backends build grammars (llamacpp.SCHEMA_MAX_DEPTH)
 MAX_TOOLS = 512  # tools one request may offer (the Responses API's own bound too)
 _CHECKED: "OrderedDict[str, None]" = OrderedDict()  # schemas validated before (agents resend theirs every turn)
 _CHECKED_MAX = 256
-
-
-def _check_size(value: Any, limit: int, what: str, depth: int | None = None) -> None:
-    """InvalidRequest when `value` holds more than `limit` objects and arrays, or nests them deeper than
-    `depth` (walked iteratively, stopping at the limit: bounded work however big the value is)."""
-    stack, n = [(value, 0)], 0
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            stack.extend((c, d + 1) for c in v.values())
-        elif isinstance(v, list):
-            stack.extend((c, d + 1) for c in v)
-        else:
-            continue
-        n += 1
-        if n > limit:
-            raise InvalidRequest(f"{what} is too large (over {limit} objects and arrays)")
-        if depth is not None and d > depth:
-            raise InvalidRequest(f"{what} nests objects and arrays more than {depth} levels deep")
 
 
 def check_json_schema(schema: Any) -> dict:
@@ -151,7 +134,8 @@ def check_json_schema(schema: Any) -> dict:
     what tools send), and done once per schema (kept by its JSON text)."""
     if not isinstance(schema, dict):
         raise InvalidRequest("the JSON schema must be an object")
-    _check_size(schema, MAX_SCHEMA_NODES, "the JSON schema", MAX_SCHEMA_DEPTH)
+    # objects + arrays, checked before the (event-loop) validation, as the backends build grammars
+    check_json_size(schema, SCHEMA_MAX_NODES, "the JSON schema", SCHEMA_MAX_DEPTH)
     key = json.dumps(schema, sort_keys=True)
     if key in _CHECKED:
         _CHECKED.move_to_end(key)
@@ -173,13 +157,7 @@ def check_json_schema(schema: Any) -> dict:
     return schema
 
 
-MAX_CHOICES = 1024  # strings a guided_choice may offer
-MAX_CHOICES_BYTES = 64 * 1024
-
-
 def _regex(value: Any, key: str) -> str:
-    from localrun.backends.constraints import regex_lark
-
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"'{key}' must be a non-empty string: a regular expression the whole output matches")
     try:
@@ -189,18 +167,7 @@ def _regex(value: Any, key: str) -> str:
     return value
 
 
-def _choices(value: Any, key: str) -> list[str]:
-    if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
-            or not all(isinstance(c, str) and c for c in value)):
-        raise InvalidRequest(f"'{key}' must be a list of 1 to {MAX_CHOICES} non-empty strings: the output is one of them")
-    if sum(len(c.encode("utf-8")) for c in value) > MAX_CHOICES_BYTES:
-        raise InvalidRequest(f"'{key}' is over {MAX_CHOICES_BYTES} bytes")
-    return list(dict.fromkeys(value))
-
-
 def _grammar(value: Any, key: str) -> str:
-    from localrun.backends.constraints import check_gbnf
-
     try:
         return check_gbnf(value)
     except InvalidRequest as exc:
@@ -218,11 +185,11 @@ def _json(value: Any, key: str) -> dict:
 
 # (key, constraint, reader): what each server's extension asks for
 _STRUCTURED = (("guided_json", "json_schema", _json), ("guided_regex", "regex", _regex),  # vLLM (before 0.11)
-               ("guided_choice", "choices", _choices), ("guided_grammar", "grammar", _grammar),
+               ("guided_choice", "choices", check_choices), ("guided_grammar", "grammar", _grammar),
                ("regex", "regex", _regex), ("ebnf", "grammar", _grammar),  # SGLang
                ("grammar", "grammar", _grammar), ("json_schema", "json_schema", _json))  # llama-server
-_STRUCTURED_OUTPUTS = (("json", "json_schema", _json), ("regex", "regex", _regex), ("choice", "choices", _choices),
-                       ("grammar", "grammar", _grammar))  # vLLM's structured_outputs
+_STRUCTURED_OUTPUTS = (("json", "json_schema", _json), ("regex", "regex", _regex),
+                       ("choice", "choices", check_choices), ("grammar", "grammar", _grammar))  # vLLM's structured_outputs
 
 
 def apply_structured(opts: SamplingOptions, body: dict) -> None:
@@ -427,8 +394,8 @@ def check_tools(tools: Any, template: str | None) -> list[dict] | None:
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS} a request")
     # all the tools' schemas together within one schema's bound: what the event loop checks stays bounded
-    _check_size([t.get("function", {}).get("parameters") if isinstance(t.get("function"), dict) else None
-                 for t in tools], MAX_SCHEMA_NODES, "the tools' parameter schemas together")
+    check_json_size([t.get("function", {}).get("parameters") if isinstance(t.get("function"), dict) else None
+                     for t in tools], SCHEMA_MAX_NODES, "the tools' parameter schemas together")
     for i, t in enumerate(tools):
         fn = t.get("function")
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from typing import Any, AsyncIterator
 
@@ -30,7 +29,6 @@ from localrun.backends.base import (
     fit_window,
     merge_chunks,
 )
-from localrun.backends.constraints import Matchers, constraint_lark, has_number_bounds, json_schema_lark
 from localrun.backends.llamacpp.cpu import cpu_choices
 from localrun.backends.llamacpp.fresh_threads import FreshThreadExecutor
 from localrun.backends.llamacpp.images import Vision, mtmd_lib
@@ -42,6 +40,9 @@ from localrun.backends.llamacpp.pieces import PieceTokenizer, llama_tokenize, lo
 from localrun.backends.llamacpp.pooled import MAX_WINDOW as EMBED_WINDOW, Pooled, load_options
 from localrun.backends.llamacpp.streaming import ShapedSink, stream_shaper
 from localrun.errors import BackendError, InvalidRequest
+from localrun.structured.bounds import check_schema_bounds
+from localrun.structured.constraints import Matchers, constraint_lark, has_number_bounds, json_schema_lark
+from localrun.structured.gbnf import json_schema_grammar
 
 log = logging.getLogger("localrun.llamacpp")
 
@@ -51,66 +52,6 @@ _JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 # token): a long prompt is prefilled in chunks of this, so the streams already running wait for one
 # chunk, not the whole prompt
 STEP_TOKENS = 512
-
-
-# Bounds on what a JSON schema may ask of llama.cpp's grammar: repetition counts are expanded into
-# nested rules (minItems 1024 made sampling take ~1 s per token here; a huge one took gigabytes).
-SCHEMA_MAX_COUNT = 256  # minItems, maxLength, ... above this are refused
-SCHEMA_MAX_NODES = 5000  # objects and arrays in the schema
-SCHEMA_MAX_DEPTH = 32
-GRAMMAR_MAX_BYTES = 64 * 1024  # of GBNF text
-_COUNT_KEYS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
-               "minContains", "maxContains")
-
-
-def check_schema_bounds(schema: Any) -> None:
-    """InvalidRequest when the schema asks for more grammar than localrun builds (walked
-    iteratively, so a deep schema cannot exhaust the stack)."""
-    stack: list[tuple[Any, int]] = [(schema, 0)]
-    nodes = 0
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            nodes += 1
-            for k in _COUNT_KEYS:
-                v = node.get(k)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v > SCHEMA_MAX_COUNT:
-                    raise InvalidRequest(f"the JSON schema's '{k}' is {v:g}; localrun builds grammars for counts up "
-                                         f"to {SCHEMA_MAX_COUNT}")
-            children = list(node.values())
-        elif isinstance(node, list):
-            nodes += 1
-            children = node
-        else:
-            continue
-        if nodes > SCHEMA_MAX_NODES or depth > SCHEMA_MAX_DEPTH:
-            raise InvalidRequest(f"the JSON schema is too large to build a grammar for (over {SCHEMA_MAX_NODES} "
-                                 f"objects or {SCHEMA_MAX_DEPTH} levels deep)")
-        stack.extend((c, depth + 1) for c in children)
-
-
-def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """llama.cpp grammar text (GBNF) for a JSON schema, built once per schema (cached); InvalidRequest
-    when it cannot be built or is over the bounds above."""
-    return _grammar(json.dumps(schema, sort_keys=True, separators=(",", ":")))
-
-
-@functools.lru_cache(maxsize=64)
-def _grammar(schema_json: str) -> str:
-    schema = json.loads(schema_json)
-    check_schema_bounds(schema)
-    from localrun.backends import gbnf
-
-    try:  # as llama_grammar.json_schema_to_gbnf does, with localrun's fixes (backends/gbnf.py)
-        converter = gbnf.converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        converter.visit(converter.resolve_refs(schema, "stdin"), "")
-        gbnf = converter.format_grammar()
-    except Exception as exc:
-        raise InvalidRequest(f"invalid JSON schema in response_format: {exc}") from None
-    if len(gbnf) > GRAMMAR_MAX_BYTES:
-        raise InvalidRequest(f"the JSON schema's grammar is {len(gbnf)} bytes, over the {GRAMMAR_MAX_BYTES} byte limit; "
-                             "simplify the schema")
-    return gbnf
 
 
 class LlamaCppBackend:

@@ -179,7 +179,7 @@ class TokenChooser:
             if not m.is_error() and allowed.any():
                 tok = c.pick(np.where(allowed, logits, np.float32("-inf")), r.sampler)
         if m.is_error() or not m.consume_token(tok):
-            from localrun.backends.constraints import stopped_message
+            from localrun.structured.constraints import stopped_message
 
             self.fail(r, InvalidRequest(stopped_message(m.get_error())))
             return None

@@ -52,7 +52,7 @@ class Request:
     queue: Any
     window: int  # the request's context window (num_ctx): prompt + output + drafts stay inside it
     grammar: Any = None  # its JSON grammar's llama_sampler, outside the chain (owned too)
-    matcher: Any = None  # or its own regex / choices / grammar: an llguidance LLMatcher (constraints.Matchers)
+    matcher: Any = None  # or its own regex / choices / grammar: an llguidance LLMatcher (structured.constraints.Matchers)
     speculative: int = 0  # draft tokens per step (0: off)
     rid: str = ""
     cancelled: bool = False

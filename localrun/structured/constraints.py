@@ -1,11 +1,13 @@
-"""Output constraints a request brings of its own: a regular expression the whole output matches (vLLM's
-structured_outputs.regex / guided_regex, SGLang's regex), a list of strings the output is one of (vLLM's choice),
-or a grammar in llama.cpp's GBNF (llama-server's grammar, SGLang's ebnf, vLLM's grammar).
+"""A request's own output constraint (a regex, choices, a GBNF grammar) or JSON schema as llguidance's grammar.
+
+The constraints: a regular expression the whole output matches (vLLM's structured_outputs.regex / guided_regex,
+SGLang's regex), a list of strings the output is one of (vLLM's choice), or a grammar in llama.cpp's GBNF
+(llama-server's grammar, SGLang's ebnf, vLLM's grammar).
 
 llguidance runs all three, on both backends, because its work per token is bounded (PARSER_LIMITS): llama.cpp's
 own grammar engine, given a repetition of 200 identical alternatives, spun on one token for over five minutes
 while the model's other streams waited. (The JSON grammars localrun writes itself stay with llama.cpp's engine
-on that backend: backends/gbnf.py.)
+on that backend: structured/gbnf.py.)
 
 - A regex is read by Python's own parser (``re._parser``) and written as one llguidance lexeme, so it has exactly
   the regex's strings: re.fullmatch's, with ``\\d``, ``\\w`` and ``\\s`` the ASCII classes. Lookarounds,
@@ -185,6 +187,20 @@ def choice_lark(choices: tuple[str, ...]) -> str:
     return _lark("(?:" + "|".join(_literal(c) for c in choices) + ")")
 
 
+MAX_CHOICES = 1024  # strings a choice constraint may offer
+MAX_CHOICES_BYTES = 64 * 1024
+
+
+def check_choices(value: Any, key: str) -> list[str]:
+    """A request's choices (its field `key`), checked against localrun's bounds, duplicates dropped."""
+    if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in value)):
+        raise InvalidRequest(f"'{key}' must be a list of 1 to {MAX_CHOICES} non-empty strings: the output is one of them")
+    if sum(len(c.encode("utf-8")) for c in value) > MAX_CHOICES_BYTES:
+        raise InvalidRequest(f"'{key}' is over {MAX_CHOICES_BYTES} bytes")
+    return list(dict.fromkeys(value))
+
+
 _GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}|[()]')
 
 
@@ -269,16 +285,16 @@ def constraint_lark(regex: str | None, choices: list[str] | None, grammar: str |
     return None
 
 
-# llguidance's JSON, here and in the native engine (engine/grammar.py): compact with the usual separators, so a
+# llguidance's JSON, here and in the native engine (structured/masks.py): compact with the usual separators, so a
 # model cannot spin on whitespace, and the text reads like json.dumps' default output
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def has_number_bounds(schema: Any) -> bool:
     """Whether a JSON schema bounds a number that need not be an integer anywhere in it: llama.cpp's GBNF
-    converter keeps any value there (backends/gbnf.py), llguidance's JSON follows the bounds. (The schema's
-    size is bounded before: check_schema_bounds.)"""
-    from localrun.backends.gbnf import NUMBER_BOUNDS
+    converter keeps any value there (structured/gbnf.py), llguidance's JSON follows the bounds. (The schema's
+    size is bounded before: structured/bounds.check_schema_bounds.)"""
+    from localrun.structured.gbnf import NUMBER_BOUNDS
 
     todo = [schema]
     while todo:

@@ -1,4 +1,4 @@
-"""Constrained decoding: JSON-schema grammars (llguidance) and their per-request matchers.
+"""The native engine's constrained decoding: llguidance grammars, per-request matchers and torch token masks.
 
 `GrammarCompiler` (one per engine and tokenizer) turns a JSON schema into a `Grammar`, once
 per canonical schema (LRU cache); call it off the engine loop thread (it takes ~1-5 ms per new
@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-from localrun.backends.constraints import JSON_OPTIONS
+from localrun.structured.constraints import JSON_OPTIONS, PARSER_LIMITS
 
 GRAMMAR_CACHE_SIZE = 64  # compiled schemas kept per engine
 ANY_JSON_OBJECT: dict = {"type": "object"}
@@ -107,9 +107,7 @@ class GrammarCompiler:
 
     def lark(self, lark: str) -> Grammar:
         """The grammar of llguidance's Lark text (a request's regex, choices or GBNF grammar, through
-        localrun.backends.constraints.constraint_lark); ValueError with llguidance's reason when it cannot be compiled."""
-        from localrun.backends.constraints import PARSER_LIMITS
-
+        localrun.structured.constraints.constraint_lark); ValueError with llguidance's reason when it cannot be compiled."""
         return self._compile("lark:" + lark, lambda: lark, "the grammar", PARSER_LIMITS)
 
     def _compile(self, key: str, text, what: str, limits: dict | None) -> Grammar:

@@ -1,4 +1,6 @@
-"""JSON schema -> llama.cpp grammar (GBNF): llama-cpp-python's converter, with what llama.cpp's own
+"""JSON schema -> llama.cpp grammar (GBNF), built once per schema: llama-cpp-python's converter, with fixes.
+
+:func:`json_schema_grammar` is llama-cpp-python's converter with what llama.cpp's own
 converter (common/json-schema-to-grammar.cpp, the one llama-server and Ollama use) does and the
 older copy in llama-cpp-python does not. Each gap made a valid schema fail:
 
@@ -12,17 +14,19 @@ older copy in llama-cpp-python does not. Each gap made a valid schema fail:
 - a list of types (``["string", "null"]``) dropped the schema's other keywords (its maxLength).
 
 Numbers that are not integers keep any value here, as in llama.cpp: a schema that bounds one goes to
-llguidance instead (backends/constraints.has_number_bounds, json_schema_lark).
+llguidance instead (structured/constraints.has_number_bounds, json_schema_lark).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 from typing import Any
 
 from localrun.errors import InvalidRequest
+from localrun.structured.bounds import GRAMMAR_MAX_BYTES, check_schema_bounds
 
 MAX_DIGITS = 16  # llama-cpp-python's integral-part: at most 16 digits
 _JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
@@ -80,7 +84,7 @@ def integer_range(lo: int | None, hi: int | None) -> str:
     return "(" + " | ".join(f"({a})" for a in alts) + ")"
 
 
-def _bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
     """The inclusive integer bounds an integer schema sets."""
     lo = hi = None
     for key in NUMBER_BOUNDS:
@@ -135,9 +139,31 @@ def converter_class() -> type:
                 return self._add_rule(rule_name, self._generate_union_rule(name, [{**schema, "type": t} for t in kind]))
             if kind == "integer" and any(k in schema for k in NUMBER_BOUNDS) \
                     and not any(k in schema for k in ("$ref", "oneOf", "anyOf", "const", "enum")):
-                lo, hi = _bounds(schema)
+                lo, hi = integer_bounds(schema)
                 if lo is not None or hi is not None:
                     return self._add_rule(rule_name, integer_range(lo, hi) + " space")
             return super().visit(schema, name)
 
     return Converter
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """llama.cpp grammar text (GBNF) for a JSON schema, built once per schema (cached); InvalidRequest
+    when it cannot be built or is over the bounds (structured/bounds.py)."""
+    return _grammar(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(schema_json: str) -> str:
+    schema = json.loads(schema_json)
+    check_schema_bounds(schema)
+    try:  # as llama_grammar.json_schema_to_gbnf does, with localrun's fixes (above)
+        converter = converter_class()(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+        converter.visit(converter.resolve_refs(schema, "stdin"), "")
+        gbnf = converter.format_grammar()
+    except Exception as exc:
+        raise InvalidRequest(f"invalid JSON schema in response_format: {exc}") from None
+    if len(gbnf) > GRAMMAR_MAX_BYTES:
+        raise InvalidRequest(f"the JSON schema's grammar is {len(gbnf)} bytes, over the {GRAMMAR_MAX_BYTES} byte limit; "
+                             "simplify the schema")
+    return gbnf
