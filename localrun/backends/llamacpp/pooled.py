@@ -1,5 +1,6 @@
-"""llama.cpp contexts that pool a whole input into one vector (embeddings) or into scores (reranking), and
-the backend of a model that does nothing else.
+"""llama.cpp contexts that pool an input into one vector (embeddings) or scores (reranking), and their backend.
+
+They pool a whole input; :class:`PooledBackend` is the backend of a model that does nothing else.
 
 :class:`Pooled` is one such context, made through llama-cpp-python's ``Llama(embedding=True)`` with a
 pooling type: the model's own (its GGUF's ``pooling_type``: CLS for bge-m3 and mxbai-embed-large, mean for

@@ -75,7 +75,7 @@ class Request:
     images: list[ImageSpan] = field(default_factory=list)  # in prompt order
     on_end: Any = None  # called once on the loop's thread when the request leaves it (frees its image chunks)
     preserved: frozenset = frozenset()  # special tokens whose text this request's output keeps
-    cache_key: str | None = None  # the client's prompt_cache_key (see _start)
+    cache_key: str | None = None  # the client's prompt_cache_key (see admission.Admission.start)
     argmax: bool = False  # plain greedy (plain_greedy): an argmax over its logits row, not the chain
     sink: Any = None  # instead of loop/queue: put(item) and outbox.flush() on the loop's thread
     # options.prompt_logprobs set: each prompt token's TokenLogprob, filled as its prefill runs (no
