@@ -721,8 +721,8 @@ def test_every_llama_cpp_params_field_the_backend_sets_exists():
     import llama_cpp.llama_cpp as lib
     import llama_cpp.mtmd_cpp as mtmd
 
-    root = Path(__file__).resolve().parent.parent / "localrun" / "backends"
-    src = "".join(p.read_text() for p in root.glob("llama*.py"))
+    root = Path(__file__).resolve().parent.parent / "localrun" / "backends" / "llamacpp"
+    src = "".join(p.read_text() for p in root.glob("*.py"))
     for var, struct in (("cparams", lib.llama_context_params), ("mparams", lib.llama_model_params),
                         ("params", mtmd.mtmd_context_params)):
         used = set(re.findall(rf"\b{var}\.(\w+)\s*=[^=]", src))
