@@ -137,7 +137,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     yield
     import platform
 
-    from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
+    from localrun.backends.llamacpp.amx import cpu_has_amx
+    from localrun.backends.llamacpp.cpu import extra_buffers
 
     model = platform.processor() or platform.machine()
     try:

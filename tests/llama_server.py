@@ -31,7 +31,7 @@ def running_llama_server(binary: Path, gguf: Path, ctx: int, threads: int, paral
                          args: tuple[str, ...] = ()) -> Iterator[str]:
     """llama-server on ``gguf`` with ``parallel`` slots of ``ctx`` tokens and ``threads`` threads, and ``args``
     (e.g. ``--embedding``); its URL."""
-    from localrun.backends.llamacpp import extra_buffers
+    from localrun.backends.llamacpp.cpu import extra_buffers
     from localrun.bench import vs_llama_server as vs
 
     cfg = vs.Config(gguf=Path(gguf), llama_server=Path(binary), threads=threads, parallel=parallel, ctx=ctx,
@@ -55,7 +55,7 @@ def llama_server_client(binary: Path, gguf: Path, ctx: int, *args: str):
     once, while the daemon's routes took their turn between two llama-server requests)."""
     import httpx
 
-    from localrun.backends.llamacpp import physical_cores
+    from localrun.backends.llamacpp.cpu import physical_cores
 
     with running_llama_server(binary, gguf, ctx, physical_cores(), args=args) as url:
         with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as h:

@@ -1,4 +1,4 @@
-"""llama.cpp's repacked weights on every x86 CPU, AMX denied (localrun.backends.amx).
+"""llama.cpp's repacked weights on every x86 CPU, AMX denied (localrun.backends.llamacpp.amx).
 
 On Intel CPUs with AMX, llama-cpp-python 0.3.36's AMX path crashes on the first token; the runner
 keeps llama.cpp's other extra buffer types (the repacked Q4_0/Q4_K/IQ4_NL weights, 1.4-1.7x the
@@ -21,7 +21,8 @@ import pytest
 from daemon import Daemon
 from gguf_util import requantize
 
-from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
+from localrun.backends.llamacpp.amx import cpu_has_amx
+from localrun.backends.llamacpp.cpu import extra_buffers
 
 REPO = Path(__file__).resolve().parents[1]
 x86_linux = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() != "x86_64",
@@ -46,7 +47,7 @@ def test_auto_keeps_the_extra_buffers_where_amx_can_be_denied():
 
 DENY = r"""
 import ctypes, json, os, subprocess, sys, threading
-from localrun.backends import amx
+from localrun.backends.llamacpp import amx
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -99,8 +100,8 @@ def q4_0(smollm2_gguf, tmp_path_factory) -> Path:
 LOGITS = r"""
 import json, sys
 import numpy as np
-from localrun.backends.llamacpp import extra_buffers
-from localrun.backends.llama_pooled import model_params
+from localrun.backends.llamacpp.cpu import extra_buffers
+from localrun.backends.llamacpp.pooled import model_params
 import llama_cpp
 
 use, why = extra_buffers(sys.argv[2])

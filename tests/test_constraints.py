@@ -60,7 +60,7 @@ def accepts(vocab):
 
     def run(lark: str, text: str) -> bool | None:
         """None when the tokenizer does not write `text` back (an unassigned code point, say)."""
-        from localrun.backends.llama_batch import token_piece
+        from localrun.backends.llamacpp.pieces import token_piece
 
         ids = tokens(text)
         if b"".join(token_piece(lib, v, t) for t in ids) != text.encode("utf-8"):

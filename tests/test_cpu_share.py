@@ -1,4 +1,4 @@
-"""llama.cpp's thread count under other processes' load (localrun.backends.cpu_share).
+"""llama.cpp's thread count under other processes' load (localrun.backends.llamacpp.cpu_share).
 
 The decision, with a fake clock and fake CPU times (fast); then the real thing: a real
 daemon streaming SmolLM2 through the real llama.cpp while busy processes take every CPU. Without
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from fakes import metric_samples
-from localrun.backends.cpu_share import SLACK, ThreadGovernor, busy_seconds, threads_for, usable_cpus
+from localrun.backends.llamacpp.cpu_share import SLACK, ThreadGovernor, busy_seconds, threads_for, usable_cpus
 
 
 def test_threads_for_gives_way_to_other_processes():

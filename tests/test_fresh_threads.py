@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from localrun.backends.fresh_threads import FreshThreadExecutor
+from localrun.backends.llamacpp.fresh_threads import FreshThreadExecutor
 
 
 def test_tasks_run_in_order_each_on_a_thread_that_then_exits():

@@ -15,7 +15,7 @@ cause), an answer within a per-request timeout, an error body in the API's own s
 Pulls reach only a fake hub on 127.0.0.1 (HF_ENDPOINT) that holds no repos.
 
 A last small run sends JSON schemas to the real daemon with llama.cpp, where they become
-grammars (localrun/backends/llamacpp.py): only 200 or 400, in bounded time, daemon alive.
+grammars (localrun/backends/llamacpp/): only 200 or 400, in bounded time, daemon alive.
 
 Derandomized, no example database, a few hundred examples in all.
 """

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from localrun.backends.llama_batch import image_standins, lookup_draft
+from localrun.backends.llamacpp.batch import lookup_draft
+from localrun.backends.llamacpp.images import image_standins
 from localrun.bench.greedy import NEAR_TIE, compare
 
 

@@ -1,4 +1,4 @@
-"""llama_pieces.PieceTokenizer against llama.cpp's own llama_tokenize: the same tokens for every text, on every
+"""llamacpp.pieces.PieceTokenizer against llama.cpp's own llama_tokenize: the same tokens for every text, on every
 tokenizer test vocabulary llama.cpp ships (vendor/llama.cpp/models/ggml-vocab-*.gguf, with their test
 inputs) and on SmolLM2, first from llama.cpp and then from the cache; the vocabularies it cannot copy
 exactly are left to llama.cpp whole; the cache stays inside its byte budget."""
@@ -12,7 +12,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from localrun.backends.llama_pieces import PieceTokenizer  # noqa: E402
+from localrun.backends.llamacpp.pieces import PieceTokenizer  # noqa: E402
 from localrun.bench.tokenize import VocabOnly  # noqa: E402
 
 # the vocabularies whose tokenizing the cache copies (llama.cpp's SentencePiece and byte-level BPE sessions,
@@ -97,7 +97,7 @@ def test_longest_piece_counts_every_token_with_one_buffer(vocab_dir, smollm2_ggu
     """BackendInfo.max_token_bytes (the bound that refuses a prompt too long for the window before it is
     tokenized): one reused 256-byte buffer, a longer piece counted by the size llama.cpp asks for; equal
     to the longest piece written out whole, on vocabularies whose longest is shorter and longer than that."""
-    from localrun.backends.llama_batch import longest_piece, token_piece
+    from localrun.backends.llamacpp.pieces import longest_piece, token_piece
 
     seen = {}
     for f in [smollm2_gguf, vocab_dir / "ggml-vocab-aquila.gguf", vocab_dir / "ggml-vocab-llama-bpe.gguf"]:
@@ -162,7 +162,7 @@ def test_the_backend_tokenizes_through_the_pieces(smollm2_gguf):
 
 
 def test_overlapping_special_texts_turn_the_cache_off():
-    from localrun.backends.llama_pieces import _overlapping
+    from localrun.backends.llamacpp.pieces import _overlapping
 
     assert _overlapping([b"<ab>", b"b><c"]) is True  # "b>" ends one and starts the other
     assert _overlapping([b"<aa>", b"<bb>"]) is False

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from localrun.backends.llamacpp import cut_inside_char
+from localrun.backends.llamacpp.streaming import cut_inside_char
 from localrun.bench import llama_server_build as b
 
 

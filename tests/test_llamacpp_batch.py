@@ -445,7 +445,7 @@ def test_embeddings_leave_no_openmp_team_behind(backend):
 
 def test_the_loop_ends_its_openmp_team_after_first_tokens_and_keeps_it_when_idle(backend):
     """libgomp's workers spin ~10 ms after each parallel region for the next one. The loop ends its team
-    (llama_batch.omp_release) after a step that gave requests their first tokens, where its threads take
+    (llamacpp.batch.omp_release) after a step that gave requests their first tokens, where its threads take
     every CPU, so no worker spins on a CPU the daemon and the client need then; the next decode starts the
     team again, and a stream's steps keep it. When the loop runs out of work it keeps the team (its worker
     sleeps once its spin is done): a team started after an idle spell ran both threads on one CPU at first
@@ -557,7 +557,7 @@ def test_plain_greedy_takes_the_argmax_and_answers_as_the_sampler_chain_does(bac
     """A greedy request with nothing else to apply picks its token by an argmax over the logits row;
     the same request through llama.cpp's sampler chain (a zero logit bias keeps it there, changing
     no logit) gets the same tokens."""
-    from localrun.backends.llama_batch import plain_greedy
+    from localrun.backends.llamacpp.sampling import plain_greedy
 
     assert plain_greedy(SamplingOptions(temperature=0.0))
     for other in ({"temperature": 0.7}, {"logit_bias": {5: 0.0}}, {"repeat_penalty": 1.1}, {"presence_penalty": 0.5},
@@ -721,8 +721,8 @@ def test_every_llama_cpp_params_field_the_backend_sets_exists():
     import llama_cpp.llama_cpp as lib
     import llama_cpp.mtmd_cpp as mtmd
 
-    root = Path(__file__).resolve().parent.parent / "localrun" / "backends"
-    src = "".join(p.read_text() for p in root.glob("llama*.py"))
+    root = Path(__file__).resolve().parent.parent / "localrun" / "backends" / "llamacpp"
+    src = "".join(p.read_text() for p in root.glob("*.py"))
     for var, struct in (("cparams", lib.llama_context_params), ("mparams", lib.llama_model_params),
                         ("params", mtmd.mtmd_context_params)):
         used = set(re.findall(rf"\b{var}\.(\w+)\s*=[^=]", src))

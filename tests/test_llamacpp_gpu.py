@@ -16,7 +16,7 @@ import pytest
 from daemon import MODEL, Daemon
 
 from localrun.backends.base import MemoryEstimate
-from localrun.backends.llamacpp import placement
+from localrun.backends.llamacpp.backend import placement
 from localrun.backends.select import GPU, LLAMACPP_CUDA_INSTALL, LlamaCppBuild, llamacpp_build, llamacpp_gpu_advice
 from localrun.server.memory import auto_parallel
 

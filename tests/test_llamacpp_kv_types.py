@@ -38,7 +38,7 @@ def spec(gguf, kv: str | None, **kw) -> LoadSpec:
 
 # -- names, the estimate ---------------------------------------------------------------------------
 def test_names_map_to_llama_cpp_cache_types(monkeypatch):
-    from localrun.backends import llamacpp
+    from localrun.backends.llamacpp import memory as llamacpp
     from localrun.config import settings
 
     assert settings({"LOCALRUN_KV_CACHE_TYPE": "Q4_0"}).kv_cache_type == "q4_0"
@@ -57,7 +57,7 @@ def test_names_map_to_llama_cpp_cache_types(monkeypatch):
 
 
 def test_a_head_size_the_blocks_do_not_divide_keeps_f16():
-    from localrun.backends.llamacpp import kv_type_for_model
+    from localrun.backends.llamacpp.memory import kv_type_for_model
 
     def header(hidden, heads, **meta):
         return types.SimpleNamespace(architecture="llama", embedding_length=hidden, head_count=heads,
@@ -138,7 +138,7 @@ def test_a_quantized_cache_copies_prefixes_cell_by_cell_as_whole_streams(smollm2
 def test_llama_cpp_refuses_the_blocks_and_the_load_keeps_f16(fim_gguf, monkeypatch):
     import llama_cpp.llama_cpp as lib
 
-    from localrun.backends import llamacpp
+    from localrun.backends.llamacpp import backend as llamacpp
 
     model = lib.llama_model_load_from_file(str(fim_gguf).encode(), lib.llama_model_default_params())
     try:

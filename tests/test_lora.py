@@ -163,7 +163,7 @@ def test_an_adapter_that_does_not_fit_is_a_clear_load_error_not_a_crash(smollm2_
     """The backends load an adapter llama.cpp refuses (the daemon's create checks shapes first; a hand-made
     manifest or a changed file could still get here) as a BackendError, in this very process."""
     from localrun.backends.base import LoadSpec
-    from localrun.backends.llama_pooled import Pooled
+    from localrun.backends.llamacpp.pooled import Pooled
     from localrun.backends.llamacpp import LlamaCppBackend
     from localrun.errors import BackendError
 

@@ -52,7 +52,7 @@ def test_prompt_logprobs_equal_llama_cpp_directly_and_beside_other_streams(backe
     keeps no logits); max_tokens 0 generates nothing. Beside two decoding streams the values move only
     as llama.cpp's batch-dependent arithmetic moves them (measured on SmolLM2: mean 0.007 nats, max
     0.13; llama.cpp alone, fed 512 tokens a pass instead of 128, moves positions 256-259 by 0.14)."""
-    from localrun.backends.llama_batch import prompt_logprobs_rows
+    from localrun.backends.llamacpp.batch import prompt_logprobs_rows
 
     rows = prompt_logprobs_rows(backend.engine.n_vocab)
     assert rows == 128  # SmolLM2's 49k vocabulary: 25 MB of logits a step

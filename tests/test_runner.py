@@ -21,7 +21,8 @@ import psutil
 import pytest
 from daemon import MODEL, Daemon
 
-from localrun.backends.llamacpp import cpu_has_amx, extra_buffers
+from localrun.backends.llamacpp.amx import cpu_has_amx
+from localrun.backends.llamacpp.cpu import extra_buffers
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -41,7 +41,7 @@ def test_llamacpp_estimate_from_gguf_header(smollm2_gguf):
 
 
 def test_scored_prompt_rows_held_under_32_mb_of_logits():
-    from localrun.backends.llama_batch import prompt_logprobs_rows
+    from localrun.backends.llamacpp.batch import prompt_logprobs_rows
 
     assert [prompt_logprobs_rows(v) for v in (49152, 151936, 262144, 10**7)] == [128, 55, 32, 8]
     assert all(prompt_logprobs_rows(v) * v * 4 <= 32 * 2**20 for v in (49152, 151936, 262144))

@@ -13,8 +13,8 @@ import pytest
 
 from localrun.backends.runner import wire
 from localrun.backends.base import LoadSpec
-from localrun.backends.llama_pooled import backend_pooling, is_causal, pooled_window
-from localrun.backends.llamacpp import _head_sizes, estimate_memory, kv_type_for_model
+from localrun.backends.llamacpp.pooled import backend_pooling, is_causal, pooled_window
+from localrun.backends.llamacpp.memory import _head_sizes, estimate_memory, kv_type_for_model
 from localrun.library import read_gguf_info
 from localrun.library.capabilities import gguf_kind
 

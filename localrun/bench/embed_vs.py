@@ -139,9 +139,9 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from localrun.backends.llama_pooled import is_causal, pooled_window
+    from localrun.backends.llamacpp.pooled import is_causal, pooled_window
     from localrun.backends.base import LoadSpec
-    from localrun.backends.llamacpp import extra_buffers, physical_cores
+    from localrun.backends.llamacpp.cpu import extra_buffers, physical_cores
     from localrun.bench import vs_llama_server as vs
     from localrun.bench.results import print_table
     from localrun.library import read_gguf_info

@@ -188,8 +188,8 @@ def llamacpp_logprobs(path: Path, kv: str, ids: list[int], chunk: int, threads: 
     import llama_cpp
     import numpy as np
 
-    from localrun.backends.llama_pooled import model_params
-    from localrun.backends.llamacpp import KV_TYPES
+    from localrun.backends.llamacpp.memory import KV_TYPES
+    from localrun.backends.llamacpp.pooled import model_params
 
     with model_params(use_extra_bufts=False):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(512, len(ids) + 16), n_batch=chunk, n_ubatch=chunk,
@@ -212,7 +212,7 @@ def llamacpp_greedy(path: Path, kv: str, prompts: list[list[int]], max_tokens: i
     import asyncio
 
     from localrun.backends.base import GenerationRequest, LoadSpec, SamplingOptions
-    from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.backends.llamacpp.backend import LlamaCppBackend
 
     num_ctx = max(map(len, prompts)) + max_tokens + 16
     b = LlamaCppBackend(LoadSpec("kv-quant", Path(path), "gguf", num_ctx=num_ctx, num_parallel=1,
@@ -241,9 +241,10 @@ def run_llamacpp(a: argparse.Namespace) -> int:
     import llama_cpp
 
     from localrun.backends.base import LoadSpec
-    from localrun.backends.fresh_threads import FreshThreadExecutor
-    from localrun.backends.llama_pooled import model_params
-    from localrun.backends.llamacpp import estimate_memory, physical_cores
+    from localrun.backends.llamacpp.cpu import physical_cores
+    from localrun.backends.llamacpp.fresh_threads import FreshThreadExecutor
+    from localrun.backends.llamacpp.memory import estimate_memory
+    from localrun.backends.llamacpp.pooled import model_params
     from localrun.bench.dataset import read_prompt_file
     from localrun.bench.throughput import BUNDLED_PROMPTS
     from localrun.library.catalog import bundled_gguf

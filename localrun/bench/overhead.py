@@ -285,8 +285,8 @@ class Side:
 def _direct_llm(gguf: Path, num_ctx: int, threads: int):
     import llama_cpp
 
-    from localrun.backends.llama_pooled import model_params
-    from localrun.backends.llamacpp import extra_buffers
+    from localrun.backends.llamacpp.cpu import extra_buffers
+    from localrun.backends.llamacpp.pooled import model_params
     from localrun.config import settings as settings_from_env
 
     use_extra, _ = extra_buffers(settings_from_env().llamacpp_extra_buffers)  # what the daemon does too
@@ -301,7 +301,7 @@ def _direct_llm(gguf: Path, num_ctx: int, threads: int):
 def run(args: argparse.Namespace) -> int:
     """The benchmark; exit status 1 when a budget is exceeded."""
 
-    from localrun.backends.llamacpp import physical_cores
+    from localrun.backends.llamacpp.cpu import physical_cores
 
     gguf = _smollm2()
     threads = args.llama_threads or physical_cores()

@@ -1,6 +1,6 @@
 """`localrun bench tokenize`: a chat resent turn after turn (what every chat client and agent sends), its
 prompt tokenized by llama.cpp whole (llama_tokenize, what llama-server and llama-cpp-python do) and by
-the llama.cpp backend's piece cache (llama_pieces.PieceTokenizer), in the same run on the same
+the llama.cpp backend's piece cache (llamacpp.pieces.PieceTokenizer), in the same run on the same
 vocabulary; the two token lists are checked equal every turn.
 
     localrun bench tokenize [--gguf FILE] [--turns 40] [--words 60]
@@ -32,12 +32,12 @@ class VocabOnly:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
 
     def raw(self, data: bytes, add_special: bool, special: bool) -> list[int]:
-        from localrun.backends.llama_pieces import llama_tokenize
+        from localrun.backends.llamacpp.pieces import llama_tokenize
 
         return llama_tokenize(self.lib, self.vocab, data, add_special, special)
 
     def pieces(self):
-        from localrun.backends.llama_pieces import PieceTokenizer
+        from localrun.backends.llamacpp.pieces import PieceTokenizer
 
         return PieceTokenizer.for_vocab(self.lib, self.model, self.vocab, self.raw)
 

@@ -215,7 +215,7 @@ async def compare(gguf: str, llama_server_bin: str, route: str, file_tokens: int
 
     import httpx
 
-    from localrun.backends.llamacpp import extra_buffers
+    from localrun.backends.llamacpp.cpu import extra_buffers
     from localrun.bench import vs_llama_server as vs
 
     if rounds < 1 or threads < 1 or parallel < 1 or ctx < 16:
@@ -281,7 +281,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def run_compare(a: argparse.Namespace) -> dict[str, Any]:
     import sys
 
-    from localrun.backends.llamacpp import physical_cores
+    from localrun.backends.llamacpp.cpu import physical_cores
     from localrun.bench.llama_server_build import BuildError, ensure_llama_server
     from localrun.bench.vs_llama_server import VsError
 

@@ -21,7 +21,7 @@ latency percentiles; per workload the ratio localrun / llama-server (median over
 llama-server is given with ``--llama-server PATH``, else ``LOCALRUN_LLAMA_SERVER``, else built once from
 the very llama.cpp that the installed llama-cpp-python vendors (``localrun bench build-llama-server``:
 the pinned sdist from pip, then cmake; cached). On Intel CPUs with AMX, this process denies AMX to itself and to the
-servers it starts (localrun.backends.amx; llama-server inherits the filter), so both keep the repacked weights; where
+servers it starts (localrun.backends.llamacpp.amx; llama-server inherits the filter), so both keep the repacked weights; where
 that cannot be done, localrun turns llama.cpp's extra buffer types off and llama-server gets ``--no-repack`` to match.
 """
 
@@ -393,7 +393,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from localrun.backends.llamacpp import extra_buffers, physical_cores
+    from localrun.backends.llamacpp.cpu import extra_buffers, physical_cores
     from localrun.bench.results import print_table
 
     try:

@@ -1,5 +1,6 @@
-"""llama.cpp contexts that pool a whole input into one vector (embeddings) or into scores (reranking), and
-the backend of a model that does nothing else.
+"""llama.cpp contexts that pool an input into one vector (embeddings) or scores (reranking), and their backend.
+
+They pool a whole input; :class:`PooledBackend` is the backend of a model that does nothing else.
 
 :class:`Pooled` is one such context, made through llama-cpp-python's ``Llama(embedding=True)`` with a
 pooling type: the model's own (its GGUF's ``pooling_type``: CLS for bge-m3 and mxbai-embed-large, mean for
@@ -26,7 +27,8 @@ from typing import Any, AsyncIterator
 
 from localrun.backends.base import (CONTEXT_EXCEEDED, POOLED_WINDOW, BackendInfo, Chunk, GenerationRequest, LoadSpec,
                                     check_token_ids)
-from localrun.backends.llama_batch import load_lora, longest_piece, pieces_text
+from localrun.backends.llamacpp.lora import load_lora
+from localrun.backends.llamacpp.pieces import longest_piece, pieces_text
 from localrun.errors import BackendError, InvalidRequest
 
 log = logging.getLogger("localrun.llamacpp")
@@ -69,7 +71,7 @@ def model_params(**fields: Any):
 
 def load_options(spec: LoadSpec) -> dict[str, Any]:
     """The Modelfile's PARAMETER use_mmap and main_gpu, as llama-cpp-python's Llama() takes them (the low-level
-    load sets llama_model_params' load_mode and main_gpu from them: llamacpp.LlamaCppBackend)."""
+    load sets llama_model_params' load_mode and main_gpu from them: backend.LlamaCppBackend)."""
     out: dict[str, Any] = {}
     if spec.extra.get("use_mmap") is not None:
         out["use_mmap"] = bool(spec.extra["use_mmap"])
@@ -145,7 +147,7 @@ def pooled_ubatch(window: int, pooling: int, causal: bool) -> int:
     return min(CAUSAL_UBATCH, window) if causal and pooling in (3, 4) else window
 
 
-class Cancelled(Exception):
+class EmbeddingCancelled(Exception):
     """A pooled call whose request was cancelled, stopped between passes (nobody reads its result)."""
 
 
@@ -261,7 +263,7 @@ class Pooled:
         out: list[list[float]] = []
         for group in pass_groups([len(ids) for ids in inputs], int(llm.context_params.n_seq_max)):
             if cancel is not None and cancel.is_set():
-                raise Cancelled("the request was cancelled")
+                raise EmbeddingCancelled("the request was cancelled")
             llm._batch.reset()
             for seq, ids in enumerate(inputs[group.start:group.stop]):
                 llm._batch.add_sequence(ids, seq, True)
@@ -350,7 +352,7 @@ class PooledBackend:
 
     def __init__(self, spec: LoadSpec, info: Any, *, n_threads: int, extra_bufts: bool, bufts_reason: str) -> None:
         """``info``: the GGUF's header (a GGUFInfo); the threads and llama.cpp's extra buffer types as the
-        llama.cpp backend chose them (llamacpp.load)."""
+        llama.cpp backend chose them (backend.load)."""
         from llama_cpp._logger import set_verbose
 
         from localrun.library.capabilities import KIND_USE, gguf_kind
