@@ -267,7 +267,7 @@ class BackendInfo:
     # the vocabulary's begin- and end-of-text tokens as text ("": none); vLLM's /tokenizer_info reports them
     bos_token: str = ""
     eos_token: str = ""
-    # a reranker: rerank() scores documents against a query (llama_pooled)
+    # a reranker: rerank() scores documents against a query (llamacpp.pooled)
     supports_rerank: bool = False
 
 

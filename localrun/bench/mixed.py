@@ -32,7 +32,7 @@ MODEL = "smollm2:135m"
 SECOND = "mixed-pirate:latest"  # a second model (same weights, its own runner)
 KINDS = ("openai", "openai_walk_away", "ollama", "ollama_long_chat", "anthropic", "completions", "embeddings",
          "ollama_embed_truncated", "count_tokens", "tokenize", "scoring", "ps", "show", "unload", "second_model")
-# the second model's template: ChatML in Ollama's Go template language (rendered by localrun.go_template)
+# the second model's template: ChatML in Ollama's Go template language (rendered by localrun.templates.go)
 SECOND_TEMPLATE = ("{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
                    "<|im_start|>assistant\n")
 

@@ -8,7 +8,7 @@ asyncio queue; closing the generator cancels the request, which ends at the next
 token) and leaves its tokens cached.
 
 Chat templates are never rendered here (the daemon renders them in the jinja2
-sandbox, ``localrun.chat_template``); this module only sees finished prompt strings.
+sandbox, ``localrun.templates.chat``); this module only sees finished prompt strings.
 ``llama_cpp`` is imported lazily so ``localrun.backends`` imports on a GPU box without it.
 """
 
