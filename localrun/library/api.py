@@ -46,12 +46,8 @@ class Library:
                progress: ProgressFn = None, cancel: threading.Event | None = None,
                files: dict[str, str] | None = None, adapters: dict[str, str] | None = None,
                quantize: str | None = None) -> ResolvedModel:
-        """A model from a Modelfile: its FROM (a model, a GGUF file, a safetensors directory), or
-        `files`: {file name: digest} of blobs already in the store (Ollama's /api/create after
-        POST /api/blobs), the Modelfile then giving the rest (template, system, parameters, ...).
-        A LoRA adapter (a GGUF, or a PEFT directory converted to one) comes as the Modelfile's ADAPTER or as
-        `adapters` (uploaded as `files` are); it replaces the base model's. `quantize` (Ollama's: 'q4_K_M', ...)
-        stores the GGUF model quantized to that type by llama.cpp (it must be F16, BF16 or F32)."""
+        """A model from a Modelfile, a GGUF, a safetensors directory or uploaded blobs (creator.py has the
+        whole contract)."""
         return self.creator.create(name, modelfile, base_dir, progress, cancel, files, adapters, quantize)
 
     def check_files(self, files: Any, field: str = "files") -> dict[str, tuple[str, Path]]:
@@ -70,12 +66,8 @@ class Library:
         return self.resolver.stored_name(name)
 
     def resolve(self, name: str) -> ResolvedModel:
-        """The stored model `name` names. Every generation request asks, so the answer is kept while
-        nothing it was read from changed: one stat of the manifest (a pull, create, copy or rm replaces
-        or removes it; the layers it lists are content-addressed) and of its GGUF files (a truncated or
-        replaced blob is seen) instead of about ten small reads. A model whose files are missing or
-        invalid is a ModelDamaged (500) naming it and how to repair it; NotFound (404) is only for no
-        such model."""
+        """The stored model `name` names, kept while its files are unchanged; ModelDamaged or NotFound
+        (resolver.py has the whole contract)."""
         return self.resolver.resolve(name)
 
     def list(self) -> list[ModelSummary]:

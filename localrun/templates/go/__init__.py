@@ -7,14 +7,8 @@ template: ``{{ .System }}``, ``{{ .Prompt }}``, ``{{ range .Messages }}{{ .Role 
 declared with ``:=`` and set with ``=``, if / else if / else, range (over lists, maps in key order,
 integers; ``$i, $x :=``; break and continue), with, and Go's built-in functions plus Ollama's
 ``json``, ``currentDate``, ``yesterdayDate`` and ``toTypeScriptType``) and renders a chat the way
-Ollama's ``template.Execute`` does:
-
-- a template that reads ``.Messages`` gets every message (consecutive ones of the same role merged,
-  tool results kept apart), ``.System`` (the system messages joined), ``.Tools``, ``.Think``,
-  ``.ThinkLevel`` and ``.IsThinkSet``;
-- an older template (``.System`` / ``.Prompt`` / ``.Response`` only) is rendered once per turn and
-  the last turn is cut after ``{{ .Response }}``, so the prompt ends where the answer begins (a
-  template without ``.Response`` gets one appended, as Ollama does).
+Ollama's ``template.Execute`` does (ollama.py: the values a chat gives a template, and the two ways
+of rendering it).
 
 Values print as Go prints them: lists of tools, tool-call arguments and tool properties as JSON
 (Go's encoding: keys of maps sorted, ``<``, ``>`` and ``&`` escaped), booleans as true / false, a
