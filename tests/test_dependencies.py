@@ -112,3 +112,20 @@ def test_a_runner_does_not_import_from_the_daemons_working_directory(tmp_path):
         raise AssertionError(d.log.read_text(errors="replace")[-3000:]) from exc
     finally:
         d.stop()
+
+
+def test_the_native_engine_serves_from_the_repository_root(tmp_path):
+    """The daemon run as `python -m localrun.server` in the repository root (the root first on every
+    process's path), with Hugging Face's kernels installed: the native engine loads the bundled model
+    and answers. This is the load that failed with `cannot import name ... from 'kernels'`."""
+    d = Daemon(tmp_path / "home", cwd=str(ROOT), LOCALRUN_BACKEND="native", LOCALRUN_CONTEXT_LENGTH="512")
+    try:
+        d.pull()
+        r = d.http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,
+                                               "options": {"num_predict": 2, "temperature": 0}})
+        assert r.status_code == 200, r.text + d.log.read_text(errors="replace")[-3000:]
+        assert r.json()["eval_count"] >= 1
+        (loaded,) = d.ps()
+        assert loaded["backend"] == "native", loaded
+    finally:
+        d.stop()
