@@ -1,7 +1,7 @@
 """The one small protocol every backend implements.
 
 The daemon speaks only these types to a backend: it renders the chat template itself
-(``localrun/chat_template.py``), hands the backend a prompt string plus sampling
+(``localrun/templates/chat.py``), hands the backend a prompt string plus sampling
 options, and reads back a stream of :class:`Chunk` objects. It never asks which
 backend it holds, except to show :class:`BackendInfo` to users.
 

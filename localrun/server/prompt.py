@@ -1,6 +1,6 @@
 """The prompt a job renders to: the model's template over its messages, or a text prompt, and the checks on it.
 
-The template runs in the sandbox (chat_template.render_chat) with the Modelfile's SYSTEM and MESSAGE
+The template runs in the sandbox (templates.chat.render_chat) with the Modelfile's SYSTEM and MESSAGE
 history; a chat too long for any window and a prompt over the model's window get a 400 that says
 what to change.
 """
