@@ -56,7 +56,8 @@ class Daemon:
         home.mkdir(parents=True, exist_ok=True)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
         full_env.update(LOCALRUN_HOME=str(home), LOCALRUN_HOST=f"127.0.0.1:{self.port}",
-                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+                        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        full_env.update(env)
         self.proc = subprocess.Popen(argv or [sys.executable, "-m", "localrun.server"], env=full_env, cwd=cwd or str(home),
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=120, headers=self.headers())

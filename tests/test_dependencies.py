@@ -91,8 +91,8 @@ def test_transformers_loads_a_model_from_the_repository_root(tmp_path):
 def test_a_runner_does_not_import_from_the_daemons_working_directory(tmp_path):
     """A daemon started in a folder that holds files named like the packages a runner imports (a user's
     project with a `llama_cpp.py`, or a `kernels/` package) still serves: the runner process does not
-    put its working directory on sys.path. The daemon is the installed `localrun` script, as a user
-    starts it."""
+    put its working directory on sys.path, nor an empty PYTHONPATH entry (which means the same). The
+    daemon is the installed `localrun` script, as a user starts it."""
     script = Path(sys.executable).parent / "localrun"
     if not script.is_file():
         pytest.skip("no `localrun` script beside this Python (pip install -e . makes one)")
@@ -101,7 +101,8 @@ def test_a_runner_does_not_import_from_the_daemons_working_directory(tmp_path):
     poison = 'raise ImportError("imported from the working directory")\n'
     (work / "llama_cpp.py").write_text(poison)
     (work / "kernels" / "__init__.py").write_text(poison)
-    d = Daemon(tmp_path / "home", argv=[str(script), "serve"], cwd=str(work))
+    # PYTHONPATH ends in an empty entry, which Python reads as the working directory
+    d = Daemon(tmp_path / "home", argv=[str(script), "serve"], cwd=str(work), PYTHONPATH=f"{ROOT}{os.pathsep}")
     try:
         d.pull()
         r = d.http.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False,

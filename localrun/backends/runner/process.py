@@ -338,7 +338,9 @@ def _runner_env() -> dict[str, str]:
     already)."""
     env = dict(os.environ)
     root = str(Path(localrun.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # an empty entry ("a:" or "::") means the working directory, which the runner keeps off its path
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([root, *theirs])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
