@@ -244,7 +244,8 @@ ARROWS: dict[str, set[str]] = {
     "cluster": BASE | {"server", "backends", "library"},  # replicas on Ray Serve
     "client": BASE | {"library"},  # HTTP client of the daemon; reads local files for uploads
     "tui": BASE | {"client", "attachments"},  # a client of the HTTP API only
-    "cli": BASE | {"client", "tui", "server", "bench", "cluster", "attachments", "library"},  # `serve` runs the daemon
+    # `serve` runs the daemon; `create` parses a Modelfile and hashes files for upload (library), as Ollama's CLI does
+    "cli": BASE | {"client", "tui", "server", "bench", "cluster", "attachments", "library"},
     "bench": BASE | {"engine", "kernels", "backends", "structured", "library", "templates", "cluster", "server"},
     "healthcheck": BASE,
     "__main__": BASE | {"cli"},
