@@ -158,3 +158,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     f"{shutil.disk_usage(base).free >> 30} GiB free on its disk")
     except (AttributeError, OSError):
         pass
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_05b() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (tests/real_models.py): a real instruct model with tools and FIM."""
+    from real_models import real_model
+
+    return real_model("0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_15b() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, only where LOCALRUN_TEST_1_5B=1 (skipped otherwise)."""
+    from real_models import real_model, want_1_5b
+
+    if not want_1_5b():
+        pytest.skip("the 1.5B runs only with LOCALRUN_TEST_1_5B=1")
+    return real_model("1.5b")
