@@ -44,6 +44,7 @@ from .reference import (
     silu_and_mul_ref,
     store_kv_ref,
 )
+from .moe_reference import fused_moe_ref, moe_activation_ref, moe_route_ref
 
 __all__ = [
     "store_kv", "paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "apply_rope", "silu_and_mul",
@@ -51,6 +52,7 @@ __all__ = [
     "apply_rope_ref", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
     "rope_cos_sin_cache", "rope_inv_freq", "longrope_inv_freq", "rms_norm", "rms_norm_ref",
     "sample_temperature", "sample_temperature_ref", "gemv", "gemv_ref",
+    "fused_moe", "fused_moe_ref", "moe_route", "moe_route_ref", "moe_activation_ref",
     "triton_available", "uses_triton", "KV_QMAX", "KV_SCALE_DTYPE", "quantize_kv_ref", "dequantize_kv_ref",
 ]
 
@@ -103,3 +105,7 @@ silu_and_mul = _dispatch("activation", silu_and_mul_ref)
 gelu_tanh_and_mul = _dispatch("activation", gelu_tanh_and_mul_ref)
 sample_temperature = _dispatch("sampling", sample_temperature_ref)
 gemv = _dispatch("matvec", gemv_ref)
+# mixture of experts (moe_reference.py): the experts' weighted sum runs as one grouped-GEMM kernel
+# (kernels/moe.py) on the GPU; the router's top-k stays in torch (a [T, E] softmax and topk)
+fused_moe = _dispatch("moe", fused_moe_ref)
+moe_route = moe_route_ref

@@ -41,6 +41,17 @@ class ModelConfig:
     rope_local_theta: float = 0.0  # Gemma 3: the RoPE base of sliding layers (no scaling there); 0: rope_theta
     qk_norm: bool = False  # per-head RMSNorm (weight [head_dim]) on q and k before RoPE (Qwen3)
     rotary_dim: int = 0  # dims of each head RoPE rotates (0: head_dim; Phi-4-mini: 3/4 of it, the rest pass)
+    # mixture of experts (Qwen3-MoE, Mixtral, gpt-oss; routing and experts: kernels/moe_reference.py).
+    # num_experts 0: every layer has a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token runs (top-k)
+    moe_intermediate_size: int = 0  # one expert's intermediate size (0: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum 1 (Qwen3-MoE's flag; Mixtral: True)
+    moe_scoring: str = "softmax_topk"  # "softmax_topk" | "topk_softmax" (gpt-oss)
+    moe_activation: str = "silu"  # "silu" | "swiglu_oai" (gpt-oss's clamped SwiGLU)
+    mlp_only_layers: list[int] = field(default_factory=list)  # Qwen3-MoE: layers that keep a dense MLP
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0
+    attention_sinks: bool = False  # gpt-oss: a learned per-head sink logit in each softmax
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -68,6 +79,17 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return 0
         return int(self.sliding_window)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether a layer's MLP is a mixture of experts (Qwen3-MoE's mlp_only_layers / decoder_sparse_step)."""
+        if not self.is_moe or layer in self.mlp_only_layers:
+            return False
+        step = max(1, self.decoder_sparse_step)
+        return (layer + 1) % step == 0
 
     @property
     def is_gemma(self) -> bool:
