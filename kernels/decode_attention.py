@@ -83,11 +83,11 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    MidO, MidLse, O, num_splits,
+    MidO, MidLse, O, Sinks, num_splits,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,11 +98,16 @@ def _decode_merge_kernel(
 
     lse = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=mask_s, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if SINKS:  # gpt-oss: the head's sink logit (natural base; lse is base 2) joins the denominator
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # empty sequence: all weights 0
     w = tl.exp2(lse - lse_max)
     o = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
                 mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.exp2(sink - lse_max)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
@@ -128,13 +133,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_kv_splits: int | None = None, *, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, window: int = 0,
-                           softcap: float = 0.0) -> torch.Tensor:
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] attends to seq_lens[b] cached tokens of its sequence -> o [B, Hq, D].
 
     k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
     window > 0: sliding window, the query sees its last `window` keys only; the splits then cover
     only the window's KV blocks (pages before it are kept but never read). softcap > 0: scores
-    are soft-capped, softcap * tanh(score / softcap).
+    are soft-capped, softcap * tanh(score / softcap). sinks ([Hq], gpt-oss): per-head logits that
+    join each softmax's denominator (added where the splits merge).
 
     The split count is a runtime argument and the partial-result buffers always have
     MAX_KV_SPLITS slots, so every batch size and split count runs the same compiled kernels
@@ -176,11 +182,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, out, splits,
+        mid_o, mid_lse, out, mid_lse if sinks is None else sinks, splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(MAX_KV_SPLITS),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(MAX_KV_SPLITS), SINKS=sinks is not None,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out

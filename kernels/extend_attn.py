@@ -23,7 +23,7 @@ from ._common import check_cache, kv_quant, dot_precision, inner_contiguous, int
 
 @triton.jit(do_not_specialize=["window"])
 def _extend_kernel(
-    Q, K, V, KScale, VScale, O, PageTable, CuSeqlensQ, SeqLens,
+    Q, K, V, KScale, VScale, O, PageTable, CuSeqlensQ, SeqLens, Sinks,
     scale_log2, window, softcap_log2,
     stride_qt, stride_qh,
     stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_ks_slot, stride_vs_slot,
@@ -31,7 +31,7 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -83,6 +83,8 @@ def _extend_kernel(
             BOUNDED=True, CAUSAL=True, QUANT=QUANT, win_start=win_start, softcap_log2=softcap_log2,
             SLIDING=SLIDING, SOFTCAP=SOFTCAP)
 
+    if SINKS:  # gpt-oss: the head's sink logit (natural base; m_i is base 2) joins the denominator
+        l_i += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -111,7 +113,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      max_q_len: int | None = None, *, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] (new tokens of all sequences, concatenated) -> o [T, Hq, D].
 
     max_q_len (the longest q_len in the batch) sizes the grid; pass it when the caller knows
@@ -119,7 +121,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sequence's q_len exit at once, which costs little next to the attention work.
     k_scale / v_scale: the scales of a quantized (int8 / fp8) cache.
     window > 0: sliding window (a query at position p sees keys p - window < j <= p; key blocks
-    wholly before a query block's window are skipped); softcap > 0: soft-capped scores.
+    wholly before a query block's window are skipped); softcap > 0: soft-capped scores; sinks ([Hq],
+    gpt-oss): per-head logits that join each softmax's denominator.
     """
     check_cache(k_cache, v_cache)
     quant, k_scale, v_scale = kv_quant(k_cache, v_cache, k_scale, v_scale)
@@ -147,7 +150,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         try:
             _extend_kernel[(batch, num_q_heads, triton.cdiv(max_q_len, block_m))](
                 q, k_cache, v_cache, k_scale, v_scale, out, page_table, cu_seqlens_q, seq_lens,
-                scale_log2, window, softcap_log2,
+                seq_lens if sinks is None else sinks, scale_log2, window, softcap_log2,
                 q.stride(0), q.stride(1),
                 k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
                 k_scale.stride(1), v_scale.stride(1),
@@ -155,7 +158,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 page_table.stride(0),
                 GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
                 BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=page_size, PRECISION=dot_precision(q.dtype),
-                QUANT=quant, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
+                QUANT=quant, SLIDING=window > 0, SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=warps, num_stages=stages,
             )
             break
         except triton.OutOfResources:  # shared memory of a smaller GPU: halve the tiles and retry

@@ -101,7 +101,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                num_kv_splits: int | None = None, *, lens: list[int] | None = None,
                                group: int = 8, k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None, window: int = 0,
-                               softcap: float = 0.0) -> torch.Tensor:
+                               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence attending to all seq_lens[b] cached tokens: q [B, Hq, D] -> [B, Hq, D].
 
     lens (seq_lens as a host list; spares a device sync) runs the batch in groups of `group`
@@ -110,11 +110,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_kv_splits (a Triton tuning knob) is accepted for signature parity and unused.
     k_scale / v_scale: a quantized cache's scales (see the module docstring).
     window > 0 (sliding-window attention): the query (at position seq_len - 1) sees only the last
-    `window` keys; softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2).
+    `window` keys; softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2);
+    sinks (float32 [Hq], gpt-oss): each head's learned logit joins the softmax's denominator (see with_sinks).
     """
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    sc = (k_scale, v_scale, window, softcap)  # what every group shares
+    sc = (k_scale, v_scale, window, softcap, sinks)  # what every group shares
     if lens is None or len(lens) <= group:
         return _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale,
                               seq_lens.tolist() if lens is None else lens, sc)
@@ -130,8 +131,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[int], opts) -> torch.Tensor:
     """paged_decode_attention_ref over K/V gathered padded to max(lens), in fp32.
-    opts: (k_scale, v_scale, window, softcap)."""
-    k_scale, v_scale, window, softcap = opts
+    opts: (k_scale, v_scale, window, softcap, sinks)."""
+    k_scale, v_scale, window, softcap, sinks = opts
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = max(lens)
@@ -153,10 +154,21 @@ def _decode_padded(q, k_cache, v_cache, page_table, seq_lens, scale, lens: list[
                 v[b, :, n:] = 0.0
         past_end = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None].to(q.device)  # [B, L]
         scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv_heads, -1)[None, :, :, None])
     if min(lens) == 0:
         probs.nan_to_num_(0.0)  # a row with no key (seq_len 0) gives zeros
     return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim; with sinks (broadcastable to scores[..., :1]: one logit per head,
+    gpt-oss's attention sinks) the sink joins the denominator and is dropped from the result:
+    p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink)). Rows then sum to less than 1; a row with every
+    key masked gives zeros (the sink takes all the weight), not NaN."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
@@ -176,15 +188,17 @@ def window_mask(q_pos: torch.Tensor, kv_len: int, window: int = 0) -> torch.Tens
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     mask: torch.Tensor | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+                     mask: torch.Tensor | None = None, softcap: float = 0.0, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [M, Hq, D] over k/v [L, Hkv, D] (GQA) -> [M, Hq, D] in q's dtype, computed in fp32.
 
     Without mask, plain causal attention (M == L; with window > 0 a sliding-window causal mask);
-    else mask [M, L] (True: attend). softcap > 0: scores are soft-capped before the softmax.
+    else mask [M, L] (True: attend). softcap > 0: scores are soft-capped before the softmax; sinks
+    (float32 [Hq]): per-head sink logits in the softmax's denominator (softmax_with_sinks).
     """
     if mask is None and window > 0:
         mask = window_mask(torch.arange(q.shape[0], device=q.device), k.shape[0], window)
-    if softcap and softcap > 0:  # SDPA cannot cap its scores: the plain computation
+    if (softcap and softcap > 0) or sinks is not None:  # SDPA can neither cap nor sink: the plain computation
         qf, kf, vf = q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1)
         rep = qf.shape[0] // kf.shape[0]
         kf, vf = kf.repeat_interleave(rep, 0), vf.repeat_interleave(rep, 0)
@@ -192,7 +206,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         if mask is None:
             mask = window_mask(torch.arange(q.shape[0], device=q.device), k.shape[0])
         scores = scores.masked_fill(~mask[None], float("-inf"))
-        return torch.matmul(torch.softmax(scores, -1), vf).transpose(0, 1).to(q.dtype)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1))
+        return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)
     o = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
@@ -203,7 +218,7 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          max_q_len: int | None = None, *, lens: list[int] | None = None,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                         window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                         window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over cached prefix + themselves: q [T, Hq, D] -> [T, Hq, D].
 
     The new tokens' K/V are already in the cache. Query i of sequence b (rows
@@ -211,7 +226,8 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     cache positions <= its own. lens (seq_lens as a host list) spares a device sync.
     max_q_len is accepted for signature parity and unused. k_scale / v_scale: a quantized
     cache's scales (see the module docstring). window > 0: sliding window (a query at position p
-    sees keys at positions p - window < j <= p); softcap > 0: soft-capped scores (see soft_cap).
+    sees keys at positions p - window < j <= p); softcap > 0: soft-capped scores (see soft_cap);
+    sinks (float32 [Hq]): gpt-oss's per-head sink logits (softmax_with_sinks).
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
@@ -225,7 +241,7 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         mask = None  # a whole sequence (no cached prefix): SDPA's own causal mask
         if e - s != kv_len or window > 0:
             mask = window_mask(torch.arange(kv_len - (e - s), kv_len, device=q.device), kv_len, window)
-        out[s:e] = causal_attention(q[s:e], k, v, scale, mask, softcap)
+        out[s:e] = causal_attention(q[s:e], k, v, scale, mask, softcap, sinks=sinks)
     return out
 
 
@@ -279,11 +295,48 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return yarn_inv_freq(rotary_dim, base, scaling)[0]
     if kind == "longrope":
         raise ValueError("longrope frequencies depend on the cache length: build the table with rope_cos_sin_cache "
                          "(or longrope_inv_freq)")
     raise ValueError(f"unsupported rope scaling type {kind!r}: localrun supports default, linear, llama3, "
-                     "longrope and freq_factors")
+                     "yarn, longrope and freq_factors")
+
+
+def yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek, Qwen's long-context configs): (inverse frequencies [rotary_dim // 2],
+    attention factor), as transformers' _compute_yarn_parameters: frequencies below the correction
+    range [low, high] (from beta_fast / beta_slow rotations over original_max_position_embeddings;
+    rounded out to whole dims unless truncate is False) are interpolated (divided by factor), those
+    above kept, a linear ramp between; the attention factor (default 0.1 ln(factor) + 1, or the
+    mscale / mscale_all_dim ratio) multiplies cos and sin."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 def longrope_inv_freq(rotary_dim: int, base: float, scaling: dict, max_pos: int) -> tuple[torch.Tensor, float]:
@@ -317,11 +370,15 @@ def rope_cos_sin_cache(head_dim: int, max_pos: int, base: float, scaling: dict |
     """The [max_pos, rotary_dim] table apply_rope reads: cos in the first half, sin in the second.
 
     rotary_dim defaults to head_dim (partial rotary: only the first rotary_dim dims rotate).
-    A "longrope" scaling picks its factors by max_pos and scales the table (longrope_inv_freq).
+    A "longrope" scaling picks its factors by max_pos and scales the table (longrope_inv_freq); a
+    "yarn" one scales it by its attention factor (yarn_inv_freq).
     """
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "longrope":
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    if kind == "longrope":
         inv_freq, mscale = longrope_inv_freq(rotary_dim, base, scaling, max_pos)
+    elif kind == "yarn":
+        inv_freq, mscale = yarn_inv_freq(rotary_dim, base, scaling)
     else:
         inv_freq, mscale = rope_inv_freq(rotary_dim, base, scaling), 1.0
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)

@@ -7,7 +7,7 @@ Names are Hugging Face ``model_type`` values, which are also llama.cpp's GGUF
 
 from __future__ import annotations
 
-NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text")
+NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text", "gpt_oss")
 
 # Families close to one we run that the engine still refuses, with the reason users see.
 _NOT_YET = {

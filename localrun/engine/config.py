@@ -121,6 +121,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type in GEMMA_MODEL_TYPES:
             return _gemma_from_hf(cls, cfg)
+        if model_type == "gpt_oss":
+            return _gpt_oss_from_hf(cls, cfg)
         if not is_native(model_type):
             raise ValueError(unsupported_message(model_type, "model_type" + (f" of {'/'.join(archs)}" if archs else "")))
         rope = cfg.get("rope_parameters") or {}
@@ -258,6 +260,62 @@ def _gemma_from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
         rope_local_theta=local_theta,
+    )
+
+
+def _gpt_oss_from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    """gpt-oss (models/gpt_oss.py) from config.json: top-k MoE with router bias and clamped SwiGLU, attention
+    sinks, sliding window on alternate layers, YaRN RoPE; the released checkpoints' old-style rope_theta /
+    rope_scaling and transformers 5's rope_parameters alike. MXFP4 experts (quantization_config) are
+    dequantised at load."""
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise ValueError(f"gpt-oss with {quant!r} quantization is not supported by the native engine (it reads "
+                         "bf16 or MXFP4 checkpoints); use the llama.cpp backend for it")
+    limit, alpha = float(cfg.get("swiglu_limit", 7.0)), float(cfg.get("swiglu_alpha", 1.702))
+    if (limit, alpha) != (7.0, 1.702):
+        raise ValueError(f"gpt-oss with swiglu_limit {limit} / swiglu_alpha {alpha} is not supported (the native "
+                         "engine's clamped SwiGLU has limit 7.0, alpha 1.702)")
+    n = cfg["num_hidden_layers"]
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else {}))
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 150000.0)
+    max_pos = int(cfg.get("max_position_embeddings", 131072))
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default", "yarn"):
+        raise ValueError(f"gpt-oss with {kind!r} RoPE scaling is not supported (yarn or none)")
+    if kind == "yarn":
+        scaling["rope_type"] = "yarn"
+        scaling.setdefault("original_max_position_embeddings", max_pos)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / int(scaling["original_max_position_embeddings"])
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    eos = cfg.get("eos_token_id")
+    return cls(
+        hidden_size=cfg["hidden_size"],
+        num_layers=n,
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        head_dim=cfg.get("head_dim") or 0,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling if kind == "yarn" else None,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", True)),
+        arch="gpt_oss",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+        sliding_window=cfg.get("sliding_window") or None,
+        layer_types=list(types),
+        num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts")),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4),
+        moe_intermediate_size=cfg["intermediate_size"],
+        moe_scoring="topk_softmax",
+        moe_activation="swiglu_oai",
+        attention_sinks=True,
     )
 
 

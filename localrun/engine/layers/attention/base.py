@@ -177,13 +177,16 @@ class AttentionBackend(ABC):
                             max_q_len=max_q, seq_lens_list=lens, q_lens_list=q_lens)
 
     def forward(self, q, k, v, layer: int, meta: AttnMetadata, scale: float, window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+                softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this step's K/V into the pages, then attend through the page table.
 
         window > 0: the layer's sliding window (a query at position p sees keys p - window < j <= p;
         every page is kept, the kernels skip those wholly outside it); softcap > 0: attention logit
-        soft-capping (Gemma 2). Both are per-layer constants (nothing to sync: CUDA-graph safe)."""
+        soft-capping (Gemma 2); sinks (float32 [num_heads]): gpt-oss's per-head sink logits, which join
+        each softmax's denominator. All are per-layer constants (nothing to sync: CUDA-graph safe)."""
         ws = {"window": window, "softcap": softcap} if window or softcap else {}
+        if sinks is not None:
+            ws["sinks"] = sinks
         if meta.slot_mapping is None:  # no cache (embeddings): plain causal attention per sequence
             return self._no_cache_attention(q, k, v, meta, scale, **ws)
         kv = self.pool.layers[layer]  # (k_cache, v_cache, k_scale, v_scale); scales None unless quantized
@@ -199,7 +202,7 @@ class AttentionBackend(ABC):
         return out
 
     # the three primitives a backend implements (kv: one layer's KVPool.layers entry; sequences [a, b);
-    # window / softcap: see forward)
+    # window / softcap / sinks: see forward)
     @abstractmethod
     def store_kv(self, k, v, kv, slots) -> None:
         """Write this step's K/V (and their scales, for a quantized pool) into `slots`; a slot
@@ -207,20 +210,20 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for decode sequences [a, b) (one query each) through the page table; the
         keys include the one just stored. Returns [b - a, num_heads, head_dim]."""
 
     @abstractmethod
     def extend(self, q, kv, meta: AttnMetadata, a: int, b: int, scale: float, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention for extend sequences [a, b) (a chunk of queries each, after their
         cached prefix) through the page table. Returns q's shape."""
 
     @staticmethod
-    def _no_cache_attention(q, k, v, meta, scale, window: int = 0, softcap: float = 0.0):
+    def _no_cache_attention(q, k, v, meta, scale, window: int = 0, softcap: float = 0.0, sinks=None):
         out = torch.empty_like(q)
         starts = meta.cu_seqlens_q.tolist()
         for s, e in zip(starts[:-1], starts[1:]):
-            out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, softcap=softcap, window=window)
+            out[s:e] = causal_attention(q[s:e], k[s:e], v[s:e], scale, softcap=softcap, window=window, sinks=sinks)
         return out

@@ -26,13 +26,15 @@ class TritonAttention(AttentionBackend):
     def store_kv(self, k, v, kv, slots) -> None:
         self._store(k, v, kv[0], kv[1], slots, kv[2], kv[3])
 
-    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
+    def decode(self, q, kv, meta, a, b, scale, window=0, softcap=0.0, sinks=None):
         return self._decode(q, kv[0], kv[1], meta.page_table[a:b], meta.seq_lens[a:b], scale,
-                            k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap)
+                            k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap,
+                            **({"sinks": sinks} if sinks is not None else {}))
 
-    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0):
+    def extend(self, q, kv, meta, a, b, scale, window=0, softcap=0.0, sinks=None):
         cu, seq_lens = meta.cu_seqlens_q, meta.seq_lens
         if a:  # fresh (aligned) tensors: an offset view would make Triton compile another variant
             cu, seq_lens = cu[a:b + 1] - cu[a], seq_lens[a:b].clone()
         return self._extend(q, kv[0], kv[1], meta.page_table[a:b], cu, seq_lens, scale,
-                            max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap)
+                            max_q_len=meta.max_q_len, k_scale=kv[2], v_scale=kv[3], window=window, softcap=softcap,
+                            **({"sinks": sinks} if sinks is not None else {}))
