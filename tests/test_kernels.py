@@ -314,18 +314,21 @@ def test_triton_kernels_compile_for_h100_and_rtx40():
         dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_H=16, BLOCK_N=32, PAGE_SIZE=16, PRECISION="tf32", QUANT=0,
              SLIDING=True, SOFTCAP=True),
         num_warps=4, num_stages=2)
-    _compile_for_gpu(decode_attention._decode_merge_kernel, h100,
-                     {"MidO": "*fp32", "MidLse": "*fp32", "O": bf, "num_splits": "i32"},
-                     dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=decode_attention.MAX_KV_SPLITS), num_warps=4)
+    for sinks in (False, True):  # gpt-oss: attention sinks join the merge's denominator
+        _compile_for_gpu(decode_attention._decode_merge_kernel, h100,
+                         {"MidO": "*fp32", "MidLse": "*fp32", "O": bf, "Sinks": "*fp32", "num_splits": "i32"},
+                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=decode_attention.MAX_KV_SPLITS, SINKS=sinks),
+                         num_warps=4)
     for (capability, shared_limit), (head_dim, gemma) in itertools.product(
             ((h100, 227 * 1024), ((8, 9), 99 * 1024)), ((128, False), (256, True))):  # Llama; Gemma 2
         block_m, block_n, warps, stages = extend_attn._default_config(capability, head_dim)
         meta = _compile_for_gpu(
             extend_attn._extend_kernel, capability,
             {"Q": bf, "K": bf, "V": bf, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
-             "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32", "softcap_log2": "fp32"},
+             "CuSeqlensQ": "*i32", "SeqLens": "*i32", "Sinks": "*fp32", "scale_log2": "fp32", "softcap_log2": "fp32"},
             dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16,
-                 PRECISION="tf32", QUANT=0, SLIDING=gemma, SOFTCAP=gemma), num_warps=warps, num_stages=stages)
+                 PRECISION="tf32", QUANT=0, SLIDING=gemma, SOFTCAP=gemma, SINKS=gemma), num_warps=warps,
+            num_stages=stages)
         assert 0 < meta.shared <= shared_limit, (capability, head_dim, gemma, meta.shared)
     _compile_for_gpu(kv_store._store_kv_kernel, h100, {"Kin": bf, "Vin": bf, "KCache": bf, "VCache": bf,
                                                        "KScale": "*fp32", "VScale": "*fp32", "SlotMapping": "*i64"},
