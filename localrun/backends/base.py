@@ -296,6 +296,7 @@ class MemoryEstimate:
     overhead_bytes: int
     kv_type: str = ""  # the KV cache's element type when the backend knows it (native: bf16, fp8, int8, ...)
     host_cache_bytes: int = 0  # host RAM beyond the total: the native prefix cache's host tier (at most)
+    note: str = ""  # a remark the plan's detail carries (native gpt-oss: MXFP4 experts dequantised at load)
 
     @property
     def total_bytes(self) -> int:

@@ -137,11 +137,24 @@ def estimate_memory(spec: LoadSpec) -> MemoryEstimate:
     overhead = 256 * 2**20 + 2048 * cfg.vocab_size * 4  # activations + a step's logits
     kv_type = kv_dtype_name(kv_dtype)
     host = _host_tier_bytes(kv, tp)
+    note = _dequant_note(cfg, dtype)
     if tp > 1 and device == "cuda":  # the plan is for one GPU: each holds 1/tp of the weights and KV heads
         return MemoryEstimate(weights_bytes=-(-weights // tp), kv_bytes=-(-kv // tp), overhead_bytes=overhead,
-                              kv_type=kv_type, host_cache_bytes=host)
+                              kv_type=kv_type, host_cache_bytes=host, note=note)
     return MemoryEstimate(weights_bytes=weights, kv_bytes=kv, overhead_bytes=overhead + (tp - 1) * FOLLOWER_RSS_BYTES,
-                          kv_type=kv_type, host_cache_bytes=host)
+                          kv_type=kv_type, host_cache_bytes=host, note=note)
+
+
+def _dequant_note(cfg: ModelConfig, dtype: torch.dtype) -> str:
+    """What the plan says of weights stored smaller than they run: gpt-oss's MXFP4 experts, dequantised at
+    load (the native engine has no MXFP4 kernel), hold 2 bytes a weight in bf16 where the file has 17/32."""
+    if not cfg.experts_mxfp4:
+        return ""
+    mi = cfg.moe_intermediate_size or cfg.intermediate_size
+    n = sum(cfg.num_experts * 3 * cfg.hidden_size * mi for layer in range(cfg.num_layers) if cfg.layer_is_moe(layer))
+    name = str(dtype).removeprefix("torch.")
+    return (f"MXFP4 expert weights dequantised to {name} at load (no MXFP4 kernel): "
+            f"{n * dtype.itemsize / 2**30:.2f} GiB where the checkpoint holds {n * 17 / 32 / 2**30:.2f} GiB")
 
 
 def _host_tier_bytes(kv_bytes: int, tp: int) -> int:

@@ -52,6 +52,7 @@ class ModelConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # Qwen3-MoE: layers that keep a dense MLP
     decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0
     attention_sinks: bool = False  # gpt-oss: a learned per-head sink logit in each softmax
+    experts_mxfp4: bool = False  # the checkpoint's experts are MXFP4 (gpt-oss), dequantised at load
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -103,7 +104,13 @@ class ModelConfig:
         if self.is_gemma:  # pre/post-feedforward norms; Gemma 3's q/k norms
             per_layer += 2 * h + (2 * d if self.arch == "gemma3" else 0)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        total = self.num_layers * per_layer + emb + h
+        if self.is_moe:  # MoE layers: the router and every expert in place of the dense MLP
+            e, mi = self.num_experts, self.moe_intermediate_size or i
+            biases = e * (1 + 2 * mi + h) if self.moe_activation == "swiglu_oai" else 0  # gpt-oss: router, experts
+            moe = e * h + e * 3 * h * mi + biases
+            total += sum(moe - 3 * h * i for layer in range(self.num_layers) if self.layer_is_moe(layer))
+        return total
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over all layers, in a KV cache of this dtype (with its scales
@@ -316,6 +323,7 @@ def _gpt_oss_from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         moe_scoring="topk_softmax",
         moe_activation="swiglu_oai",
         attention_sinks=True,
+        experts_mxfp4=quant == "mxfp4",
     )
 
 

@@ -48,6 +48,8 @@ def plan_load(est: MemoryEstimate, layers: int, *, ram_free: int, gpu_free: int 
     plan = _plan_load(est, layers, ram_free=ram_free, gpu_free=gpu_free, gpu_kind=gpu_kind)
     if est.kv_type:
         plan.detail += f" ({est.kv_type} KV cache: {gib(est.kv_bytes)})"
+    if est.note:
+        plan.detail += f"; {est.note}"
     if est.host_cache_bytes:
         ram_left = ram_free - (plan.size - plan.size_vram)
         if est.host_cache_bytes > ram_left * RAM_HEADROOM:
