@@ -256,18 +256,32 @@ def test_triton_sinks_match_reference(dtype, window):
     assert_close(out, oracle, dtype)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="run under TRITON_INTERPRET=1 by test_sink_kernels_in_interpreter")
+def test_kernel_trials_cover_sinks():
+    """The engine's warm-up trials run the attention kernels with the model's sinks (the SINKS variant the
+    steps launch) and keep them: they agree with the references."""
+    from localrun.engine import fallbacks as fb
+
+    mc = ModelConfig.from_hf_config({**transformers.GptOssConfig(**TINY).to_dict()})
+    seen: list[str] = []
+    names = ("paged_decode_attention", "extend_attention")
+    assert fb.try_kernels(mc, torch.float32, torch.float32, 16, torch.device("cpu"), seen.append, names=names) \
+        == frozenset(), seen
+    assert fb._inputs(mc, torch.float32, torch.float32, 16, "cpu")["sinks"].shape == (4,)
+
+
 def test_sink_kernels_in_interpreter():
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("already interpreting")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", f"{__file__}::test_triton_sinks_match_reference", "-q",
-           "-p", "no:cacheprovider", "-x"]
+    cmd = [sys.executable, "-m", "pytest", f"{__file__}::test_triton_sinks_match_reference",
+           f"{__file__}::test_kernel_trials_cover_sinks", "-q", "-p", "no:cacheprovider", "-x"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     passed = re.search(r"(\d+) passed", r.stdout.strip().splitlines()[-1])
-    assert passed and int(passed.group(1)) == 2, tail
+    assert passed and int(passed.group(1)) == 3, tail
 
 
 def test_memory_plan_counts_experts_and_says_they_are_dequantised():

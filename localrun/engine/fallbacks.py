@@ -102,6 +102,8 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
         "scale": d ** -0.5,
         # (window, softcap) of each kind of attention layer the model has (SLIDING / SOFTCAP are constexprs)
         "attn": sorted({(cfg.layer_window(i), float(cfg.attn_logit_softcap or 0.0)) for i in range(cfg.num_layers)}),
+        # gpt-oss's attention sinks (a SINKS constexpr in both attention kernels): float32, one per query head
+        "sinks": rnd(hq, dt=torch.float32) if cfg.attention_sinks else None,
         "head_norm_by_add_rmsnorm": bool(cfg.is_gemma and cfg.qk_norm),  # Gemma 3's q/k norms (models/gemma.py)
         # the sampler's logits (made in _run, only when it is tried): the model's vocabulary on a GPU (the
         # kernel variant its steps launch), narrow under the interpreter (it runs a program at a time)
@@ -136,13 +138,14 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         return [_dense(k_cache, ks), _dense(v_cache, vs)]
     k_cache, v_cache, ks, vs = _caches(inp, ref_store)
     lens = torch.tensor(inp["lens"], dtype=torch.int32, device=inp["device"])
+    sinks = {} if inp["sinks"] is None else {"sinks": inp["sinks"]}
     if name == "paged_decode_attention":
         return [fn(inp["q_dec"], k_cache, v_cache, inp["table"], lens, inp["scale"], k_scale=ks, v_scale=vs,
-                   window=w, softcap=c).float() for w, c in inp["attn"]]
+                   window=w, softcap=c, **sinks).float() for w, c in inp["attn"]]
     if name == "extend_attention":  # the last 5 tokens of each sequence are new
         cu = torch.tensor([0, 5, 10], dtype=torch.int32, device=inp["device"])
         return [fn(inp["q_ext"], k_cache, v_cache, inp["table"], cu, lens, inp["scale"], max_q_len=5, k_scale=ks,
-                   v_scale=vs, window=w, softcap=c).float() for w, c in inp["attn"]]
+                   v_scale=vs, window=w, softcap=c, **sinks).float() for w, c in inp["attn"]]
     if name == "sample_temperature":  # each row has a winner no draw can miss; even rows greedy
         x = torch.randn(4, inp["vocab"], generator=torch.Generator().manual_seed(1)).to(inp["device"])
         rows = torch.arange(x.shape[0], device=x.device)
