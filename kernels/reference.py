@@ -311,6 +311,8 @@ def yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Te
     rounded out to whole dims unless truncate is False) are interpolated (divided by factor), those
     above kept, a linear ramp between; the attention factor (default 0.1 ln(factor) + 1, or the
     mscale / mscale_all_dim ratio) multiplies cos and sin."""
+    if scaling.get("factor") is None or not scaling.get("original_max_position_embeddings"):
+        raise ValueError("yarn rope scaling needs factor and original_max_position_embeddings")
     factor = float(scaling["factor"])
     orig = float(scaling["original_max_position_embeddings"])
     beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)

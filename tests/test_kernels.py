@@ -244,7 +244,9 @@ def test_rope_ref_matches_transformers(scaling):
 
 
 def test_rope_rejects_unknown_scaling():
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="dynamic"):
+        K.rope_cos_sin_cache(64, 8, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):  # yarn needs its original length
         K.rope_cos_sin_cache(64, 8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
