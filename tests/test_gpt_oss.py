@@ -97,6 +97,26 @@ def test_tiny_gpt_oss_matches_transformers(tmp_path):
     assert len({t for o in alone for t in o}) > 2  # not one token over and over: the parity above means something
 
 
+def test_two_ranks_match_one(tmp_path):
+    """Tensor parallelism (two CPU ranks, each reading its shard of the checkpoint): its heads' sinks and
+    q/k/v rows, its columns of o_proj (the bias added once), its rows of every expert's gate and up and
+    columns of down (w2's bias once): the same greedy tokens as one rank."""
+    _hf_model().save_pretrained(tmp_path)
+    prompts, outs = _prompts(lengths=(5, 40)), []
+    for tp in (1, 2):
+        eng = LLMEngine.from_safetensors(tmp_path, EngineConfig(device="cpu", dtype="float32", max_model_len=128,
+                                                                kv_cache_tokens=512, max_num_batched_tokens=32,
+                                                                tensor_parallel=tp))
+        try:
+            outs.append(eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                             want_logprobs=True)))
+        finally:
+            eng.shutdown()
+    for one, two in zip(*outs):
+        assert two.token_ids == one.token_ids
+        assert [lp for _, lp, _ in two.logprobs] == pytest.approx([lp for _, lp, _ in one.logprobs], abs=1e-4)
+
+
 def _mxfp4_pack(codes: torch.Tensor) -> torch.Tensor:
     """FP4 codes [..., G, 32] (0..15) -> bytes [..., G, 16], the earlier value in the low nibble."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
