@@ -370,11 +370,10 @@ class OutputParser:
             tail, early = self.lenient.finish()
             pre += tail
         content_left, calls = self._marked_calls(rest)
+        more: list[tuple[str, dict]] = []
         if self.lenient is not None and content_left:  # a fenced call after a template's call, ...
             content_left, more = LenientCalls.run(content_left, self.tools)
-            calls += more
-        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": call_arguments(args)}
-                 for name, args in early] + calls
+        calls = _with_ids(early) + calls + _with_ids(more)
         if calls:
             content = pre + content_left
             return reasoning, (content.strip() if not self.lenient or not self.lenient.sent else content.rstrip()), calls
@@ -394,6 +393,10 @@ class OutputParser:
                 return left.strip(), calls
         content_left, calls = parse_tool_calls(rest, self.tool_names)
         return (content_left, calls) if calls else (rest, [])
+
+
+def _with_ids(found: list[tuple[str, dict]]) -> list[dict]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": call_arguments(args)} for name, args in found]
 
 
 def is_forced_call(schema: object) -> bool:
