@@ -13,7 +13,9 @@ calls it found. Text is held back only while it could still turn into a marker
   Kimi, gpt-oss, Gemma 4, LFM2, ...); else Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks
   anywhere in the output, or an output that is one JSON object (or list) naming a known tool
   (what a forced call produces). Content before a call's opening marker streams; the call
-  itself is held to the end.
+  itself is held to the end. With LOCALRUN_TOOL_CALL_SHAPES=lenient (the default) the content
+  also goes through :class:`~localrun.server.lenient_calls.LenientCalls`: fenced / bare JSON calls
+  (and lists of them) of an offered tool, with arguments that fit its schema, are calls too.
 - gpt-oss (harmony): :class:`HarmonyParser` reads the channels instead.
 - The generic tool format (server/generic_tools.py, a template that cannot render tools): the
   output is one JSON object; the answer's string streams as it is written, calls are parsed whole.
