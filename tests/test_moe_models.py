@@ -1,6 +1,6 @@
 """Qwen3-MoE and Mixtral (models/moe_llama.py) on tiny random-init transformers models, fp32 on CPU:
-greedy tokens identical to transformers' own generate and logprobs close, each prompt alone (whole
-prefill), then all of them batched together with other requests and prefilled in small chunks, a
+greedy tokens identical to transformers' own generate (each prompt alone) and logprobs close, each prompt
+prefilled whole, then batched together with other requests and prefilled in small chunks, a
 prompt extending a cached one (the radix cache), and two tensor-parallel ranks against one."""
 
 from __future__ import annotations
@@ -77,15 +77,14 @@ def test_moe_models_match_transformers(kind, tmp_path):
     hf.save_pretrained(tmp_path, safe_serialization=True)  # one tensor per expert, as transformers writes them
     prompts = _prompts()
     refs = _reference(hf, prompts)
-    whole = _engine(tmp_path)  # each prompt alone, prefilled in one step
+    whole = _engine(tmp_path)  # each prompt prefilled in one step
     mc = whole.model_config
     assert mc.num_experts == hf.config.num_local_experts and mc.num_experts_per_tok == hf.config.num_experts_per_tok
     assert [mc.layer_is_moe(i) for i in range(3)] == ([True, False, True] if kind == "qwen3_moe" else [True] * 3)
     assert mc.num_params == sum(p.numel() for p in hf.parameters())  # every expert counted
     assert whole.weight_bytes == mc.num_params * 4  # ... and allocated (fp32)
     assert mc.active_params < mc.num_params
-    for p, ref in zip(prompts, refs):
-        _assert_same(whole.generate([p], GREEDY), [ref])
+    _assert_same(whole.generate(prompts, GREEDY), refs)
     # batched with other requests and prefilled in chunks of 16 tokens (the 90-token prompt: 6 steps)
     chunked = _engine(tmp_path, max_num_batched_tokens=16)
     _assert_same(chunked.generate(prompts + _prompts((23, 7, 61), seed=2), GREEDY), refs)
