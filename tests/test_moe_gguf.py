@@ -5,7 +5,6 @@ near tie: localrun.bench.greedy); `show` lists the experts; `auto` picks as for 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,6 @@ def _tokens(lp: dict) -> list:
 
 
 def test_native_engine_serves_a_qwen3_moe_gguf_as_llama_cpp_answers(moe_gguf, tmp_path):
-    from localrun.engine.models.loader import read_gguf
-
-    cfg, _, names, _ = read_gguf(moe_gguf)
-    assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 8, 2, 32)
-    assert "model.layers.0.mlp.experts.gate_proj.weight" in names and cfg.mlp_only_layers == []
-
     llm = llama_cpp.Llama(model_path=str(moe_gguf), n_ctx=256, n_threads=2, verbose=False, logits_all=True)
     try:
         refs = [_tokens(llm.create_completion(p, max_tokens=N, temperature=0, logprobs=5)["choices"][0]["logprobs"])
@@ -56,22 +49,20 @@ def test_native_engine_serves_a_qwen3_moe_gguf_as_llama_cpp_answers(moe_gguf, tm
     finally:
         llm.close()
 
-    t0 = time.monotonic()
     d = Daemon(tmp_path / "home", LOCALRUN_BACKEND="native", LOCALRUN_CONTEXT_LENGTH="256")
     try:
         r = d.http.post("/api/create", json={"model": MODEL, "modelfile": f"FROM {moe_gguf}\n", "stream": False})
         assert r.status_code == 200, r.text
-        print("daemon+create", time.monotonic() - t0)
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         for prompt, ref in zip(PROMPTS, refs):
             out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0, logprobs=5,
                                             extra_body={"ignore_eos": True})
             got = _tokens(out.choices[0].logprobs.model_dump())
-            print("completion", time.monotonic() - t0)
             c = compare(ref, got)
             assert c.acceptable, (prompt, c, [t for t, _, _ in ref], [t for t, _, _ in got])
         (m,) = [m for m in d.ps() if m["name"].startswith(MODEL)]
-        assert m.get("backend") in (None, "native") or "native" in str(m), m
+        (m,) = [m for m in d.ps() if m["name"].startswith(MODEL)]
+        assert m["backend"] == "native" and m["fallbacks"] == [], m
         show = d.http.post("/api/show", json={"model": MODEL}).json()
         assert (show["model_info"]["qwen3moe.expert_count"], show["model_info"]["qwen3moe.expert_used_count"]) == (8, 2)
         from localrun.cli.models import render_show
