@@ -319,8 +319,8 @@ def run_hf_baseline(model, prompts: PromptSet, max_batch_size: int, device: str,
 
 
 def model_flops_fraction(total_tok_s: float, num_params: int, device: str) -> dict[str, Any]:
-    """~2 x params FLOPs per token (attention excluded): achieved TFLOP/s and, on a device
-    the reference gives a ceiling for, the fraction of it."""
+    """~2 x params FLOPs per token (a mixture of experts' active ones; attention excluded): achieved TFLOP/s
+    and, on a device the reference gives a ceiling for, the fraction of it."""
     tflops = total_tok_s * 2 * num_params / 1e12
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     return {"model_tflops": tflops, "peak_tflops": peak, "fraction_of_peak": (tflops / peak) if peak else None}
@@ -411,7 +411,7 @@ def run_throughput(
         "mode": "throughput",
         "model": src.name,
         "model_kind": src.kind,
-        "num_params": mc.num_params,
+        "num_params": mc.num_params, "active_params": mc.active_params,
         "engine_config": {k: getattr(config, k) for k in vars(config)},
         "workload": {**prompts.meta, "num_prompts": len(prompts.requests), "input_tokens": prompts.input_tokens,
                      "output_tokens": prompts.output_tokens, "warmup": warm, "passes": passes,
@@ -421,7 +421,7 @@ def run_throughput(
         "device": device,
     }
     result["engine"] = run_engine(engine, prompts, warm, passes, console)
-    result["engine"].update(model_flops_fraction(result["engine"]["total_tok_s"], mc.num_params, device))
+    result["engine"].update(model_flops_fraction(result["engine"]["total_tok_s"], mc.active_params, device))
     if baseline == "transformers":
         dtype = config.torch_dtype
         shutdown_engine(engine)
