@@ -63,7 +63,7 @@ class GptOssDecoderLayer(DecoderLayer):
         self.o_bias = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         # the sink logits of this rank's heads, in float32 (the softmax's precision)
         self.sinks = nn.Parameter(torch.empty(self.nq, dtype=torch.float32), requires_grad=False)
-        self.mlp = MoEMLP(cfg, dtype, self.tp, bias=True)
+        self.moe = MoEMLP(cfg, dtype, self.tp, bias=True)
 
     def forward(self, x, residual, positions, meta: AttnMetadata, ops: Ops, attn: AttentionBackend, cos_sin):
         h, residual = ops.fused_add_rmsnorm(x, residual, self.input_layernorm, self.eps)
@@ -76,7 +76,7 @@ class GptOssDecoderLayer(DecoderLayer):
         bias = self.o_bias if self.tp.rank == 0 else None  # row-parallel: the sum carries the bias once
         x = self.tp.all_reduce(ops.linear(o.reshape(T, self.nq * self.d), self.o_proj, bias))
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(h, ops), residual
+        return self.moe(h, ops), residual
 
 
 class GptOssModel(LlamaModel):
@@ -142,7 +142,7 @@ class GptOssModel(LlamaModel):
                     put(layer.o_proj, rows(p + "self_attn.o_proj.weight", r * n, n, dim=1), p + "self_attn.o_proj.weight")
                 put(layer.o_bias, get(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
                 put(layer.sinks, rows(p + "self_attn.sinks", r * layer.nq, layer.nq), p + "self_attn.sinks")
-                dequantised += self._load_moe(layer.mlp, p + "mlp.", get, names)
+                dequantised += self._load_moe(layer.moe, p + "mlp.", get, names)
         if dequantised:
             log.info("gpt-oss: MXFP4 expert weights dequantised at load to %s (no MXFP4 kernel): %.1f MiB as stored "
                      "-> %.1f MiB in memory", str(self.dtype).removeprefix("torch."), dequantised * 17 / 32 / 2**20,
@@ -196,14 +196,14 @@ class GptOssModel(LlamaModel):
     def init_random(self, seed: int = 0) -> None:
         """Random weights (benchmarks of exact shapes): the attention's through LlamaModel's draw (biases
         and sinks zero), the router and experts with std 1/sqrt(fan-in) and zero biases."""
-        mlps = [layer.mlp for layer in self.layers]
+        mlps = [layer.moe for layer in self.layers]
         for layer in self.layers:  # LlamaModel's draw knows 1-D and 2-D weights only
-            del layer.mlp
+            del layer.moe
         try:
             super().init_random(seed)
         finally:
             for layer, mlp in zip(self.layers, mlps):
-                layer.mlp = mlp
+                layer.moe = mlp
         g = torch.Generator(device=self.cos_sin.device).manual_seed(seed + 1)
         with torch.no_grad():
             for m in mlps:
