@@ -88,21 +88,20 @@ def test_moe_kernels_compile_for_h100():
                      dict(BLOCK_M=16, EP=ep, CHUNK=4096 // ep), num_warps=4)
     for i, c in enumerate(sorted(configs)):  # SiLU without biases, gpt-oss's variant, in turn (each compile takes seconds)
         act, bias = i % 2, i % 2 == 1
-        if True:
-            meta = _compile_for_gpu(
-                moe._up_kernel, h100,
-                {"X": bf, "W13": bf, "B13": bf, "SortedIds": "*i32", "BlockExpert": "*i32", "Act": bf,
-                 "alpha": "fp32", "limit": "fp32"},
-                dict(TOP_K=8, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k, EVEN_K=True, HAS_BIAS=bias,
-                     ACT=act, PRECISION="tf32"), num_warps=c.num_warps, num_stages=c.num_stages)
-            assert 0 < meta.shared <= 227 * 1024, (c, meta.shared)
-            meta = _compile_for_gpu(
-                moe._down_kernel, h100,
-                {"Act": bf, "W2": bf, "B2": bf, "SortedIds": "*i32", "BlockExpert": "*i32", "TopkW": "*fp32",
-                 "Out": "*fp32"},
-                dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k, EVEN_K=True, HAS_BIAS=bias,
-                     PRECISION="tf32"), num_warps=c.num_warps, num_stages=c.num_stages)
-            assert 0 < meta.shared <= 227 * 1024, (c, meta.shared)
+        meta = _compile_for_gpu(
+            moe._up_kernel, h100,
+            {"X": bf, "W13": bf, "B13": bf, "SortedIds": "*i32", "BlockExpert": "*i32", "Act": bf,
+             "alpha": "fp32", "limit": "fp32"},
+            dict(TOP_K=8, BLOCK_M=c.block_m, BLOCK_N=c.block_n1, BLOCK_K=c.block_k, EVEN_K=True, HAS_BIAS=bias,
+                 ACT=act, PRECISION="tf32"), num_warps=c.num_warps, num_stages=c.num_stages)
+        assert 0 < meta.shared <= 227 * 1024, (c, meta.shared)
+        meta = _compile_for_gpu(
+            moe._down_kernel, h100,
+            {"Act": bf, "W2": bf, "B2": bf, "SortedIds": "*i32", "BlockExpert": "*i32", "TopkW": "*fp32",
+             "Out": "*fp32"},
+            dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k, EVEN_K=True, HAS_BIAS=bias,
+                 PRECISION="tf32"), num_warps=c.num_warps, num_stages=c.num_stages)
+        assert 0 < meta.shared <= 227 * 1024, (c, meta.shared)
 
 
 def test_fused_moe_uses_the_reference_without_interpreter_on_cpu():

@@ -220,7 +220,8 @@ def throughput(engine, prompts, sizes: Sizes, device_label: str) -> dict[str, An
 
     check_vocab(prompts, engine.model_config.vocab_size)
     res = run_engine(engine, prompts, min(sizes.warmup, len(prompts.requests)), 1)
-    res.update(model_flops_fraction(res["total_tok_s"], engine.model_config.num_params, device_label))
+    mcfg = engine.model_config  # (a mixture of experts: the weights a token runs through, its top-k experts)
+    res.update(model_flops_fraction(res["total_tok_s"], getattr(mcfg, "active_params", mcfg.num_params), device_label))
     res["fraction_of_total_tok_s_ceiling"] = res["total_tok_s"] / CEILINGS["total_tok_s"]
     res["workload"] = {**prompts.meta, "num_prompts": len(prompts.requests), "input_tokens": prompts.input_tokens,
                        "output_tokens": prompts.output_tokens, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
