@@ -7,11 +7,11 @@ Names are Hugging Face ``model_type`` values, which are also llama.cpp's GGUF
 
 from __future__ import annotations
 
-NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text")
+NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text",
+                "qwen3_moe", "qwen3moe", "mixtral")  # qwen3moe: llama.cpp's name of Qwen3-MoE (a Mixtral GGUF is llama)
 
 # Families close to one we run that the engine still refuses, with the reason users see.
 _NOT_YET = {
-    "qwen3_moe": "Qwen3-MoE (mixture-of-experts layers) is not supported by the native engine",
     "qwen2_moe": "Qwen2-MoE (mixture-of-experts layers) is not supported by the native engine",
     "phimoe": "Phi-3.5-MoE (mixture-of-experts layers) is not supported by the native engine",
     "phi3small": "Phi-3-small (blocksparse attention, GEGLU) is not supported by the native engine",

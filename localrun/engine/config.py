@@ -11,8 +11,8 @@ import torch
 @dataclass
 class ModelConfig:
     """A Llama-family decoder: Llama 2/3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k norm), Mistral,
-    SmolLM2, Phi-3 / Phi-4 (longrope, partial rotary, sliding window); and Gemma 2 / 3 (arch "gemma2" /
-    "gemma3": models/gemma.py)."""
+    SmolLM2, Phi-3 / Phi-4 (longrope, partial rotary, sliding window); Gemma 2 / 3 (arch "gemma2" /
+    "gemma3": models/gemma.py); and the mixtures of experts Qwen3-MoE and Mixtral (models/moe.py)."""
 
     hidden_size: int
     num_layers: int
@@ -97,13 +97,31 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
+        """Every weight, all experts of a mixture-of-experts model included (what memory holds)."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token runs through: of a mixture of experts, its top-k experts and the router."""
+        return self._params(self.num_experts_per_tok)
+
+    @property
+    def expert_params(self) -> int:
+        """The experts' weights alone (kept in the model dtype whatever weight_dtype: layers/moe.py)."""
+        return self.num_params - self._params(0) if self.is_moe else 0
+
+    def _params(self, experts: int) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
+        base = attn + 2 * h
         if self.is_gemma:  # pre/post-feedforward norms; Gemma 3's q/k norms
-            per_layer += 2 * h + (2 * d if self.arch == "gemma3" else 0)
+            base += 2 * h + (2 * d if self.arch == "gemma3" else 0)
+        moe = sum(self.layer_is_moe(n) for n in range(self.num_layers))
+        expert = 3 * h * (self.moe_intermediate_size or i)
+        layers = self.num_layers * base + (self.num_layers - moe) * 3 * h * i + moe * (experts * expert
+                                                                                       + self.num_experts * h)
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return layers + emb + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over all layers, in a KV cache of this dtype (with its scales
@@ -149,10 +167,33 @@ class ModelConfig:
             arch=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rotary_dim=int(head_dim * partial),
             **_hf_sliding_window(cfg, model_type),
+            **_hf_moe(cfg, model_type),
         )
+
+
+def _hf_moe(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral config.json (transformers 5 writes Qwen3-MoE's
+    num_experts as num_local_experts, older configs num_experts); {} for a dense model."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{model_type}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type} with hidden_act {cfg.get('hidden_act')!r} is not supported (the native "
+                         "engine's experts are SiLU-gated); use the llama.cpp backend for it")
+    if model_type == "mixtral":  # intermediate_size is each expert's; every layer is sparse; top-k renormalised
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": int(cfg["intermediate_size"])}
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "mlp_only_layers": [int(i) for i in cfg.get("mlp_only_layers") or []],
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1)}
 
 
 def _longrope_scaling(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -180,13 +221,13 @@ def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     layer), Qwen2's use_sliding_window (layers from max_window_layers on, as transformers does);
     an explicit layer_types list wins."""
     window = cfg.get("sliding_window") or None
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None  # Qwen2/3 configs carry a sliding_window that is off unless use_sliding_window
     if model_type == "llama" or not window:
         return {}
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    if types is None and model_type in ("qwen2", "qwen3"):
+    if types is None and model_type in ("qwen2", "qwen3", "qwen3_moe"):
         first = cfg.get("max_window_layers", n)
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
     return {"sliding_window": int(window), "layer_types": list(types) if types else None}

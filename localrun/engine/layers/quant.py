@@ -272,6 +272,6 @@ def estimate_weight_bytes(cfg, kind: str, elem: int) -> int:
     """Upper bound of a model's stored weight bytes for a memory plan (cfg: a ModelConfig; elem:
     bytes of the model dtype). Quantized matrices cost at most 1 + 4/32 bytes a weight (int8
     with Q8_0's group-32 scales; per-channel and fp8 less); the norms stay in the model dtype."""
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.expert_params  # (a mixture's experts: not quantized)
     per_weight = float(elem) if kind == "auto" else 1.0 + 4.0 / Q8_0_GROUP
     return int((cfg.num_params - norms) * per_weight) + norms * elem

@@ -69,8 +69,11 @@ class DecoderLayer(nn.Module):
                          **({"window": self.window} if self.window else {}))
         x = self.tp.all_reduce(ops.linear(o.reshape(T, self.nq * self.d), self.o_proj))  # row-parallel
         h, residual = ops.fused_add_rmsnorm(x, residual, self.post_attention_layernorm, self.eps)
-        x = self.tp.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up_proj)), self.down_proj))
-        return x, residual
+        return self.mlp(h, ops), residual
+
+    def mlp(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The feed-forward block (a mixture of experts in models/moe_llama.py), all-reduced over the ranks."""
+        return self.tp.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up_proj)), self.down_proj))
 
 
 class LlamaModel(nn.Module):
@@ -206,6 +209,8 @@ class LlamaModel(nn.Module):
                 if layer.qkv_bias is not None:
                     put_fused(layer.qkv_bias, [(p + f"self_attn.{n}_proj.bias", w) for n, w in zip("qkv", widths)])
                 put_cols(layer.o_proj, p + "self_attn.o_proj.weight")
+                if layer.down_proj is None:  # a mixture-of-experts layer: its subclass loads the experts
+                    continue
                 inter = layer.down_proj.shape[1]
                 if p + "mlp.gate_up_proj.weight" in names:  # Phi-3: gate | up fused in the checkpoint
                     put_rows(layer.gate_up_proj, p + "mlp.gate_up_proj.weight",
@@ -223,6 +228,8 @@ class LlamaModel(nn.Module):
             for name, p in quant.named_weights(self):  # parameters and quantized weights, one order
                 if isinstance(p, quant.QuantizedWeight):
                     p.allocate()
+                elif p.dim() > 2:  # stacked experts: the subclass draws them (models/moe_llama.py)
+                    continue
                 elif p.dim() == 1:
                     p.fill_(1.0) if name.rsplit(".", 1)[-1].endswith("norm") else p.zero_()  # norms: 1, biases: 0
                     continue
