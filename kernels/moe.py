@@ -13,8 +13,8 @@ The design of vLLM's and SGLang's fused_moe (`moe_align_block_size` + `fused_moe
    expert's gate and up rows of w13 (+ bias), in two fp32 accumulators, and the activation (SiLU(gate)
    * up, or gpt-oss's clamped SwiGLU) fused: act [padded rows, I] in x's dtype.
 3. `_down_kernel`, grid (blocks, H / BLOCK_N2): act's rows times w2[e]^T (+ bias), times the routing
-   weight, stored in fp32 at the pair's row of a [T*k, H] buffer; the sum over k is a torch sum in
-   fp32 (deterministic: no atomics). Long prefills run in chunks of tokens, so that buffer stays
+   weight, stored in fp32 at the pair's row of a [T*k, H] buffer; `_sum_k_kernel` adds a token's k rows
+   in fp32 and writes x's dtype (deterministic: no atomics; one launch). Long prefills run in chunks of tokens, so that buffer stays
    near CHUNK_FLOATS.
 
 Tiles follow the tokens per expert (T*k/E): BLOCK_M 16 at decode (a step reads each routed expert's
@@ -186,6 +186,18 @@ def _down_kernel(Act, W2, B2, SortedIds, BlockExpert, TopkW, Out, TK, num_expert
     tl.store(o_ptrs, acc, mask=real[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _sum_k_kernel(Parts, Out, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Out[t] = sum of Parts[t*k : t*k + k] (fp32), in Out's dtype: the sum over a token's k experts."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Parts + (t * TOP_K + j) * N + cols, mask=ok, other=0.0)
+    tl.store(Out + t * N + cols, acc.to(Out.dtype.element_ty), mask=ok)
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [padded], block_expert int32 [padded / block_m]) for flat pairs sorted by
     expert, each expert's run padded to block_m (see the module docstring); sizes from shapes alone."""
@@ -253,4 +265,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if b2 is not None else 0, out.stride(0),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n2, BLOCK_K=c.block_k, EVEN_K=I % c.block_k == 0,
         HAS_BIAS=b2 is not None, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
-    return (out if k == 1 else out.view(T, k, H).sum(dim=1)).to(x.dtype)
+    y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    block = min(1024, next_pow2(H))
+    _sum_k_kernel[(T, triton.cdiv(H, block))](out, y, H, TOP_K=k, BLOCK=block, num_warps=4)
+    return y

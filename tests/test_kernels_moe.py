@@ -73,7 +73,7 @@ def test_moe_kernels_in_interpreter():
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces compilation")
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_moe_kernels_compile_for_h100():
-    """The GPU compiler accepts the three kernels at the Qwen3-30B-A3B shape (E=128, k=8, H=2048,
+    """The GPU compiler accepts the four kernels at the Qwen3-30B-A3B shape (E=128, k=8, H=2048,
     I=768) in bf16, for each tile configuration config() picks from a decode step to a long prefill,
     and gpt-oss's variant (biases, clamped SwiGLU); each fits an H100's shared memory."""
     from test_kernels import _compile_for_gpu
@@ -86,6 +86,7 @@ def test_moe_kernels_compile_for_h100():
     ep = 128
     _compile_for_gpu(moe._align_kernel, h100, {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32"},
                      dict(BLOCK_M=16, EP=ep, CHUNK=4096 // ep), num_warps=4)
+    _compile_for_gpu(moe._sum_k_kernel, h100, {"Parts": "*fp32", "Out": bf}, dict(TOP_K=8, BLOCK=1024), num_warps=4)
     for i, c in enumerate(sorted(configs)):  # SiLU without biases, gpt-oss's variant, in turn (each compile takes seconds)
         act, bias = i % 2, i % 2 == 1
         meta = _compile_for_gpu(
