@@ -225,3 +225,54 @@ class TestMoETriton:
         assert failed == ({"fused_moe"} if fault else set())
         assert (seen[0].startswith("kernel fused_moe: torch reference (Triton compile/launch failed at warm-up: "
                                    "InjectedFault") if fault else seen == [])
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_moe_layer_through_the_kernel(self, dtype):
+        """layers/moe.MoEMLP (router, top-k, experts) with the Triton ops equals it with the references."""
+        from localrun.engine.config import ModelConfig
+        from localrun.engine.layers.moe import MoEMLP
+        from localrun.engine.layers.ops import Ops
+
+        cfg = ModelConfig(64, 1, 4, 2, 128, 300, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        layer = MoEMLP(cfg, dtype)
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        layer = layer.to(DEVICE)
+        h = torch.randn(9, 64, generator=g).to(DEVICE, dtype)
+        assert Ops().fused_moe is K.fused_moe and Ops(refs=frozenset({"fused_moe"})).fused_moe is K.fused_moe_ref
+        out, ref = layer(h, Ops()), layer(h, Ops(reference=True))
+        assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not HAS_TRITON or INTERPRETED,
+                    reason="needs a CUDA GPU (in the interpreter every kernel of the engine runs: ~50 s on 2 cores; "
+                           "TestMoETriton.test_moe_layer_through_the_kernel covers the layer there)")
+def test_gpu_engine_qwen3_moe_runs_the_kernel(monkeypatch):
+    """A Qwen3-MoE engine (models/moe_llama.py) runs its experts through the kernel, tried at load, and its
+    decode steps are captured as CUDA graphs (the kernel never syncs with the host): no fallback of either
+    kind; greedy tokens equal the torch-reference engine's (fp32)."""
+    from localrun.engine import EngineConfig, LLMEngine, SamplingParams
+    from localrun.engine.config import ModelConfig
+
+    monkeypatch.delenv("LOCALRUN_FAULTS", raising=False)
+    calls = []
+    kernel = K.fused_moe  # what layers/ops.Ops binds
+    monkeypatch.setattr(K, "fused_moe", lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+    cfg = ModelConfig.from_hf_config({
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "norm_topk_prob": True, "vocab_size": 300, "rope_theta": 10000.0, "max_position_embeddings": 256})
+    common = dict(device="cuda", dtype="float32", max_model_len=64, max_num_seqs=4)
+    eng = LLMEngine.from_random(cfg, EngineConfig(use_triton=True, cuda_graphs=True, **common), seed=3)
+    assert eng.fallbacks == [] and eng.runner.graphs is not None and eng.runner.graphs.graphs
+    calls.clear()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    assert calls and max(calls) > 1  # the prefill batch eagerly (the decode steps replay graphs)
+    ref = LLMEngine.from_random(cfg, EngineConfig(use_triton=False, cuda_graphs=False, **common), seed=3)
+    assert got == [o.token_ids for o in ref.generate(prompts, params)]
