@@ -8,7 +8,8 @@ The design of vLLM's and SGLang's fused_moe (`moe_align_block_size` + `fused_moe
    row) and `block_expert[b]` the expert of block b (E or more: a block past the end, which exits).
    The padded length is bounded by T*k + min(E, T*k) * (BLOCK_M - 1), which sizes the buffers and
    the grids from shapes alone: no host sync, so a decode step captures in a CUDA graph. Counting
-   is by comparison against every expert ([CHUNK, E] tiles): no sort, one launch.
+   is by comparison against every expert ([CHUNK, E] tiles): no sort, one launch; one program walks
+   the pairs, so past ALIGN_KERNEL_MAX_PAIRS (prefill) torch's sort and sums do it instead.
 2. `_up_kernel`, grid (blocks, I / BLOCK_N1): x's rows of the block (gathered by token) times the
    expert's gate and up rows of w13 (+ bias), in two fp32 accumulators, and the activation (SiLU(gate)
    * up, or gpt-oss's clamped SwiGLU) fused: act [padded rows, I] in x's dtype.
@@ -36,6 +37,7 @@ from .attn_common import mma
 from .moe_reference import ACTIVATIONS
 
 CHUNK_FLOATS = 1 << 25  # the fp32 [chunk*k, H] buffer of a chunk: 128 MiB at most (unless k*H alone is bigger)
+ALIGN_KERNEL_MAX_PAIRS = 256  # token-expert pairs up to which the one-program alignment runs (a decode step)
 
 
 class MoEConfig(NamedTuple):
@@ -200,16 +202,42 @@ def _sum_k_kernel(Parts, Out, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids int32 [padded], block_expert int32 [padded / block_m]) for flat pairs sorted by
-    expert, each expert's run padded to block_m (see the module docstring); sizes from shapes alone."""
+    expert, each expert's run padded to block_m (see the module docstring); sizes from shapes alone.
+    Up to ALIGN_KERNEL_MAX_PAIRS pairs (decode) one launch of _align_kernel; more (prefill) a handful of
+    torch ops (a stable sort, sums, a search), which spread over the GPU where the one program would not."""
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     tk = ids.numel()
     num_blocks = triton.cdiv(tk + min(num_experts, tk) * (block_m - 1), block_m)
+    if tk > ALIGN_KERNEL_MAX_PAIRS:
+        return _align_torch(ids, num_experts, block_m, num_blocks)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
     ep = max(16, next_pow2(num_experts))
     _align_kernel[(1,)](ids, sorted_ids, block_expert, tk, num_blocks, BLOCK_M=block_m, EP=ep,
                         CHUNK=max(16, 4096 // ep), num_warps=4)
     return sorted_ids, block_expert
+
+
+def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_align_kernel's result from torch ops, none of which syncs with the host (no bincount: it reads the
+    largest id on the host). An id outside [0, E) is dropped, as the kernel drops it."""
+    tk, dev = ids.numel(), ids.device
+    ids64 = ids.long()
+    valid = (ids64 >= 0) & (ids64 < num_experts)
+    key = torch.where(valid, ids64, num_experts)  # the dropped ones sort last, into a bin of their own
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
+    pend = padded.cumsum(0)
+    order = torch.argsort(key, stable=True)
+    e = key[order]
+    rank = torch.arange(tk, device=dev) - (counts.cumsum(0) - counts)[e]
+    dest = torch.where(e < num_experts, pend[e] - padded[e] + rank, num_blocks * block_m)  # dropped: the spare slot
+    sorted_ids = torch.full((num_blocks * block_m + 1,), tk, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pend[:num_experts], starts, right=True).to(torch.int32)
+    return sorted_ids[:-1], block_expert
 
 
 def _check(x, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias) -> None:

@@ -130,12 +130,21 @@ class TestMoETriton:
         out = op(x, w13, w2, w, ids)
         assert calls == [1] and rel_err(out, oracle(x, w13, w2, b13, b2, w, ids, "silu")) <= 1e-5
 
-    def test_align_sorts_pairs_by_expert_in_padded_blocks(self):
+    @pytest.mark.parametrize("path", ["kernel", "torch"])
+    def test_align_sorts_pairs_by_expert_in_padded_blocks(self, monkeypatch, path):
+        """Both ways of aligning (the one-program kernel at decode sizes, torch's sort and sums past
+        ALIGN_KERNEL_MAX_PAIRS) give the same blocks, each one expert's pairs in pair order."""
         from localrun.kernels import moe
 
         E, bm = 6, 16
         ids = torch.tensor([[3, 0], [3, 5], [0, 3], [5, 3]] * 9, dtype=torch.int32, device=DEVICE)  # 1, 2, 4: none
+        monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX_PAIRS", 1000 if path == "kernel" else 0)
         sorted_ids, block_expert = moe.align(ids, E, bm)
+        other = {"kernel": 0, "torch": 1000}[path]
+        monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX_PAIRS", other)
+        s2, b2 = moe.align(ids, E, bm)
+        used = int((block_expert < E).sum())
+        assert torch.equal(block_expert[:used], b2[:used]) and torch.equal(sorted_ids[:used * bm], s2[:used * bm])
         flat = ids.reshape(-1).cpu()
         tk = flat.numel()
         s, be = sorted_ids.cpu(), block_expert.cpu()
@@ -181,6 +190,14 @@ class TestMoETriton:
         gate = (f[0] @ f[1][:, :20].transpose(1, 2) + f[3][:, None, :20])
         assert (gate > 7).any()  # the clamp matters in this case
         assert rel_err(out, oracle(x, w13, w2, b13, b2, w, ids, "swiglu_oai")) <= TOL[torch.float16]
+
+    def test_prefill_alignment_path(self, monkeypatch):
+        from localrun.kernels import moe
+
+        monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX_PAIRS", 8)  # past it: torch's alignment, as a prefill's
+        x, w13, w2, b13, b2, w, ids = moe_case(30, 6, 2, 32, 16, torch.bfloat16, unused=(2,), seed=9)
+        out = moe.fused_moe(x, w13, w2, w, ids)
+        assert rel_err(out, oracle(x, w13, w2, b13, b2, w, ids, "silu")) <= TOL[torch.bfloat16]
 
     def test_long_inputs_run_in_chunks(self, monkeypatch):
         from localrun.kernels import moe
