@@ -1,4 +1,5 @@
-"""kernels/moe.py, the fused mixture-of-experts kernel, against kernels/moe_reference.fused_moe_ref.
+"""kernels/moe.py, the fused mixture-of-experts kernel, and kernels/moe_route.py, the router's top-k, against
+kernels/moe_reference.py's fused_moe_ref and moe_route_ref.
 
 As tests/test_kernels.py: class TestMoETriton runs under Triton's CPU interpreter in a subprocess
 (test_moe_kernels_in_interpreter; tiny shapes, the interpreter is slow) or on a CUDA GPU in this
@@ -87,6 +88,10 @@ def test_moe_kernels_compile_for_h100():
     _compile_for_gpu(moe._align_kernel, h100, {"Ids": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32"},
                      dict(BLOCK_M=16, EP=ep, CHUNK=4096 // ep), num_warps=4)
     _compile_for_gpu(moe._sum_k_kernel, h100, {"Parts": "*fp32", "Out": bf}, dict(TOP_K=8, BLOCK=1024), num_warps=4)
+    from localrun.kernels import moe_route
+
+    _compile_for_gpu(moe_route._route_kernel, h100, {"Logits": bf, "Weights": "*fp32", "Ids": "*i32"},
+                     dict(TOP_K=8, BLOCK_E=128, SOFTMAX_FIRST=True, RENORMALIZE=True), num_warps=1)  # Qwen3-MoE's
     for i, c in enumerate(sorted(configs)):  # SiLU without biases, gpt-oss's variant, in turn (each compile takes seconds)
         act, bias = i % 2, i % 2 == 1
         meta = _compile_for_gpu(
@@ -177,6 +182,25 @@ class TestMoETriton:
         assert out.shape == x.shape and out.dtype == dtype
         err = rel_err(out, oracle(x, w13, w2, b13, b2, w, ids, activation))
         assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+    @pytest.mark.parametrize("E,k,scoring,renormalize,dtype", [
+        (8, 2, "softmax_topk", True, torch.float32), (6, 1, "softmax_topk", False, torch.bfloat16),
+        (128, 8, "softmax_topk", True, torch.bfloat16), (32, 4, "topk_softmax", True, torch.float32),
+        (20, 3, "softmax_topk", False, torch.float32)])
+    def test_moe_route_matches_reference(self, E, k, scoring, renormalize, dtype):
+        from localrun.kernels import moe_route
+
+        logits = (torch.randn(11, E, generator=torch.Generator().manual_seed(E)) * 3).to(DEVICE, dtype)
+        w, ids = moe_route.moe_route(logits, k, scoring=scoring, renormalize=renormalize)
+        rw, rids = R.moe_route_ref(logits, k, scoring=scoring, renormalize=renormalize)
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32 and w.shape == ids.shape == (11, k)
+        assert rel_err(w, rw) <= 1e-5  # ids: the same logits picked (bf16 logits may tie: either expert is right)
+        assert torch.equal(logits.gather(1, ids.long()).cpu(), logits.gather(1, rids.long()).cpu())
+        if dtype == torch.float32:
+            assert torch.equal(ids.cpu(), rids.cpu())
+        if renormalize or scoring == "topk_softmax":
+            assert torch.allclose(w.sum(1).cpu(), torch.ones(11))
+        assert K.moe_route(logits, k, scoring=scoring, renormalize=renormalize)[1].equal(ids)  # the dispatched op
 
     def test_fp16_ragged_k_and_clamp_limit(self):
         """fp16; widths that are no multiple of the block (masked K, wrapped columns); inputs big

@@ -141,6 +141,9 @@ def moe_shapes(kind: str) -> list[dict]:
 
 
 def moe_cases(kind: str, device: str, dtype, kernel: Callable, g) -> list[tuple[str, Callable, Callable]]:
+    """The router's top-k (its weights scattered over the experts) and the experts' kernel at moe_shapes."""
+    import importlib
+
     torch = torch_module()
     from localrun.kernels import ops as K
 
@@ -150,8 +153,18 @@ def moe_cases(kind: str, device: str, dtype, kernel: Callable, g) -> list[tuple[
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gd, device=device) * scale).to(dtype)
 
+    route = importlib.import_module("localrun.kernels.moe_route").moe_route
     for s in moe_shapes(kind):
         E, k, H, I, act = s["E"], s["k"], s["H"], s["I"], s.get("act", "silu")
+        scoring = "topk_softmax" if act == "swiglu_oai" else "softmax_topk"  # gpt-oss's router, Qwen3-MoE's
+        logits = rnd(max(s["tokens"]), E, scale=3.0)
+
+        def dense(fn, lg=logits, k=k, sc=scoring):  # the weights and the logits the ids pick (ties may swap ids)
+            w, ids = fn(lg, k, scoring=sc)
+            return torch.cat([w.float(), lg.gather(1, ids.long()).float()], dim=1)
+
+        cases.append((f"moe_route {s['name']} T={logits.shape[0]}", lambda d=dense: d(route),
+                      lambda d=dense: d(K.moe_route_ref)))
         w13, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
         bias = act == "swiglu_oai"
         b13, b2 = (rnd(E, 2 * I), rnd(E, H)) if bias else (None, None)

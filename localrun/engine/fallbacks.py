@@ -33,7 +33,7 @@ ATTENTION_KERNELS = ("store_kv", "paged_decode_attention", "extend_attention")
 POINTWISE_KERNELS = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 SAMPLER_KERNELS = ("sample_temperature",)  # every model's sampler
 MATMUL_KERNELS = ("gemv",)  # every model's linear layers at one row (layers/ops.Ops.linear)
-MOE_KERNELS = ("fused_moe",)  # the experts of a mixture-of-experts model (layers/moe.py, kernels/moe.py)
+MOE_KERNELS = ("moe_route", "fused_moe")  # a mixture of experts' router and experts (layers/moe.py)
 KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS + MATMUL_KERNELS + MOE_KERNELS
 REASON_CHARS = 240  # a fallback's reason is cut to this many characters
 FP8_STORE_TOL = 0.13  # e4m3 keeps 3 mantissa bits: two roundings of one value may differ by a step (1/8)
@@ -162,6 +162,14 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
         return out
     if name == "fused_moe":
         return _run_moe(fn, inp)
+    if name == "moe_route":  # the weights, and the logits the ids pick (equal logits may swap their experts)
+        m, g = inp["moe"], torch.Generator().manual_seed(4)
+        out = []
+        for T in m["tokens"]:
+            logits = torch.randn(T, m["E"], generator=g).to(inp["device"], inp["dtype"])
+            w, ids = fn(logits, m["k"], scoring=m["scoring"], renormalize=m["renormalize"])
+            out += [w.float(), logits.gather(1, ids.long()).float()]
+        return out
     if name == "fused_add_rmsnorm":  # with a residual, and without (the first layer's)
         out = [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
         out.append(fn(inp["x"].clone(), None, inp["w"], 1e-6)[0].float())
@@ -176,18 +184,20 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
 
 
 def _moe_shape(cfg, device) -> dict:
-    """The experts' trial: on a GPU the model's experts, top-k and widths, and one token count per tile
+    """The router's and the experts' trials: on a GPU the model's experts, top-k and widths, and one token count per tile
     configuration kernels/moe.config picks (a decode step's, then 8, 32 and 64 tokens per expert), so
     the trials compile the variants the steps launch; under the interpreter 8 tiny experts, top-2, at one
     token and at 40 (several blocks of one expert). Activation and biases (gpt-oss's clamped SwiGLU
     comes with biases) as the model's."""
     act = cfg.moe_activation
+    kind = {"activation": act, "bias": act == "swiglu_oai", "scoring": cfg.moe_scoring,
+            "renormalize": cfg.norm_topk_prob}
     if torch.device(device).type != "cuda" or not cfg.is_moe:
-        return {"E": 8, "k": 2, "H": 64, "I": 32, "tokens": (1, 40), "activation": act, "bias": act == "swiglu_oai"}
+        return {"E": 8, "k": 2, "H": 64, "I": 32, "tokens": (1, 40), **kind}
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     tokens = (1,) + tuple(sorted({max(17, -(-per * E // k)) for per in (8, 32, 64)}))
     return {"E": E, "k": k, "H": cfg.hidden_size, "I": cfg.moe_intermediate_size or cfg.intermediate_size,
-            "tokens": tokens, "activation": act, "bias": act == "swiglu_oai"}
+            "tokens": tokens, **kind}
 
 
 def _run_moe(fn: Callable, inp: dict) -> list[torch.Tensor]:
