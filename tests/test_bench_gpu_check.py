@@ -85,7 +85,7 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
         assert kp["status"] == "pass" and kp["where"].startswith("CPU, Triton's interpreter"), kp
         names = " ".join(c["case"] for c in kp["cases"])
         for op in ("paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "rms_norm", "apply_rope",
-                   "silu_and_mul", "gelu_tanh_and_mul", "store_kv", "gemv", "fused_moe", "swiglu_oai"):
+                   "silu_and_mul", "gelu_tanh_and_mul", "store_kv", "gemv", "fused_moe", "moe_route", "swiglu_oai"):
             assert op in names, op
         assert all(c["passed"] and c["max_rel_err"] <= 1e-5 for c in kp["cases"]), kp["cases"]
     else:
