@@ -223,7 +223,7 @@ def test_phi3_sliding_window_matches_transformers(fmt, tmp_path):
 
 
 @pytest.mark.parametrize("model_type,arch,words", [
-    ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE"),
+    ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE"),
     ("gpt2", "GPT2LMHeadModel", "'gpt2'"),
 ])
 def test_unsupported_safetensors_architectures_are_refused(tmp_path, model_type, arch, words):
@@ -309,10 +309,10 @@ def test_auto_backend_sends_foreign_gguf_architectures_to_llamacpp(monkeypatch, 
     with pytest.raises(BackendError, match="LOCALRUN_BACKEND=native.*'deepseek2'.*llama.cpp"):
         choose("native", "gguf", h100, facts("deepseek2"))
     # safetensors: the architecture comes from config.json; one the engine does not run is an error
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_moe"}))
     arch = model_architecture("safetensors", tmp_path, None)
-    assert arch == "qwen3_moe"
-    with pytest.raises(BackendError, match="Qwen3-MoE.*import a GGUF"):
+    assert arch == "qwen2_moe"
+    with pytest.raises(BackendError, match="Qwen2-MoE.*import a GGUF"):
         choose("auto", "safetensors", h100, None, arch=arch)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3"}))
     assert choose("auto", "safetensors", None, None, arch=model_architecture("safetensors", tmp_path)).backend == \

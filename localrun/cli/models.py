@@ -21,6 +21,8 @@ def render_show(info: dict, verbose: bool = False) -> str:
         ("parameters", human_count(params) if params else details.get("parameter_size") or "-"),
         ("context length", arch_key("context_length") or "-"),
         ("embedding length", arch_key("embedding_length") or "-"),
+        *([("experts", f"{arch_key('expert_count')} ({arch_key('expert_used_count') or '?'} active per token)")]
+          if arch_key("expert_count") else []),
         ("quantization", details.get("quantization_level") or "-"),
         ("format", details.get("format") or "-"),
     ]

@@ -113,7 +113,7 @@ class ModelConfig:
     def _params(self, experts: int) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        base = attn + 2 * h
+        base = attn + 2 * h + (2 * d if self.qk_norm else 0)  # norms: 2 per layer, Qwen3's q/k norms
         if self.is_gemma:  # pre/post-feedforward norms; Gemma 3's q/k norms
             base += 2 * h + (2 * d if self.arch == "gemma3" else 0)
         moe = sum(self.layer_is_moe(n) for n in range(self.num_layers))

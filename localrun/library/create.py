@@ -69,6 +69,10 @@ def safetensors_description(files: dict[str, Path]) -> tuple[dict[str, Any], dic
         f"{arch}.feed_forward_length": num("intermediate_size"),
         f"{arch}.vocab_size": num("vocab_size"),
         f"{arch}.rope.freq_base": cfg.get("rope_theta"),
+        # a mixture of experts (llama.cpp's key names): experts, those each token runs, one expert's size
+        f"{arch}.expert_count": num("num_local_experts", "num_experts"),
+        f"{arch}.expert_used_count": num("num_experts_per_tok"),
+        f"{arch}.expert_feed_forward_length": num("moe_intermediate_size"),
         "general.torch_dtype": cfg.get("torch_dtype") or cfg.get("dtype"),
     }
     quant = (max(dtypes, key=dtypes.get) if dtypes else str(cfg.get("torch_dtype") or "unknown")).upper()

@@ -35,13 +35,17 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
     "attn_qkv": "self_attn.qkv_proj",  # phi3: q|k|v fused (its ffn_up holds gate|up: see read_gguf)
+    # mixtures of experts (qwen3moe; Mixtral as llama): the router and the stacked experts [E, rows, cols]
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Gemma 2 / 3: four norms per layer (llama.cpp's ffn_norm is the pre-feedforward one there) and q/k norms
 _GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_GEMMA = ("gemma2", "gemma3")
-_GGUF_ARCHS = tuple(a for a in NATIVE_ARCHS if a != "gemma3_text")  # gemma3_text: a Hugging Face name only
+# Hugging Face names only (llama.cpp writes gemma3 / qwen3moe, and a Mixtral as llama)
+_GGUF_ARCHS = tuple(a for a in NATIVE_ARCHS if a not in ("gemma3_text", "qwen3_moe", "mixtral"))
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
@@ -164,7 +168,10 @@ def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[Mode
         rotary_dim=_partial_rotary(int(a("rope.dimension_count", 0) or 0),
                                    int(a("attention.key_length", 0) or 0) or hidden // heads),
         **_gguf_attention_extras(reader, arch, a),
+        **_gguf_moe(a, tensors),
     )
+    if arch == "qwen3moe":
+        cfg.arch = "qwen3_moe"
     permuted = arch in ("llama", "mistral")
     updates = _lora_updates(adapter, arch, {t.name: hf for hf, t in tensors.items()}) if adapter else {}
     # llama.cpp's converter stores Gemma's norm weights as 1 + w: back to the Hugging Face form
@@ -226,6 +233,24 @@ def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[Mode
     meta = {"chat_template": _field(reader, "tokenizer.chat_template"), "eos_token_ids": cfg.eos_token_ids,
             "bos_token_id": cfg.bos_token_id, "add_bos": bool(_field(reader, "tokenizer.ggml.add_bos_token", False))}
     return cfg, get, set(tensors), meta
+
+
+def _gguf_moe(a, tensors: dict) -> dict:
+    """A mixture of experts' fields from a GGUF's expert_count / expert_used_count / expert_feed_forward_length
+    (llama.cpp renormalises the top-k weights of both Qwen3-MoE and Mixtral); a layer without a router
+    (ffn_gate_inp) keeps a dense MLP. {} for a dense model."""
+    experts = int(a("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    n = int(a("block_count"))
+    sparse = [i for i in range(n) if f"model.layers.{i}.mlp.gate.weight" in tensors]
+    if not sparse or any(f"model.layers.{i}.mlp.experts.gate_proj.weight" not in tensors for i in sparse):
+        raise ValueError("this GGUF stores its experts one tensor each (an old llama.cpp conversion); the native "
+                         "engine reads stacked ffn_*_exps tensors: convert the model again, or use the llama.cpp "
+                         "backend for it")
+    return {"num_experts": experts, "num_experts_per_tok": int(a("expert_used_count")), "norm_topk_prob": True,
+            "moe_intermediate_size": int(a("expert_feed_forward_length", 0) or a("feed_forward_length")),
+            "mlp_only_layers": [i for i in range(n) if i not in sparse]}
 
 
 def _partial_rotary(rope_dims: int, head_dim: int) -> int:

@@ -1,5 +1,7 @@
-"""Qwen3-MoE and Mixtral: the Llama-family attention of llama.py with a mixture of experts
-(layers/moe.py's MoEMLP) in place of the dense MLP on the layers ModelConfig.layer_is_moe marks.
+"""Qwen3-MoE and Mixtral: Llama attention with a mixture of experts in place of the dense MLP.
+
+The attention is llama.py's; layers/moe.py's MoEMLP replaces the dense MLP on the layers
+ModelConfig.layer_is_moe marks.
 
 Qwen3-MoE: q/k RMSNorm as Qwen3, top-8 of 128 experts, norm_topk_prob, dense layers where
 mlp_only_layers / decoder_sparse_step say. Mixtral: top-2 of 8, the top-k weights renormalised,

@@ -54,6 +54,16 @@ def _shapes() -> dict[str, ModelConfig]:
                                   sliding_window=2047),
         "phi-4-mini": ModelConfig(3072, 32, 24, 8, 8192, 200064, head_dim=128, rotary_dim=96,
                                   max_position_embeddings=131072, tie_word_embeddings=True, arch="phi3"),
+        # mixtures of experts (models/moe_llama.py): a toy one (4 experts, top 2, a dense middle layer) and
+        # Qwen3-30B-A3B (128 experts, top 8) and Mixtral-8x7B (8 experts, top 2)
+        "tiny-moe": ModelConfig(64, 3, 4, 2, 128, 49152, head_dim=16, arch="qwen3_moe", qk_norm=True, num_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+        "qwen3-30b-a3b": ModelConfig(2048, 48, 32, 4, 6144, 151936, head_dim=128, rms_norm_eps=1e-6,
+                                     rope_theta=1000000.0, max_position_embeddings=40960, arch="qwen3_moe",
+                                     qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+        "mixtral-8x7b": ModelConfig(4096, 32, 32, 8, 14336, 32000, rope_theta=1000000.0,
+                                    max_position_embeddings=32768, arch="mixtral", num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=14336),
     }
 
 

@@ -50,7 +50,8 @@ def check_shapes(cfg: ModelConfig, world: int) -> None:
     if world == 1:
         return
     bad = [f"{what} {n}" for what, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
-                                         ("intermediate_size", cfg.intermediate_size)) if n % world]
+                                         ("intermediate_size", cfg.intermediate_size),
+                                         ("moe_intermediate_size", cfg.moe_intermediate_size)) if n % world]
     if bad:
         raise ValueError(f"tensor_parallel {world} must divide the model's {' and '.join(bad)}; "
                          f"use a tensor_parallel that divides num_kv_heads {cfg.num_kv_heads}")
