@@ -10,7 +10,10 @@ On a CUDA GPU it measures, at Llama-3.1-8B shapes in bf16:
   * sliding-window attention at Gemma 3 1B's attention shape (window 512, plus Gemma 2's soft-cap):
     decode GB/s and extend TFLOP/s over the keys inside the window, with the same kernel attending
     globally as the baseline (same amount: its figure shows what skipping the out-of-window pages saves);
-  * store_kv, add+RMSNorm, RoPE, SiLU-and-mul, GELU-tanh-and-mul: GB/s for Triton vs the reference.
+  * store_kv, add+RMSNorm, RoPE, SiLU-and-mul, GELU-tanh-and-mul: GB/s for Triton vs the reference;
+  * the fused MoE kernel at Qwen3-30B-A3B's experts (128, top-8, 2048 -> 768): at decode batches GB/s of
+    the routed experts' weights, at prefill sizes TFLOP/s, against the reference (a gathered GEMM per
+    routed expert, fp32 sums) and a naive per-expert loop over all experts as transformers runs them.
 Each Triton result is also checked against the reference (max relative error printed).
 Times are means over repetitions: Triton kernels replayed from a CUDA graph
 (triton.testing.do_bench_cudagraph, no CPU launch cost), the references and ceilings with
@@ -95,12 +98,15 @@ class Bench:
 def _shapes(tiny: bool) -> dict:
     if tiny:
         return dict(hq=4, hkv=2, d=16, page=4, hidden=48, inter=40, mm=64, copy_mb=1,
+                    moe=dict(E=8, k=2, H=48, I=40, tokens=[1, 37]),
                     decode=[(2, 19)], extend=[[(0, 7), (5, 9)], [(0, 8)] * 2], tokens=9, max_pos=64,
                     window=dict(hq=4, hkv=1, d=16, window=5, decode=[(2, 19)], extend=[[(0, 12)]]))
     return dict(hq=32, hkv=8, d=128, page=16, hidden=4096, inter=14336, mm=8192, copy_mb=1024,
                 decode=[(1, 1024), (1, 8192), (8, 2048), (32, 2048), (64, 1024), (128, 4096)],
                 extend=[[(0, 2048)], [(0, 512)] * 4, [(2048, 512)] * 2, [(0, 1000), (3000, 100), (0, 1)]],
                 tokens=8192, max_pos=131072,
+                # Qwen3-30B-A3B's experts: decode batches of 1-64 sequences, prefill chunks of 512 and 4096 tokens
+                moe=dict(E=128, k=8, H=2048, I=768, tokens=[1, 8, 64, 512, 4096]),
                 # Gemma 3 1B's attention (4 query heads, 1 KV head, head_dim 256) and its 512-token window
                 window=dict(hq=4, hkv=1, d=256, window=512, decode=[(32, 4096), (128, 8192)],
                             extend=[[(0, 4096)], [(4096, 1024)] * 4]))
@@ -221,6 +227,39 @@ def run(bench: Bench) -> None:
         bench.record("gemv", f"1x{k} @ {n}x{k}", "GB/s", n * k * elt,
                      lambda: K.gemv(xv, wm), lambda: K.gemv_ref(xv, wm), lambda: _rel_err(K.gemv(xv, wm), K.gemv_ref(xv, wm)))
         del wm
+    _moe(bench, s, dt, elt)
+
+
+def _moe_naive(x, w13, w2, weights, ids):
+    """transformers' Qwen3-MoE block: each expert in turn, its tokens found by comparison, in the model dtype."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in range(w13.shape[0]):
+        tok, slot = torch.where(ids == e)
+        h = x[tok] @ w13[e].t()
+        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].t()
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
+    return out
+
+
+def _moe(bench: Bench, s: dict, dt, elt: int) -> None:
+    """fused_moe vs the reference and the naive loop. Decode batches: the bytes of the distinct routed
+    experts' weights (each read once); prefill: 2 * T * k * 3 * H * I FLOPs."""
+    m, dev = s["moe"], bench.device
+    E, k, H, inter = m["E"], m["k"], m["H"], m["I"]
+    w13 = torch.randn(E, 2 * inter, H, dtype=dt, device=dev) / H ** 0.5
+    w2 = torch.randn(E, H, inter, dtype=dt, device=dev) / inter ** 0.5
+    for T in m["tokens"]:
+        x = torch.randn(T, H, dtype=dt, device=dev)
+        weights, ids = K.moe_route_ref(torch.randn(T, E, device=dev), k)
+        args = (x, w13, w2, weights, ids)
+        decode = T * k <= E * 4
+        amount = int(ids.unique().numel()) * 3 * H * inter * elt if decode else 2 * T * k * 3 * H * inter
+        bench.record("moe", f"T={T} E={E} top-{k} {H}->{inter}", "GB/s" if decode else "TFLOP/s", amount,
+                     lambda: K.fused_moe(*args), lambda: K.fused_moe_ref(*args),
+                     lambda: _rel_err(K.fused_moe(*args), K.fused_moe_ref(*args)),
+                     ("naive", lambda: _moe_naive(*args)))
+    del w13, w2
 
 
 def _window(bench: Bench, s: dict, dt, elt: int) -> None:

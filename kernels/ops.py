@@ -105,7 +105,7 @@ silu_and_mul = _dispatch("activation", silu_and_mul_ref)
 gelu_tanh_and_mul = _dispatch("activation", gelu_tanh_and_mul_ref)
 sample_temperature = _dispatch("sampling", sample_temperature_ref)
 gemv = _dispatch("matvec", gemv_ref)
-# mixture of experts (moe_reference.py): the experts' weighted sum runs as one grouped-GEMM kernel
-# (kernels/moe.py) on the GPU; the router's top-k stays in torch (a [T, E] softmax and topk)
+# mixture of experts (moe_reference.py): the experts' weighted sum runs as grouped-GEMM kernels
+# (kernels/moe.py) on the GPU, the router's softmax and top-k as one launch (kernels/moe_route.py)
 fused_moe = _dispatch("moe", fused_moe_ref)
-moe_route = moe_route_ref
+moe_route = _dispatch("moe_route", moe_route_ref)

@@ -73,7 +73,7 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     items = res["items"]
     assert list(items) == ["kernel_parity", "greedy_parity", "graph_capture", "throughput", "ttft_512", "itl",
-                           "prefix", "coldstart"]
+                           "prefix", "moe", "coldstart"]
     assert res["complete"] and res["device"] == "cpu" and res["env"]["device"] == "cpu" and res["sizes"] == "tiny"
     assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", res["commit"]), res["commit"]
     for name, item in items.items():
@@ -85,7 +85,7 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
         assert kp["status"] == "pass" and kp["where"].startswith("CPU, Triton's interpreter"), kp
         names = " ".join(c["case"] for c in kp["cases"])
         for op in ("paged_decode_attention", "extend_attention", "fused_add_rmsnorm", "rms_norm", "apply_rope",
-                   "silu_and_mul", "gelu_tanh_and_mul", "store_kv", "gemv"):
+                   "silu_and_mul", "gelu_tanh_and_mul", "store_kv", "gemv", "fused_moe", "moe_route", "swiglu_oai"):
             assert op in names, op
         assert all(c["passed"] and c["max_rel_err"] <= 1e-5 for c in kp["cases"]), kp["cases"]
     else:
@@ -111,6 +111,13 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
     assert items["itl"]["itl_output_tokens"] == 12 and items["itl"]["value"] > 0
     pre = items["prefix"]
     assert pre["cache_on"]["cached_tokens"] > 0 == pre["cache_off"]["cached_tokens"]
+    moe = items["moe"]  # a tiny Qwen3-MoE (its experts through the torch reference on a CPU): both measurements
+    assert moe["model"].startswith("tiny qwen3_moe") and moe["experts"] == "8, top-2, 64 -> 32", moe
+    assert moe["throughput"]["requests"] == 8 and moe["throughput"]["passes"][0]["mismatched_requests"] == 0
+    assert moe["value"] == moe["throughput"]["total_tok_s"] > 0 and moe["itl"]["itl_output_tokens"] == 12
+    assert moe["throughput"]["model_tflops"] > 0 and moe["active_params"] < moe["params"]
+    assert moe["target"] == ">= 10000 total tok/s and ITL <= 5 ms p50" and moe["target_met"] is None
+    assert "vllm-project/vllm#23151" in moe["published"]
     cold = items["coldstart"]
     assert [r["triton_cache"] for r in cold["runs"]] == ["cold", "warm"]
     assert cold["first_run_cold_s"] == cold["runs"][0]["first_token_s"] == cold["value"] > 0
@@ -120,7 +127,7 @@ def test_gpu_check_runs_every_item_without_server_dependencies(tmp_path, tiny_ll
 def test_gpu_check_stops_an_item_past_its_budget_and_records_failures(tmp_path, gpu_box_env):
     # budgets no item can meet (0.2-0.6 s each, 3 s for the run): each is stopped and recorded, the run ends
     t0 = time.monotonic()
-    p, res = _gpu_check(gpu_box_env, tmp_path / "a", "--skip", "kernel_parity,greedy_parity,prefix,coldstart",
+    p, res = _gpu_check(gpu_box_env, tmp_path / "a", "--skip", "kernel_parity,greedy_parity,prefix,moe,coldstart",
                         "--budget-scale", "0.01", timeout=60)
     assert p.returncode == 1 and "graph_capture" in p.stdout, p.stdout[-2000:]
     assert time.monotonic() - t0 < 30
@@ -130,11 +137,11 @@ def test_gpu_check_stops_an_item_past_its_budget_and_records_failures(tmp_path, 
         assert items[name]["status"] == "timed out", items[name]
         assert re.fullmatch(r"timed out after 0\.\d+ s|not started: the run's time budget of 3 s was spent",
                             items[name]["error"]), items[name]
-    for name in ("kernel_parity", "greedy_parity", "prefix", "coldstart"):
+    for name in ("kernel_parity", "greedy_parity", "prefix", "moe", "coldstart"):
         assert items[name] == {"status": "skipped", "reason": "skipped: --skip"}
 
     # an item that fails is recorded with its error's last lines, and the items after it still run
-    p, res = _gpu_check(gpu_box_env, tmp_path / "b", "--skip", "kernel_parity,greedy_parity,prefix,coldstart",
+    p, res = _gpu_check(gpu_box_env, tmp_path / "b", "--skip", "kernel_parity,greedy_parity,prefix,moe,coldstart",
                         "--prompts", str(tmp_path / "missing.jsonl"))
     assert p.returncode == 1, p.stdout[-2000:]
     items = res["items"]
@@ -191,7 +198,7 @@ def test_gpu_check_records_an_item_whose_process_dies_and_goes_on(tmp_path, gpu_
 
     out = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "localrun.bench", "gpu-check", "--tiny", "--out", str(out),
-                             "--skip", "kernel_parity,greedy_parity,graph_capture,throughput,ttft_512,itl"],
+                             "--skip", "kernel_parity,greedy_parity,graph_capture,throughput,ttft_512,itl,moe"],
                             cwd=ROOT, env=gpu_box_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

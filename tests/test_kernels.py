@@ -686,7 +686,7 @@ class TestTriton:
         assert bench_kernels.main(["--tiny"]) == 0
         out = capsys.readouterr().out
         for group in ("ceiling", "decode", "extend", "window", "rmsnorm", "silu_mul", "gelu_mul", "rope", "store_kv",
-                      "gemv"):
+                      "gemv", "moe"):
             assert f"{group} " in out, out
 
 

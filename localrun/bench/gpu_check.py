@@ -10,7 +10,8 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
    (kernels/reference.py) at the Llama-3.1-8B shape (32 query heads over 8 KV heads: GQA, head
    dim 128), SmolLM2's (9 over 3, head dim 64), Gemma 3's sliding window with a soft-cap (head dim
    256) and plain multi-head attention, and the one-row GEMV right after the kernel that writes
-   its input; bfloat16 inputs, the oracle the float32 reference.
+   its input, and the fused MoE kernel at Qwen3-30B-A3B's and gpt-oss-20b's experts; bfloat16 inputs,
+   the oracle the float32 reference.
 2. greedy_parity: greedy generation against transformers on the same device, teacher-forced:
    transformers scores the engine's own tokens, and the engine's logprobs (chosen token and top 5
    at every position: prefill, decode, CUDA-graph replay; the longest prompt again alone, decoded a
@@ -26,13 +27,18 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
 5. ttft_512: time to first token at 512 prompt tokens (one request at a time, fresh prompts).
 6. itl: batch-1 inter-token latency (512-token prompt, 256 tokens out), through the streaming API.
 7. prefix: a 1,024-token shared system prompt + 64 questions sent at once, prefix cache on vs off.
-8. coldstart: a fresh process imports the engine, builds the 8B shape, captures its graphs and
+8. moe: a mixture of experts, Qwen3-30B-A3B's shape (48 layers, 128 experts, top-8, 2048 -> 768;
+   32 query heads over 4 KV heads, q/k norms) with random bf16 weights at a memory fraction of at least
+   0.9: the ShareGPT throughput and the batch-1 ITL as items 4 and 6 measure them, against targets
+   from what SGLang and vLLM publish (results/moe-published-qwen3-30b-a3b.md). The fused MoE kernel's
+   parity is in item 1; a kernel that fails its warm-up trial runs its reference and fails this item.
+9. coldstart: a fresh process imports the engine, builds the 8B shape, captures its graphs and
    returns one token; the first run with an empty Triton cache, the next ones sharing it.
 
 The results file, results/gpu-check-<GPU name>[-quick|-tiny].json, holds the commit, the device
 and, per item, its status (pass | fail | error | timed out | skipped), its numbers and the target
-it was compared with. The full run is bounded by 8 minutes, --quick (the same items at reduced
-sizes) by 3; each item has its own budget within that. Budgets are upper bounds: an item that
+it was compared with. The full run is bounded by 12 minutes, --quick (the same items at reduced
+sizes) by 5; each item has its own budget within that. Budgets are upper bounds: an item that
 needs more is stopped, never the run.
 
 `--tiny` runs every item at toy sizes on any device (the CPU test of this command; its numbers

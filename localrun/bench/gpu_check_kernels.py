@@ -54,7 +54,7 @@ def kernel_cases(kind: str, device: str, dtype) -> list[tuple[str, Callable, Cal
     torch = torch_module()
     mod = {m: importlib.import_module(f"localrun.kernels.{m}")
            for m in ("decode_attention", "extend_attn", "kv_store", "rmsnorm", "head_rmsnorm", "rope", "activation",
-                     "matvec")}
+                     "matvec", "moe")}
     from localrun.kernels import ops as K
 
     g = torch.Generator().manual_seed(0)
@@ -124,6 +124,62 @@ def kernel_cases(kind: str, device: str, dtype) -> list[tuple[str, Callable, Cal
         cases.append((f"gemv M={m} N={n} K={k}{' +bias' if bias is not None else ''}",
                        lambda xs=xs, wm=wm, b=bias: mod["matvec"].gemv(xs * 2, wm, b),
                        lambda xs=xs, wm=wm, b=bias: K.gemv_ref(f(xs * 2), f(wm), None if b is None else f(b))))
+    cases += moe_cases(kind, device, dtype, mod["moe"].fused_moe, g)
+    return cases
+
+
+def moe_shapes(kind: str) -> list[dict]:
+    """The fused MoE kernel's cases: Qwen3-30B-A3B's experts (128, top-8, 2048 -> 768) at a decode step,
+    a decode batch and a prefill chunk; gpt-oss-20b's (32, top-4, 2880 -> 2880, biases, clamped SwiGLU)."""
+    if kind == "tiny":
+        return [dict(name="E8 top-2 48->40", E=8, k=2, H=48, I=40, tokens=[1, 37]),
+                dict(name="E6 top-2 48->24 swiglu_oai +bias", E=6, k=2, H=48, I=24, tokens=[5], act="swiglu_oai")]
+    return [dict(name="qwen3-30b-a3b E128 top-8 2048->768", E=128, k=8, H=2048, I=768,
+                 tokens=[1, 64, 512] if kind == "full" else [1, 256]),
+            dict(name="gpt-oss-20b E32 top-4 2880->2880 swiglu_oai +bias", E=32, k=4, H=2880, I=2880,
+                 tokens=[1, 256] if kind == "full" else [1], act="swiglu_oai")]
+
+
+def moe_cases(kind: str, device: str, dtype, kernel: Callable, g) -> list[tuple[str, Callable, Callable]]:
+    """The router's top-k (its weights scattered over the experts) and the experts' kernel at moe_shapes."""
+    import importlib
+
+    torch = torch_module()
+    from localrun.kernels import ops as K
+
+    cases = []
+    gd = torch.Generator(device=device).manual_seed(5)  # the experts drawn where they run (GBs at full size)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gd, device=device) * scale).to(dtype)
+
+    route = importlib.import_module("localrun.kernels.moe_route").moe_route
+    for s in moe_shapes(kind):
+        E, k, H, I, act = s["E"], s["k"], s["H"], s["I"], s.get("act", "silu")
+        scoring = "topk_softmax" if act == "swiglu_oai" else "softmax_topk"  # gpt-oss's router, Qwen3-MoE's
+        logits = rnd(max(s["tokens"]), E, scale=3.0)
+
+        def dense(fn, lg=logits, k=k, sc=scoring):  # the weights and the logits the ids pick (ties may swap ids)
+            w, ids = fn(lg, k, scoring=sc)
+            return torch.cat([w.float(), lg.gather(1, ids.long()).float()], dim=1)
+
+        cases.append((f"moe_route {s['name']} T={logits.shape[0]}", lambda d=dense: d(route),
+                      lambda d=dense: d(K.moe_route_ref)))
+        w13, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+        bias = act == "swiglu_oai"
+        b13, b2 = (rnd(E, 2 * I), rnd(E, H)) if bias else (None, None)
+        for T in s["tokens"]:
+            x = torch.randn(T, H, generator=g).to(dtype=dtype, device=device)
+            weights, ids = K.moe_route_ref(torch.randn(T, E, generator=g), k)
+            weights, ids = weights.to(device), ids.to(device)
+            kw = dict(activation=act)
+            cases.append((f"fused_moe {s['name']} T={T}",
+                          lambda x=x, w13=w13, w2=w2, w=weights, i=ids, b13=b13, b2=b2, kw=kw:
+                          kernel(x, w13, w2, w, i, w13_bias=b13, w2_bias=b2, **kw),
+                          lambda x=x, w13=w13, w2=w2, w=weights, i=ids, b13=b13, b2=b2, kw=kw:
+                          K.fused_moe_ref(x.float(), w13.float(), w2.float(), w, i, **kw,
+                                          w13_bias=None if b13 is None else b13.float(),
+                                          w2_bias=None if b2 is None else b2.float())))
     return cases
 
 

@@ -40,9 +40,11 @@ HOST_AUTO_POOL_MULTIPLE = 4  # the default host tier holds at most this many tim
 
 def kernel_names(cls: type, mcfg: ModelConfig, config: EngineConfig) -> tuple[str, ...]:
     """The Triton kernels a model of `cls` launches (the attention kernels, its pointwise ones, the
-    sampler's, and the one-row linear layer of float weights)."""
+    sampler's, the one-row linear layer of float weights, and a mixture of experts' grouped GEMM)."""
     matmul = fb.MATMUL_KERNELS if config.weight_dtype == "auto" else ()
-    return fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + fb.SAMPLER_KERNELS + matmul
+    moe = fb.MOE_KERNELS if mcfg.is_moe else ()
+    names = fb.ATTENTION_KERNELS + tuple(cls.pointwise_kernels(mcfg)) + fb.SAMPLER_KERNELS + matmul + moe
+    return tuple(dict.fromkeys(names))  # (a family may list fused_moe among its own kernels too)
 
 
 class KernelTrials:

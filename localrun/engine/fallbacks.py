@@ -33,7 +33,8 @@ ATTENTION_KERNELS = ("store_kv", "paged_decode_attention", "extend_attention")
 POINTWISE_KERNELS = ("fused_add_rmsnorm", "apply_rope", "silu_and_mul", "gelu_tanh_and_mul", "rms_norm")
 SAMPLER_KERNELS = ("sample_temperature",)  # every model's sampler
 MATMUL_KERNELS = ("gemv",)  # every model's linear layers at one row (layers/ops.Ops.linear)
-KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS + MATMUL_KERNELS
+MOE_KERNELS = ("moe_route", "fused_moe")  # a mixture of experts' router and experts (layers/moe.py)
+KERNELS = ATTENTION_KERNELS + POINTWISE_KERNELS + SAMPLER_KERNELS + MATMUL_KERNELS + MOE_KERNELS
 REASON_CHARS = 240  # a fallback's reason is cut to this many characters
 FP8_STORE_TOL = 0.13  # e4m3 keeps 3 mantissa bits: two roundings of one value may differ by a step (1/8)
 
@@ -111,6 +112,7 @@ def _inputs(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, devi
         # the linear layers' input widths (the kernel's variant depends on K alone) and whether qkv has a bias
         "gemv_k": sorted({cfg.hidden_size, cfg.num_heads * d, cfg.intermediate_size}), "qkv_bias": bool(cfg.attention_bias),
         "dtype": dtype,
+        "moe": _moe_shape(cfg, device),
     }
 
 
@@ -161,6 +163,16 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
             if inp["qkv_bias"] and k == inp["x"].shape[1]:  # qkv's bias (Qwen2)
                 out.append(fn(x.to(dev, dt), w.to(dev, dt), torch.randn(16, generator=g).to(dev, dt)).float())
         return out
+    if name == "fused_moe":
+        return _run_moe(fn, inp)
+    if name == "moe_route":  # the weights, and the logits the ids pick (equal logits may swap their experts)
+        m, g = inp["moe"], torch.Generator().manual_seed(4)
+        out = []
+        for T in m["tokens"]:
+            logits = torch.randn(T, m["E"], generator=g).to(inp["device"], inp["dtype"])
+            w, ids = fn(logits, m["k"], scoring=m["scoring"], renormalize=m["renormalize"])
+            out += [w.float(), logits.gather(1, ids.long()).float()]
+        return out
     if name == "fused_add_rmsnorm":  # with a residual, and without (the first layer's)
         out = [t.float() for t in fn(inp["x"].clone(), inp["res"].clone(), inp["w"], 1e-6)]
         out.append(fn(inp["x"].clone(), None, inp["w"], 1e-6)[0].float())
@@ -172,6 +184,45 @@ def _run(name: str, fn: Callable, inp: dict) -> list[torch.Tensor]:
     if name == "apply_rope":
         return [t.float() for t in fn(inp["q"].clone(), inp["k"].clone(), inp["pos"], inp["cos_sin"])]
     return [fn(inp["gate_up"].clone()).float()]  # silu_and_mul, gelu_tanh_and_mul
+
+
+def _moe_shape(cfg, device) -> dict:
+    """The router's and the experts' trials: on a GPU the model's experts, top-k and widths, and one token count per tile
+    configuration kernels/moe.config picks (a decode step's, then 8, 32 and 64 tokens per expert), so
+    the trials compile the variants the steps launch; under the interpreter 8 tiny experts, top-2, at one
+    token and at 40 (several blocks of one expert). Activation and biases (gpt-oss's clamped SwiGLU
+    comes with biases) as the model's."""
+    act = cfg.moe_activation
+    kind = {"activation": act, "bias": act == "swiglu_oai", "scoring": cfg.moe_scoring,
+            "renormalize": cfg.norm_topk_prob}
+    if torch.device(device).type != "cuda" or not cfg.is_moe:
+        return {"E": 8, "k": 2, "H": 64, "I": 32, "tokens": (1, 40), **kind}
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    tokens = (1,) + tuple(sorted({max(17, -(-per * E // k)) for per in (8, 32, 64)}))
+    return {"E": E, "k": k, "H": cfg.hidden_size, "I": cfg.moe_intermediate_size or cfg.intermediate_size,
+            "tokens": tokens, **kind}
+
+
+def _run_moe(fn: Callable, inp: dict) -> list[torch.Tensor]:
+    """The experts' kernel at each token count of inp["moe"], the last expert never routed to. One
+    expert's random weights stand for all of them (a stride-0 expand: the model's shapes in little memory)."""
+    g, dev, dt, m = torch.Generator().manual_seed(3), inp["device"], inp["dtype"], inp["moe"]
+    E, H, I, k = m["E"], m["H"], m["I"], m["k"]
+
+    def experts(*shape, scale=1.0):
+        one = (torch.randn(1, *shape, generator=g) * scale).to(dev, dt)
+        return one.expand(E, *shape)
+
+    w13, w2 = experts(2 * I, H, scale=H ** -0.5), experts(H, I, scale=I ** -0.5)
+    b13, b2 = (experts(2 * I), experts(H)) if m["bias"] else (None, None)
+    out = []
+    for T in m["tokens"]:
+        logits = torch.randn(T, E, generator=g)
+        logits[:, E - 1] = -1e4
+        weights, ids = kernels.moe_route_ref(logits, k)
+        out.append(fn(torch.randn(T, H, generator=g).to(dev, dt), w13, w2, weights.to(dev), ids.to(dev),
+                      activation=m["activation"], w13_bias=b13, w2_bias=b2).float())
+    return out
 
 
 def try_kernels(cfg, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int, device,

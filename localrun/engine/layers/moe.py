@@ -4,8 +4,8 @@ Weights (kernels/moe_reference.py's layout): `gate` [E, H] (the router, whole on
 `w13` [E, 2*I, H] (gate rows then up rows), `w2` [E, H, I], and with `bias` (gpt-oss) `gate_bias` [E],
 `w13_bias` [E, 2*I], `w2_bias` [E, H]. Tensor parallelism splits each expert's intermediate dimension:
 a rank holds I / world rows of gate and of up and the matching columns of down, and the layer's output is
-all-reduced (w2_bias is added on rank 0 only, so the sum carries it once). Routing is in torch; the
-experts' weighted sum is ops.fused_moe (the Triton grouped GEMM on CUDA, the torch reference elsewhere)."""
+all-reduced (w2_bias is added on rank 0 only, so the sum carries it once). Routing is ops.moe_route and
+the experts' weighted sum ops.fused_moe (Triton kernels on CUDA, the torch references elsewhere)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from torch import nn
 
 from localrun.engine.config import ModelConfig
 from localrun.engine.parallel.group import TPGroup
-from localrun.kernels import ops as kernels
 
 
 class MoEMLP(nn.Module):
@@ -42,7 +41,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
         logits = torch.nn.functional.linear(h, self.gate, self.gate_bias)
-        weights, ids = kernels.moe_route(logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize)
+        weights, ids = ops.moe_route(logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize)
         w2_bias = self.w2_bias if self.tp.rank == 0 else None
         out = ops.fused_moe(h, self.w13, self.w2, weights, ids, activation=self.activation,
                             w13_bias=self.w13_bias, w2_bias=w2_bias)

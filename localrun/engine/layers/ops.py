@@ -25,8 +25,10 @@ class Ops:
         for name in _POINTWISE:
             setattr(self, name, getattr(kernels, f"{name}_ref" if reference or name in self.refs else name))
         self.linear = quant.linear if reference or "gemv" in self.refs else _linear
-        # the mixture-of-experts grouped GEMM (kernels/moe.py; its reference: kernels/moe_reference.py)
+        # the mixture of experts' grouped GEMM (kernels/moe.py) and router top-k (kernels/moe_route.py); their
+        # references: kernels/moe_reference.py
         self.fused_moe = kernels.fused_moe_ref if reference or "fused_moe" in self.refs else kernels.fused_moe
+        self.moe_route = kernels.moe_route_ref if reference or "moe_route" in self.refs else kernels.moe_route
 
 
 def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
