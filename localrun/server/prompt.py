@@ -15,7 +15,7 @@ from localrun.errors import InvalidRequest
 from localrun.server import generic_tools
 from localrun.server.job import Job
 from localrun.server.loaded import Lease
-from localrun.server.output import HARMONY_TOKENS, is_harmony
+from localrun.server.harmony import HARMONY_TOKENS, harmony_messages, is_harmony
 from localrun.server.tool_formats import learn as learn_tool_format
 
 
@@ -84,6 +84,8 @@ def render_prompt(job: Job) -> str:
     if job.messages is not None:
         msgs = list(job.messages)
         _check_text_size(msgs)
+        if is_harmony(r.template):  # gpt-oss's template reads one call a turn, never a None content
+            msgs = harmony_messages(msgs)
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
