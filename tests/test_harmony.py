@@ -86,3 +86,241 @@ def test_text_that_is_no_header_is_content_as_written():
 
 def test_harmony_template_is_recognized(gpt_oss_template):
     assert is_harmony(gpt_oss_template) and not is_harmony("{{ messages }}") and not is_harmony(None)
+
+
+# -- every API over real HTTP ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def harmony_daemon(gpt_oss_template, tmp_path_factory):
+    """The real daemon (its routes, generation service and parser) over real HTTP, with a model carrying
+    gpt-oss's template; the fake backend (tests/fakes.py) writes a recorded sample's text a character a
+    token (the special tokens as text, as both real backends hand them over for a harmony chat: see the
+    backend tests below). What is under test is the parsing and each API's shape, not a model."""
+    from fakes import FakeModel, InProcessDaemon, library_home
+
+    modelfile = f'FROM smollm2:135m\nTEMPLATE """{gpt_oss_template}"""\nPARAMETER num_ctx 32768\n'
+    home = library_home(tmp_path_factory.mktemp("harmony_home"), {"gptoss": modelfile})
+    fake = FakeModel()
+
+    def reply(prompt: str) -> str:
+        name = next((n for n in SAMPLES if f"[sample {n}]" in prompt), "analysis_final")
+        text, *_, finish = SAMPLES[name]
+        return text + (" and on it goes" if finish == "length" else "")  # cut by max_tokens
+
+    fake.reply = reply
+    d = InProcessDaemon(home, fake, LOCALRUN_NUM_PARALLEL="1")
+    d.fake = fake
+    yield d
+    d.stop()
+
+
+def _ask(name: str) -> tuple[str, int]:
+    text, *_, finish = SAMPLES[name]
+    return f"[sample {name}] Please answer.", len(text) if finish == "length" else 4096
+
+
+def _want(name: str) -> tuple[str, str, list[tuple[str, dict]], str]:
+    _, r, c, calls, finish = SAMPLES[name]
+    return r, c, calls, "tool_calls" if calls else finish
+
+
+def _openai(d, name: str, stream: bool):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    q, max_tokens = _ask(name)
+    kw = dict(model="gptoss", tools=TOOLS, max_tokens=max_tokens, messages=[{"role": "user", "content": q}])
+    if not stream:
+        ch = client.chat.completions.create(**kw).choices[0]
+        m = ch.message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
+        return m.model_extra.get("reasoning_content") or "", m.content or "", calls, ch.finish_reason
+    r, c, parts, finish = [], [], {}, None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        r.append((delta.model_extra or {}).get("reasoning_content") or "")
+        c.append(delta.content or "")
+        for tc in delta.tool_calls or []:
+            p = parts.setdefault(tc.index, ["", ""])
+            p[0] += tc.function.name or ""
+            p[1] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert not any("<|" in x for x in r + c)
+    calls = [(n, json.loads(a)) for n, a in (parts[k] for k in sorted(parts))]
+    return "".join(r), "".join(c), calls, finish
+
+
+def _ollama(d, name: str, stream: bool):
+    import ollama
+
+    client = ollama.Client(host=d.url)
+    q, max_tokens = _ask(name)
+    kw = dict(model="gptoss", tools=TOOLS, messages=[{"role": "user", "content": q}], options={"num_predict": max_tokens})
+    if not stream:
+        res = client.chat(**kw)
+        calls = [(t.function.name, dict(t.function.arguments)) for t in res.message.tool_calls or []]
+        return res.message.thinking or "", res.message.content or "", calls, _ollama_reason(res.done_reason, calls)
+    r, c, calls, reason = [], [], [], None
+    for part in client.chat(**kw, stream=True):
+        r.append(part.message.thinking or "")
+        c.append(part.message.content or "")
+        calls += [(t.function.name, dict(t.function.arguments)) for t in part.message.tool_calls or []]
+        reason = part.done_reason or reason
+    assert not any("<|" in x for x in r + c)
+    return "".join(r), "".join(c), calls, _ollama_reason(reason, calls)
+
+
+def _ollama_reason(reason: str, calls: list) -> str:
+    assert reason in ("stop", "length")  # Ollama says "stop" for a turn that calls tools
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _anthropic(d, name: str, stream: bool):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=d.url, api_key="x", max_retries=0)
+    q, max_tokens = _ask(name)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    kw = dict(model="gptoss", tools=tools, max_tokens=max_tokens, messages=[{"role": "user", "content": q}])
+    if stream:
+        with client.messages.stream(**kw) as s:
+            events = list(s)
+            msg = s.get_final_message()
+        deltas = [e.delta for e in events if e.type == "content_block_delta"]
+        assert "".join(x.thinking for x in deltas if x.type == "thinking_delta") == _want(name)[0]
+        assert "".join(x.text for x in deltas if x.type == "text_delta") == _want(name)[1]
+    else:
+        msg = client.messages.create(**kw)
+    kinds = [b.type for b in msg.content]
+    assert kinds == sorted(kinds, key=["thinking", "text", "tool_use"].index), kinds  # thinking, text, then calls
+    thinking = "".join(b.thinking for b in msg.content if b.type == "thinking")
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    calls = [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
+    reason = {"end_turn": "stop", "tool_use": "tool_calls", "max_tokens": "length"}[msg.stop_reason]
+    return thinking, text, calls, reason
+
+
+def _responses(d, name: str, stream: bool):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    q, max_tokens = _ask(name)
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    kw = dict(model="gptoss", tools=tools, max_output_tokens=max_tokens, input=q)
+    if stream:
+        events = list(client.responses.create(**kw, stream=True))
+        r = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        c = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert (r, c) == _want(name)[:2]
+        res = next(e.response for e in events if e.type in ("response.completed", "response.incomplete"))
+    else:
+        res = client.responses.create(**kw)
+    kinds = [o.type for o in res.output]
+    assert kinds == sorted(kinds, key=["reasoning", "message", "function_call"].index), kinds
+    reasoning = "".join(p.text for o in res.output if o.type == "reasoning" for p in o.content or [])
+    text = "".join(p.text for o in res.output if o.type == "message" for p in o.content)
+    calls = [(o.name, json.loads(o.arguments)) for o in res.output if o.type == "function_call"]
+    assert res.status == ("incomplete" if _want(name)[3] == "length" else "completed")
+    return reasoning, text, calls, _want(name)[3] if res.status == "completed" and calls else (
+        "length" if res.status == "incomplete" else "stop")
+
+
+API = {"openai": _openai, "ollama": _ollama, "anthropic": _anthropic, "responses": _responses}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("api", list(API))
+def test_every_sample_on_every_api(harmony_daemon, api, stream):
+    """Each recorded output comes back as the API's reasoning, text and tool calls, streamed and not."""
+    for name in NAMES:
+        got = API[api](harmony_daemon, name, stream)
+        assert got == _want(name), (api, name, got)
+        req = harmony_daemon.fake.requests[-1]
+        assert req.preserve == HARMONY_TOKENS and req.prompt.endswith("<|start|>assistant")
+
+
+# -- tool results sent back render through gpt-oss's template -------------------------------------------------
+THOUGHT = "Need both the weather and the time."
+RENDERED = ("<|start|>user<|message|>[roundtrip] Weather and time in Tokyo?<|end|>"
+            f"<|start|>assistant<|channel|>analysis<|message|>{THOUGHT}<|end|>"
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Tokyo"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"timezone": "Asia/Tokyo"}'
+            '<|call|><|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"10:00"<|end|>'
+            "<|start|>assistant")
+QUESTION = "[roundtrip] Weather and time in Tokyo?"
+ARGS = [("c1", "get_weather", {"city": "Tokyo"}), ("c2", "get_time", {"timezone": "Asia/Tokyo"})]
+
+
+def _sent_back_openai(d):
+    from openai import OpenAI
+
+    calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for i, n, a in ARGS]
+    OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="gptoss", tools=TOOLS, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": None, "reasoning_content": THOUGHT, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c2", "content": "10:00"},  # the results in another order: by id
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+
+
+def _sent_back_ollama(d):
+    import ollama
+
+    ollama.Client(host=d.url).chat(model="gptoss", tools=TOOLS, messages=[
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "thinking": THOUGHT,
+         "tool_calls": [{"function": {"name": n, "arguments": a}} for _, n, a in ARGS]},
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_name": "get_time", "content": "10:00"}])
+
+
+def _sent_back_anthropic(d):
+    import anthropic
+
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    anthropic.Anthropic(base_url=d.url, api_key="x", max_retries=0).messages.create(
+        model="gptoss", tools=tools, max_tokens=200, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": ""}] + [
+                {"type": "tool_use", "id": i, "name": n, "input": a} for i, n, a in ARGS]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"},
+                                         {"type": "tool_result", "tool_use_id": "c2", "content": "10:00"}]}])
+
+
+def _sent_back_responses(d):
+    from openai import OpenAI
+
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0).responses.create(
+        model="gptoss", tools=tools, input=[
+            {"role": "user", "content": QUESTION},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+            *[{"type": "function_call", "call_id": i, "name": n, "arguments": json.dumps(a)} for i, n, a in ARGS],
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2", "output": "10:00"}])
+
+
+@pytest.mark.parametrize("api", ["openai", "ollama", "anthropic", "responses"])
+def test_tool_results_sent_back_render_through_the_template(harmony_daemon, api):
+    """The assistant's reasoning and its two calls, each followed by its result, as gpt-oss's template
+    writes them (its template reads one call a turn: the turn is split)."""
+    globals()[f"_sent_back_{api}"](harmony_daemon)
+    assert harmony_daemon.fake.requests[-1].prompt.endswith(RENDERED)
+
+
+def test_harmony_messages_split_a_turn_of_several_calls():
+    c = [{"id": "a", "function": {"name": "f", "arguments": {}}}, {"id": "b", "function": {"name": "g", "arguments": {}}}]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "pre", "thinking": "t", "tool_calls": c},
+            {"role": "tool", "tool_call_id": "b", "content": "B"}, {"role": "tool", "tool_call_id": "a", "content": "A"},
+            {"role": "tool", "content": "extra"}, {"role": "assistant", "content": None}]
+    out = harmony_messages(msgs)
+    assert [(m["role"], m.get("content"), [x["id"] for x in m.get("tool_calls", [])]) for m in out] == [
+        ("user", "q", []), ("assistant", "", ["a"]), ("tool", "A", []), ("assistant", "", ["b"]), ("tool", "B", []),
+        ("tool", "extra", []), ("assistant", "", [])]
+    assert out[1]["thinking"] == "t" and "thinking" not in out[3]  # the content gave way to the reasoning

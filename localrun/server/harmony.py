@@ -181,12 +181,13 @@ def harmony_messages(messages: list[dict]) -> list[dict]:
             out.append(m)
             out.extend(results)
             continue
-        by_id = {r.get("tool_call_id"): r for r in results if r.get("tool_call_id")}
-        rest = [r for r in results if r.get("tool_call_id") not in {c.get("id") for c in calls}]
+        ids = {c.get("id") for c in calls if c.get("id")}
+        by_id = {r["tool_call_id"]: r for r in results if r.get("tool_call_id") in ids}
+        rest = [r for r in results if r.get("tool_call_id") not in by_id]
         for n, call in enumerate(calls):
             turn = dict(m) if n == 0 else {"role": "assistant", "content": ""}
             out.append({**turn, "tool_calls": [call]})
-            result = by_id.get(call.get("id")) if call.get("id") in by_id else (rest.pop(0) if rest else None)
+            result = by_id[call["id"]] if call.get("id") in by_id else (rest.pop(0) if rest else None)
             if result is not None:
                 out.append(result)
         out.extend(rest)
