@@ -324,3 +324,51 @@ def test_harmony_messages_split_a_turn_of_several_calls():
         ("user", "q", []), ("assistant", "", ["a"]), ("tool", "A", []), ("assistant", "", ["b"]), ("tool", "B", []),
         ("tool", "extra", []), ("assistant", "", [])]
     assert out[1]["thinking"] == "t" and "thinking" not in out[3]  # the content gave way to the reasoning
+
+
+# -- both backends hand the parser the markers' text ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def harmony_tokenizer(smollm2_gguf):
+    """SmolLM2's real tokenizer (from its GGUF, as the native engine loads it) with harmony's markers
+    added as special tokens, as gpt-oss's o200k_harmony vocabulary has them."""
+    from localrun.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf, [], None)
+    tok._tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    return tok
+
+
+@pytest.mark.parametrize("name", ["two_calls", "unicode", "preamble_call"])
+def test_native_detokenizer_keeps_the_markers_it_is_asked_to(harmony_tokenizer, name):
+    """The native engine's streaming detokenizer drops special tokens, except those a request
+    preserves (the daemon asks for harmony's markers): token by token the text is the model's, and
+    the parser reads it; without them the channels are lost."""
+    from localrun.engine.tokenizer import Detokenizer
+
+    tok = harmony_tokenizer
+    text, want_r, want_c, want_calls, _ = SAMPLES[name]
+    prompt = tok.encode("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    ids = tok.encode(text)
+    keep = tok.kept_specials(HARMONY_TOKENS)
+    assert len(keep) == len(HARMONY_TOKENS) and keep <= tok.special_ids
+    assert tok.kept_specials(["<|im_start|>x", "not special"]) == frozenset()  # one special token each, or none
+    d = Detokenizer(tok, prompt, keep)
+    pieces = [d.add(t) for t in ids]
+    assert "".join(pieces) == text
+    p = HarmonyParser(set(TOOL_NAMES))
+    got = [p.feed(x) for x in pieces]
+    r, c, calls = p.finish()
+    assert ("".join(x[0] for x in got) + r, "".join(x[1] for x in got) + c) == (want_r, want_c)
+    assert [(k["name"], json.loads(k["arguments"])) for k in calls] == want_calls
+    plain = Detokenizer(tok, prompt)  # no preserve: as before, the special tokens give no text
+    assert "".join(plain.add(t) for t in ids) == tok.decode(ids)
+    assert "<|channel|>" not in tok.decode(ids)
+
+
+def test_native_backend_asks_for_the_kept_markers(harmony_tokenizer):
+    """NativeBackend turns a request's preserve list into the engine's keep_special set."""
+    from localrun.backends.base import SamplingOptions
+    from localrun.backends.native import _params
+
+    keep = harmony_tokenizer.kept_specials(HARMONY_TOKENS)
+    assert _params(SamplingOptions(max_tokens=8), 4, 64, None, keep).keep_special == keep
