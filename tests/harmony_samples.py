@@ -5,8 +5,10 @@ special tokens as text (the backends keep them for a harmony chat). Written afte
 outputs in the openai-harmony spec's examples and llama.cpp's gpt-oss chat parser tests: the
 analysis channel, a final answer, a commentary preamble, calls with the recipient after the channel
 (the model's usual order) and before it (the template's), an output cut by max_tokens, and text
-outside the Latin script. ``<|return|>`` and ``<|call|>`` end a turn (end-of-generation tokens): some
-samples keep them, as a backend that passes them on would, some end without them.
+outside the Latin script. ``<|return|>`` and ``<|call|>`` end a turn (end-of-generation tokens: llama.cpp
+makes them so by name, so a real turn holds one call; two in one output is what a client replaying
+or a lenient backend may give): some samples keep them, as a backend that passes them on would,
+some end without them.
 """
 
 from __future__ import annotations
@@ -84,4 +86,30 @@ SAMPLES: dict[str, tuple[str, str, str, list[tuple[str, dict]], str]] = {
         "Plain text, no channels: <b>as written</b>.", "", "Plain text, no channels: <b>as written</b>.", [], "stop"),
 }
 
-__all__ = ["SAMPLES", "TOOLS", "TOOL_NAMES"]
+
+
+
+def harmony_gguf(src, dst, template: str):
+    """A copy of the GGUF `src` (SmolLM2) at `dst` whose first spare special tokens are renamed to
+    harmony's markers (control tokens, as in gpt-oss's vocabulary) and whose chat template is
+    `template` (gpt-oss's): a real model both backends load whose vocabulary has the markers as
+    single special tokens, so a grammar can make it write a recorded harmony output token by token."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    from localrun.server.harmony import HARMONY_TOKENS
+
+    reader = gguf.GGUFReader(str(src))
+    tokens = list(reader.get_field(gguf.Keys.Tokenizer.LIST).contents())
+    types = list(reader.get_field(gguf.Keys.Tokenizer.TOKEN_TYPE).contents())
+    spare = [i for i in range(3, len(tokens)) if types[i] == gguf.TokenType.CONTROL][:len(HARMONY_TOKENS)]
+    assert len(spare) == len(HARMONY_TOKENS), "the model has too few spare control tokens"
+    for i, t in zip(spare, HARMONY_TOKENS):
+        tokens[i] = t
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch, endianess=reader.endianess)
+    copy_with_new_metadata(reader, writer, {
+        gguf.Keys.Tokenizer.LIST: MetadataDetails(gguf.GGUFValueType.ARRAY, tokens, sub_type=gguf.GGUFValueType.STRING),
+        gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(gguf.GGUFValueType.STRING, template)}, [])
+    return dst
+__all__ = ["SAMPLES", "TOOLS", "TOOL_NAMES", "harmony_gguf"]

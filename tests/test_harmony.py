@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -372,3 +373,60 @@ def test_native_backend_asks_for_the_kept_markers(harmony_tokenizer):
 
     keep = harmony_tokenizer.kept_specials(HARMONY_TOKENS)
     assert _params(SamplingOptions(max_tokens=8), 4, 64, None, keep).keep_special == keep
+
+
+def _forcing(text: str) -> str:
+    """A GBNF grammar that lets the model write exactly `text`, its markers as special tokens."""
+    parts = re.split("(" + "|".join(map(re.escape, HARMONY_TOKENS)) + ")", text)
+    return "root ::= " + " ".join(p if p in HARMONY_TOKENS else json.dumps(p, ensure_ascii=False) for p in parts if p)
+
+
+@pytest.fixture(scope="module", params=["llamacpp", "native"])
+def real_harmony_daemon(request, gpt_oss_template, smollm2_gguf, tmp_path_factory):
+    """The real daemon, real backends: SmolLM2 with harmony's markers as special tokens and gpt-oss's template."""
+    import hashlib
+
+    from daemon import Daemon
+    from harmony_samples import harmony_gguf
+    from localrun.library import Library
+
+    try:
+        cache = request.config.cache.mkdir("harmony-gguf")
+    except AttributeError:
+        cache = tmp_path_factory.mktemp("harmony-gguf")
+    path = cache / f"smollm2-harmony-{hashlib.sha256(gpt_oss_template.encode()).hexdigest()[:12]}.gguf"
+    if not path.exists():
+        harmony_gguf(smollm2_gguf, path.with_suffix(".part"), gpt_oss_template).rename(path)
+    home = tmp_path_factory.mktemp(f"harmony_{request.param}")
+    Library(home / "models").create("oss", f"FROM {path}\nPARAMETER num_ctx 4096\n")
+    d = Daemon(home, LOCALRUN_BACKEND=request.param, LOCALRUN_NUM_PARALLEL="1", HF_HUB_OFFLINE="1")
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("name", ["preamble_call", "recipient_first", "unicode_final"])
+def test_a_real_backend_writes_harmony_that_parses(real_harmony_daemon, name):
+    """Both backends, for real: the model (made to write a recorded sample by a grammar whose markers
+    are its special tokens) hands the parser the markers' text, and the chat API answers with the
+    sample's reasoning, content and calls, streamed and not. (<|call|> and <|return|> end generation, as
+    in gpt-oss: llama.cpp makes them end-of-generation tokens by name, so a turn holds one call.)"""
+    from openai import OpenAI
+
+    text = SAMPLES[name][0].removesuffix("<|return|>").removesuffix("<|call|>")
+    client = OpenAI(base_url=real_harmony_daemon.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    kw = dict(model="oss", tools=TOOLS, temperature=0, max_tokens=400, extra_body={"grammar": _forcing(text)},
+              messages=[{"role": "user", "content": "Weather?"}])
+    want_r, want_c, want_calls, _ = _want(name)
+    m = client.chat.completions.create(**kw).choices[0].message
+    assert (m.model_extra.get("reasoning_content") or "", m.content or "") == (want_r, want_c)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []] == want_calls
+    r, c, calls = "", "", {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            r += (delta.model_extra or {}).get("reasoning_content") or ""
+            c += delta.content or ""
+            for tc in delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert (r, c) == (want_r, want_c)
+    assert [(n, json.loads(a)) for n, a in calls.values()] == want_calls
