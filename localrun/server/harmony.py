@@ -152,6 +152,16 @@ class HarmonyParser:
         return reasoning, content, self.calls
 
 
+def harmony_tools(tools: list[dict] | None) -> list[dict] | None:
+    """`tools` with an empty description where a function has none (gpt-oss's template writes
+    ``"// " + tool.description`` unconditionally; OpenAI and Anthropic make the description optional)."""
+    if not tools:
+        return tools
+    return [{**t, "function": {"description": "", **t["function"]}}
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("description") is None
+            else t for t in tools]
+
+
 def harmony_messages(messages: list[dict]) -> list[dict]:
     """`messages` as gpt-oss's template can render them: an assistant turn with several tool calls
     becomes one turn per call, each followed by its result (matched by tool_call_id, else in order);
@@ -194,4 +204,4 @@ def harmony_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["HarmonyParser", "HARMONY_TOKENS", "is_harmony", "harmony_messages", "MAX_HEADER"]
+__all__ = ["HarmonyParser", "HARMONY_TOKENS", "is_harmony", "harmony_messages", "harmony_tools", "MAX_HEADER"]
