@@ -107,7 +107,7 @@ def test_reasoning_for_templates():
 def test_harmony_channels_any_split():
     """gpt-oss: analysis -> reasoning, final -> content, a message to functions.NAME -> a tool call
     (the model's header order and the template's), text without channels -> content."""
-    from localrun.server.output import HarmonyParser
+    from localrun.server.harmony import HarmonyParser
 
     cases = [
         ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '

@@ -172,7 +172,8 @@ def _host_tier_bytes(kv_bytes: int, tp: int) -> int:
     return max(int(budget), 0)
 
 
-def _params(o: SamplingOptions, prompt_len: int, max_len: int, grammar=None) -> SamplingParams:
+def _params(o: SamplingOptions, prompt_len: int, max_len: int, grammar=None,
+            keep_special: frozenset[int] = frozenset()) -> SamplingParams:
     room = max_len - prompt_len
     if room < 1:
         raise InvalidRequest(f"the prompt ({prompt_len} tokens) fills the context window ({max_len}); "
@@ -186,7 +187,7 @@ def _params(o: SamplingOptions, prompt_len: int, max_len: int, grammar=None) -> 
             stop=list(o.stop), stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos,
             logprobs=o.top_logprobs if o.logprobs else 0, want_logprobs=o.logprobs,
             penalty_window=o.repeat_last_n if o.repeat_last_n != 0 else -1, grammar=grammar,
-            prompt_logprobs=o.prompt_logprobs,
+            prompt_logprobs=o.prompt_logprobs, keep_special=keep_special,
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
@@ -305,7 +306,8 @@ class NativeBackend:
             check_token_ids(ids, self.tokenizer.vocab_size)
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        params = _params(request.options, len(ids), self.engine.config.max_model_len, await self._grammar(request.options))
+        params = _params(request.options, len(ids), self.engine.config.max_model_len, await self._grammar(request.options),
+                         self.tokenizer.kept_specials(request.preserve))  # a harmony chat's markers, a call's
         if self.engine.fatal:  # a tensor-parallel rank died: this runner must restart
             self.fatal = self.engine.fatal
             raise BackendError(self.engine.fatal)

@@ -119,7 +119,7 @@ def new_request(prompt_ids: list[int], params: SamplingParams, request_id: str |
     if params.prompt_logprobs is not None and not scores_prompts:
         raise ValueError("prompt logprobs are not computed with speculative decoding or tensor parallelism")
     seq = Sequence(request_id or uuid.uuid4().hex, prompt_ids, params)
-    detok = Detokenizer(tokenizer, prompt_ids) if tokenizer else None
+    detok = Detokenizer(tokenizer, prompt_ids, params.keep_special) if tokenizer else None
     return EngineRequest(seq, detok)
 
 

@@ -48,6 +48,7 @@ class SamplingParams:
     # each prompt token's logprob and this many alternatives (None: off). The whole prompt is computed
     # (the prefix cache keeps no logits); max_tokens 0 then scores the prompt and generates nothing
     prompt_logprobs: int | None = None
+    keep_special: frozenset[int] = frozenset()  # special tokens whose text the output keeps (Tokenizer.kept_specials)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -5,6 +5,7 @@ GGUF metadata; Detokenizer turns tokens into text as they arrive."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -46,6 +47,26 @@ class Tokenizer:
             eos += e if isinstance(e, list) else [] if e is None else [e]
         return cls(tok, eos, None)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The tokens decode(skip_special_tokens=True) leaves out: the special added tokens."""
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return frozenset({i for i, t in added.items() if getattr(t, "special", False)}
+                         | set(self._tok.all_special_ids or ()))
+
+    def kept_specials(self, texts: list[str] | None) -> frozenset[int]:
+        """The special tokens among `texts` (each one token's text): those whose text an output keeps."""
+        return self._kept(tuple((texts or [])[:64])) if texts else frozenset()
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a few sets per model (its templates' markers)
+    def _kept(self, texts: tuple[str, ...]) -> frozenset[int]:
+        out = set()
+        for t in texts:
+            ids = self.encode(t) if len(t) <= 64 else []
+            if len(ids) == 1 and ids[0] in self.special_ids:
+                out.add(ids[0])
+        return frozenset(out)
+
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special)["input_ids"])
 
@@ -63,18 +84,27 @@ class Tokenizer:
 
 class Detokenizer:
     """Turns a growing token list into text deltas without splitting multi-byte characters or
-    losing the leading spaces that depend on the previous token (vLLM's offsets method)."""
+    losing the leading spaces that depend on the previous token (vLLM's offsets method).
+    Special tokens give no text, except those in `keep` (a harmony chat's channel markers, a
+    template's tool-call markers): their text stays in the output, for the parser to read."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], keep: frozenset[int] = frozenset()) -> None:
         self.tok = tokenizer
-        self.ids = list(prompt_ids[-5:])
+        self.drop = tokenizer.special_ids - keep if keep else None  # None: decode as skip_special_tokens does
+        tail = prompt_ids[-5:] if self.drop is None else [i for i in prompt_ids if i not in self.drop][-5:]
+        self.ids = list(tail)
         self.prefix = 0
         self.read = len(self.ids)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids) if self.drop is None else self.tok.decode(ids, skip_special_tokens=False)
+
     def add(self, token_id: int) -> str:
+        if self.drop is not None and token_id in self.drop:
+            return ""
         self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self.prefix:self.read])
-        text = self.tok.decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix:self.read])
+        text = self._decode(self.ids[self.prefix:])
         if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
         self.ids = self.ids[self.read:]

@@ -21,7 +21,8 @@ from localrun.errors import InvalidRequest
 from localrun.server import generic_tools, lenient_calls
 from localrun.server.job import Delta, Done, Event, FinishedChoice, Job, ToolCalls
 from localrun.server.loaded import Lease
-from localrun.server.output import HarmonyParser, OutputParser, is_forced_call
+from localrun.server.harmony import HarmonyParser
+from localrun.server.output import OutputParser, is_forced_call
 from localrun.server.prompt import context_advice, uses_harmony
 from localrun.server.tool_formats import learn as learn_tool_format
 

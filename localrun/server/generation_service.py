@@ -43,11 +43,12 @@ from localrun.errors import InvalidRequest, ShuttingDown
 from localrun.library.capabilities import KIND_USE, model_kind
 from localrun.server import generic_tools
 from localrun.server.generation import Generation
+from localrun.server.harmony import is_harmony
 from localrun.server.images import load_images
 from localrun.server.job import Job
 from localrun.server.loaded import Lease
 from localrun.server.manager import DEFAULT, ModelManager
-from localrun.server.output import Reasoning, is_harmony, reasoning_for
+from localrun.server.output import Reasoning, reasoning_for
 from localrun.server.prompt import context_advice, preserved_specials, render_prompt
 
 log = logging.getLogger("localrun.generation")

@@ -16,7 +16,7 @@ calls it found. Text is held back only while it could still turn into a marker
   itself is held to the end. With LOCALRUN_TOOL_CALL_SHAPES=lenient (the default) the content
   also goes through :class:`~localrun.server.lenient_calls.LenientCalls`: fenced / bare JSON calls
   (and lists of them) of an offered tool, with arguments that fit its schema, are calls too.
-- gpt-oss (harmony): :class:`HarmonyParser` reads the channels instead.
+- gpt-oss (harmony): :mod:`localrun.server.harmony` reads the channels instead.
 - The generic tool format (server/generic_tools.py, a template that cannot render tools): the
   output is one JSON object; the answer's string streams as it is written, calls are parsed whole.
 """
@@ -85,108 +85,6 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[dict]]:
     if not calls:
         return text, []
     return content, calls
-
-
-HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|return|>", "<|call|>"]
-_HARMONY_END = ("<|end|>", "<|return|>", "<|call|>")
-_HARMONY_TO = re.compile(r"to=(?:functions\.)?([A-Za-z0-9_][A-Za-z0-9_.\-]*)")
-
-
-def is_harmony(template: str | None) -> bool:
-    """gpt-oss's harmony format: messages on channels (analysis, commentary, final)."""
-    return bool(template) and "<|channel|>" in template and "<|message|>" in template  # type: ignore[operator]
-
-
-def _harmony_head(buf: str) -> bool:
-    """`buf` is (or may become) a harmony message header: a channel token, or the recipient first."""
-    s = buf.lstrip()
-    return any(t.startswith(s[:len(t)]) for t in [*HARMONY_TOKENS, "to="])
-
-
-class HarmonyParser:
-    """gpt-oss output: ``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
-    <|message|>...``: analysis -> reasoning, final (and commentary without a recipient) -> content,
-    a message to ``functions.NAME`` -> a tool call (its JSON body held to the end). Text before any
-    channel header is content."""
-
-    def __init__(self, tool_names: set[str] | None = None) -> None:
-        self.tool_names = tool_names or set()
-        self.buf = ""
-        self.state = "start"  # start | header | body
-        self.channel, self.recipient = "", ""
-        self.call_body = ""
-        self.calls: list[dict] = []
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self.buf += text
-        reasoning, content = "", ""
-        while True:
-            if self.state in ("start", "header"):
-                i = self.buf.find("<|message|>")
-                if i < 0:
-                    if self.state == "start" and not _harmony_head(self.buf):
-                        self.state = "plain"
-                        continue
-                    return reasoning, content
-                header = self.buf[:i]
-                self.buf = self.buf[i + len("<|message|>"):]
-                m = re.search(r"<\|channel\|>\s*([A-Za-z]+)", header)
-                self.channel = m.group(1) if m else "final"
-                to = _HARMONY_TO.search(header)
-                self.recipient = to.group(1) if to else ""
-                self.state = "body"
-                continue
-            if self.state == "plain":  # not harmony-framed at all
-                content += self.buf
-                self.buf = ""
-                return reasoning, content
-            ends = [(k, e) for e in _HARMONY_END if (k := self.buf.find(e)) >= 0]
-            if ends:
-                k, e = min(ends)
-                piece, self.buf = self.buf[:k], self.buf[k + len(e):]
-            else:
-                keep = max(_partial(self.buf, e) for e in _HARMONY_END)
-                piece, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-            r, c = self._route(piece)
-            reasoning, content = reasoning + r, content + c
-            if not ends:
-                return reasoning, content
-            self._close()
-            self.state = "header"
-            start = self.buf.find("<|channel|>")
-            if start < 0 and self.buf and not any(t.startswith(self.buf[:len(t)]) or self.buf.startswith(t)
-                                                  for t in HARMONY_TOKENS):
-                self.state = "plain"
-
-    def _route(self, piece: str) -> tuple[str, str]:
-        if self.recipient:
-            self.call_body += piece
-            return "", ""
-        return (piece, "") if self.channel == "analysis" else ("", piece)
-
-    def _close(self) -> None:
-        if self.recipient:
-            name, body = self.recipient, self.call_body.strip()
-            self.recipient, self.call_body = "", ""
-            if name in self.tool_names:
-                try:
-                    args = json.loads(body) if body else {}
-                except (ValueError, RecursionError):
-                    args = None
-                if isinstance(args, dict):
-                    self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
-                                       "arguments": call_arguments(args)})
-
-    def finish(self) -> tuple[str, str, list[dict]]:
-        reasoning, content = "", ""
-        if self.state == "body":
-            r, c = self._route(self.buf)
-            reasoning, content = r, c
-            self._close()
-        elif self.state == "plain" or (self.state == "start" and self.buf):
-            content = self.buf
-        self.buf = ""
-        return reasoning, content, self.calls
 
 
 class OutputParser:
@@ -411,5 +309,4 @@ def is_forced_call(schema: object) -> bool:
         for v in variants)
 
 
-__all__ = ["OutputParser", "HarmonyParser", "is_forced_call", "HARMONY_TOKENS", "is_harmony", "Reasoning", "reasoning_for",
-           "parse_tool_calls"]
+__all__ = ["OutputParser", "is_forced_call", "Reasoning", "reasoning_for", "parse_tool_calls"]

@@ -367,6 +367,11 @@ def normalize_messages(messages: Any, ollama_images: bool = False) -> list[dict]
         for k in ("name", "tool_call_id"):
             if isinstance(m.get(k), str):
                 msg[k] = m[k]
+        if role == "assistant":  # its reasoning, as sent back (templates decide whether to render it: gpt-oss's
+            thought = next((m[k] for k in ("reasoning_content", "thinking", "reasoning")  # before a tool call)
+                            if isinstance(m.get(k), str) and m[k]), None)
+            if thought is not None:
+                msg["reasoning_content"] = thought
         out.append(msg)
     if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise InvalidRequest("'messages' has no content: every message is empty")

@@ -15,7 +15,7 @@ from localrun.errors import InvalidRequest
 from localrun.server import generic_tools
 from localrun.server.job import Job
 from localrun.server.loaded import Lease
-from localrun.server.output import HARMONY_TOKENS, is_harmony
+from localrun.server.harmony import HARMONY_TOKENS, harmony_messages, harmony_tools, is_harmony
 from localrun.server.tool_formats import learn as learn_tool_format
 
 
@@ -84,10 +84,14 @@ def render_prompt(job: Job) -> str:
     if job.messages is not None:
         msgs = list(job.messages)
         _check_text_size(msgs)
+        harmony = is_harmony(r.template)
+        if harmony:  # gpt-oss's template reads one call a turn, never a None content or description
+            msgs = harmony_messages(msgs)
         history = [dict(m) for m in (r.messages or [])]
         if r.system and not any(m["role"] == "system" for m in msgs):
             history.insert(0, {"role": "system", "content": r.system})
         tools = None if job.tool_format == generic_tools.NAME else (job.tools or None)
+        tools = harmony_tools(tools) if harmony else tools
         if tools:
             learn_tool_format(r.template)  # learned here, off the event loop (cached per template)
         if job.continue_final:

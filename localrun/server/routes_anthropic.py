@@ -6,10 +6,11 @@ the generation service's events -> Anthropic's SSE events or one message object.
   ``messages`` (Claude Code sends them) joins the user turn before it as a system note (most
   templates take one system message, first). Content blocks: text -> content,
   ``tool_use`` (assistant) -> tool calls, ``tool_result`` (user) -> tool messages (``is_error``
-  results are marked "Error: "), ``thinking`` blocks of earlier turns are dropped (chat
-  templates drop old reasoning too); ``image`` blocks (``base64`` or ``url`` source, also inside a
-  tool_result) go where they stand (server/images.py); documents are a 400. A final assistant turn
-  (a prefill) is continued, as Anthropic does: the answer goes on from its text.
+  results are marked "Error: "), ``thinking`` blocks of earlier turns are the assistant message's
+  reasoning (the template decides: most drop old reasoning, gpt-oss keeps it before a tool call);
+  ``image`` blocks (``base64`` or ``url`` source, also inside a tool_result) go where they stand
+  (server/images.py); documents are a 400. A final assistant turn (a prefill) is continued, as
+  Anthropic does: the answer goes on from its text.
 - ``tools`` ({name, description, input_schema}) -> function tools; ``tool_choice`` auto / any /
   tool / none -> auto / required / that tool / none.
 - ``thinking`` enabled / disabled / adaptive -> think on / off / as the template does; the
@@ -190,6 +191,7 @@ def _messages(body: dict) -> list[dict]:
             raise InvalidRequest(f"{where}.content must be a string or a list of content blocks")
         texts = _Content()
         calls: list[dict] = []
+        thought = ""
         for j, b in enumerate(content):
             w = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
@@ -204,14 +206,18 @@ def _messages(body: dict) -> list[dict]:
                     out.append(texts.message("user"))
                     texts = _Content()
                 out.append(_tool_result(b, w))
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # earlier turns' reasoning: chat templates leave it out
+            elif kind == "thinking" and role == "assistant":  # earlier turns' reasoning: the template
+                thought += b.get("thinking") if isinstance(b.get("thinking"), str) else ""  # decides (gpt-oss
+            elif kind == "redacted_thinking" and role == "assistant":  # keeps what came before a tool call)
+                continue
             else:
                 raise _unsupported(b, w)
         if texts or calls:
             msg: dict[str, Any] = texts.message(role)
             if calls:
                 msg["tool_calls"] = calls
+            if thought:
+                msg["reasoning_content"] = thought
             out.append(msg)
     if all(m.get("role") == "system" for m in messages if isinstance(m, dict)):
         raise InvalidRequest("'messages' has no user or assistant message")

@@ -255,17 +255,46 @@ def _plain_escapes(text: str) -> str:
     return _GBNF_QUOTED.sub(token, text)
 
 
+# a token reference (llama.cpp's GBNF: <|channel|>, <think>, <[1000]>), outside literals, classes and comments
+_GBNF_TOKEN_REF = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|(!?)(<\[\d{1,7}\]>|<[^\s<>"\[\]]{1,64}>)')
+
+
+def _token_refs(text: str) -> tuple[str, dict[str, str]]:
+    """GBNF text with each token reference as a placeholder literal, and {placeholder: the reference}
+    (llguidance's GBNF reader knows none; its Lark takes them as written)."""
+    refs: dict[str, str] = {}
+
+    def sub(m: re.Match) -> str:
+        if m.group(2) is None:
+            return m.group(0)
+        if m.group(1):
+            raise InvalidRequest(f"the grammar negates a token ({m.group(0)}): not supported; list what may come instead")
+        key = f'"LRTOKENREF{len(refs)}Z"'
+        refs[key] = m.group(2)
+        return key
+
+    return _GBNF_TOKEN_REF.sub(sub, text), refs
+
+
 @functools.lru_cache(maxsize=64)
 def gbnf_lark(text: str) -> str:
     """llguidance's grammar for GBNF text (checked with check_gbnf); InvalidRequest when its reader cannot
-    read it."""
+    read it. Token references (<|channel|>, <[1000]>) stay token references."""
     g = _llguidance().gbnf_to_lark
 
     if "is_atomic" not in vars(g.RepetitionNode):
         # the reader writes a repetition of a repetition without parentheses ("a"++), which Lark refuses
         g.RepetitionNode.is_atomic = lambda self: False
+    text, refs = _token_refs(text)
     try:
-        return g.gbnf_to_lark(_plain_escapes(text))
+        lark = g.gbnf_to_lark(_plain_escapes(text))
+        for key, ref in refs.items():
+            if key not in lark:
+                raise InvalidRequest(f"the grammar's token reference {ref} cannot be used where it stands")
+            lark = lark.replace(key, ref)
+        return lark
+    except InvalidRequest:
+        raise
     except g.GbnfToLarkError as exc:
         raise InvalidRequest(f"the grammar (GBNF) does not parse: {exc}") from None
     except RecursionError:
