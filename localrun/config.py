@@ -55,6 +55,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_HTTP_KEEPALIVE": ("2m", "how long an idle kept-alive HTTP connection stays open (clients that pause between requests, as agents and editors do, reuse it; a client that writes on one the daemon just closed gets a broken pipe)"),
     "LOCALRUN_LOG_LEVEL": ("info", "debug | info | warning | error"),
     "LOCALRUN_FAULTS": ("(none)", "diagnostics and tests: make named steps of a model load or a step fail for real, to exercise the fallbacks (comma-separated: kernel:NAME, graph_capture[:BATCH], kv_alloc[:N], step_oom[:N], native_load[:MODEL]); never set it in normal use"),
+    "LOCALRUN_TOOL_CALL_SHAPES": ("lenient", "lenient | template: which replies are tool calls when tools are offered. lenient: also JSON naming an offered tool with arguments that fit its schema outside the template's markers (a fenced ```json block, bare JSON, a list of calls, text around them; docs/tool-calls.md); template: only the template's own markers (and the bare JSON a forced call is written as)"),
     "LOCALRUN_GENERIC_TOOLS": ("on", "on | off: a request with tools for a model whose chat template cannot render them gets the generic tool format (the tool definitions in the system prompt, the output constrained to JSON: an answer or tool calls); off: such a request is a 400"),
 }
 
@@ -248,6 +249,7 @@ class Settings:
     image_max_count: int = 16  # images per request
     image_max_pixels: int = 1 << 24  # width x height per image
     generic_tools: bool = True  # tools for templates that cannot render them: the generic JSON format
+    tool_call_shapes: str = "lenient"  # lenient | template: calls outside the template's markers (server/lenient_calls.py)
     faults: str = ""  # LOCALRUN_FAULTS (engine/faults.py): diagnostics and tests only
     native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
     models: Path | None = None  # LOCALRUN_MODELS: the model library (None: LOCALRUN_HOME/models)
@@ -313,6 +315,7 @@ class Settings:
             "LOCALRUN_SHUTDOWN_GRACE": f"{self.shutdown_grace:g}s",
             "LOCALRUN_HTTP_KEEPALIVE": f"{self.http_keepalive:g}s",
             "LOCALRUN_LOG_LEVEL": self.log_level,
+            "LOCALRUN_TOOL_CALL_SHAPES": self.tool_call_shapes,
             "LOCALRUN_GENERIC_TOOLS": "on" if self.generic_tools else "off",
             "LOCALRUN_FAULTS": self.faults or "(none)",
         }
@@ -476,6 +479,9 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         raise ValueError("LOCALRUN_IMAGE_URL_TIMEOUT must be more than 0 and at most 10m")
     raw_generic = e.get("LOCALRUN_GENERIC_TOOLS")
     generic_tools = _flag("LOCALRUN_GENERIC_TOOLS", raw_generic) if (raw_generic or "").strip() else True
+    tool_call_shapes = (e.get("LOCALRUN_TOOL_CALL_SHAPES") or "lenient").strip().lower()
+    if tool_call_shapes not in ("lenient", "template"):
+        raise ValueError(f"LOCALRUN_TOOL_CALL_SHAPES must be lenient or template, got {tool_call_shapes!r}")
     parse_faults(e.get("LOCALRUN_FAULTS"))  # a misspelt fault is a start-up error, not a silently ignored one
     return Settings(
         home=home,
@@ -510,6 +516,7 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         image_max_count=_int("LOCALRUN_IMAGE_MAX_COUNT", e.get("LOCALRUN_IMAGE_MAX_COUNT"), 16, 1),
         image_max_pixels=_int("LOCALRUN_IMAGE_MAX_PIXELS", e.get("LOCALRUN_IMAGE_MAX_PIXELS"), 1 << 24, 1),
         generic_tools=generic_tools,
+        tool_call_shapes=tool_call_shapes,
         faults=(e.get("LOCALRUN_FAULTS") or "").strip(),
         native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
         models=models,

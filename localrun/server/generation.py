@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from localrun.backends.base import Chunk, GenerationRequest, Usage
 from localrun.errors import InvalidRequest
-from localrun.server import generic_tools
+from localrun.server import generic_tools, lenient_calls
 from localrun.server.job import Delta, Done, Event, FinishedChoice, Job, ToolCalls
 from localrun.server.loaded import Lease
 from localrun.server.output import HarmonyParser, OutputParser, is_forced_call
@@ -146,7 +146,8 @@ class Generation:
                 parser = HarmonyParser(names) if uses_harmony(self.job) \
                     else OutputParser(self.reasoning, names, tool_format=learn_tool_format(self.job.resolved.template)
                                       if self.job.tools and not generic else None, tools=self.job.tools, generic=generic,
-                                      forced=bool(self.job.tools) and is_forced_call(self.job.options.json_schema))
+                                      forced=bool(self.job.tools) and is_forced_call(self.job.options.json_schema),
+                                      lenient=bool(self.job.tools) and lenient_calls.enabled())
                 hide_reasoning = self.job.think is False
                 first_at, last_at = None, None
                 try:

@@ -26,6 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from localrun.server.lenient_calls import LenientCalls
 from localrun.server.tool_formats import ToolFormat, call_arguments
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -191,7 +192,7 @@ class OutputParser:
 
     def __init__(self, reasoning: Reasoning | None = None, tool_names: set[str] | None = None,
                  tool_format: ToolFormat | None = None, tools: list[dict] | None = None, generic: bool = False,
-                 forced: bool = False) -> None:
+                 forced: bool = False, lenient: bool = False) -> None:
         self.reasoning = reasoning
         self.forced = forced  # the output is a call the grammar forces (tool_choice required / any / a name)
         self.generic = generic  # the generic tool format: the output is one JSON object (server/generic_tools.py)
@@ -212,6 +213,8 @@ class OutputParser:
         self.holding = False
         self.content_sent = ""  # content given out so far (tool calls are parsed from it + held)
         self.after_think = False  # just left a think block: drop the whitespace that follows it
+        # calls outside the template's markers (fenced/bare JSON, lists): server/lenient_calls.py
+        self.lenient = LenientCalls(self.tools) if lenient and self.tool_names and not generic else None
 
     def feed(self, text: str) -> tuple[str, str]:
         """Returns (reasoning, content) that may be sent now."""
@@ -251,6 +254,11 @@ class OutputParser:
 
     def _content(self, text: str) -> str:
         """Content that may go out now: all of it, unless it may be (part of) a tool call."""
+        out = self._marked(text)
+        return self.lenient.feed(out) if self.lenient is not None and out else out
+
+    def _marked(self, text: str) -> str:
+        """_content, for the template's markers (and a bare JSON output, when lenient shapes are off)."""
         if not self.tool_names or not text:  # (content_sent is read only when tools are on)
             return text
         if self.generic:  # one JSON object: an answer streams as its string is written; calls are held
@@ -265,7 +273,8 @@ class OutputParser:
         start = self.held + buf
         self.held = ""
         lead = (self.content_sent + start).lstrip()
-        if not self.content_sent.strip() and lead[:1] in ("{", "["):  # a bare JSON call
+        bare = self.lenient is None or (self.tool_format is not None and self.tool_format.marker is None)
+        if bare and not self.content_sent.strip() and lead[:1] in ("{", "["):  # a bare JSON call (or pythonic list)
             self.holding, self.held = True, start
             return ""
         if not self.content_sent.strip() and self.tool_format is not None and not self.tool_format.opener:
@@ -354,18 +363,37 @@ class OutputParser:
                 return reasoning, parsed[0], parsed[1]
             if _CALLS_OPEN.match(rest):  # a call cut short (max_tokens) before one was whole: no text
                 return reasoning, "", []
+        pre, early = "", []
+        if self.lenient is not None:
+            if not self.holding:  # rest is content (a marker's start at most): the lenient shapes read it
+                pre, rest = self.lenient.feed(rest), ""
+            tail, early = self.lenient.finish()
+            pre += tail
+        content_left, calls = self._marked_calls(rest)
+        if self.lenient is not None and content_left:  # a fenced call after a template's call, ...
+            content_left, more = LenientCalls.run(content_left, self.tools)
+            calls += more
+        calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": call_arguments(args)}
+                 for name, args in early] + calls
+        if calls:
+            content = pre + content_left
+            return reasoning, (content.strip() if not self.lenient or not self.lenient.sent else content.rstrip()), calls
+        if self.forced:  # a forced call cut short (max_tokens): never its wrapper as text (no answer was asked)
+            return reasoning, "", []
+        return reasoning, pre + rest, []
+
+    def _marked_calls(self, rest: str) -> tuple[str, list]:
+        """(content left, calls) from text in the template's markers, or a bare JSON output."""
+        if not rest:
+            return "", []
         if self.tool_format is not None:
             left, found = self.tool_format.parse(rest, self.tools)
             if found:
                 calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": name,
                           "arguments": call_arguments(args)} for name, args in found]
-                return reasoning, left.strip(), calls
+                return left.strip(), calls
         content_left, calls = parse_tool_calls(rest, self.tool_names)
-        if calls:
-            return reasoning, content_left, calls
-        if self.forced:  # a forced call cut short (max_tokens): never its wrapper as text (no answer was asked)
-            return reasoning, "", []
-        return reasoning, rest, []
+        return (content_left, calls) if calls else (rest, [])
 
 
 def is_forced_call(schema: object) -> bool:
