@@ -150,9 +150,9 @@ def test_codex_gets_the_model_metadata(tmp_path, lean):
 def test_bench_agents_runs_a_task(qwen_coder_05b, tmp_path):
     """The machinery end to end: a daemon of its own, the agent model loaded, `localrun launch codex --lean`
     on the no-tool task, the run scored and counted from the daemon's /metrics."""
-    from localrun.bench.agents import Config, run_suite
+    from localrun.bench.agents import SuiteConfig, run_suite
 
-    cfg = Config([("qwen2.5-coder-0.5b", qwen_coder_05b)], ["codex"], ["lean"], tasks.select("no-tool"), timeout=600,
+    cfg = SuiteConfig([("qwen2.5-coder-0.5b", qwen_coder_05b)], ["codex"], ["lean"], tasks.select("no-tool"), timeout=600,
                  max_ctx=8192)
     lines: list[str] = []
     res = run_suite(cfg, say=lines.append)

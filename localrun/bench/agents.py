@@ -48,7 +48,7 @@ CLAUDE_TOOLS = "Bash,Read,Edit,Write,Grep,Glob"
 
 
 @dataclass
-class Config:
+class SuiteConfig:
     models: list[tuple[str, Path]]
     clis: list[str]
     profiles_: list[str]
@@ -88,6 +88,7 @@ class Served:
         self.kind, self.port, self.home = kind, port, home
         self.url = f"http://127.0.0.1:{port}"
         self.log = home / f"{kind}.log"
+        home.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(argv, env=env, cwd=home, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
@@ -134,7 +135,7 @@ class Served:
                 "prompt_tokens": total("llamacpp:prompt_tokens_total"), "cached_tokens": None}
 
 
-def start_localrun(gguf: Path, home: Path, cfg: Config, say: Callable[[str], None]) -> tuple[Served, int]:
+def start_localrun(gguf: Path, home: Path, cfg: SuiteConfig, say: Callable[[str], None]) -> tuple[Served, int]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALRUN_")}
     env.update(LOCALRUN_HOME=str(home / "localrun-home"), LOCALRUN_HOST=f"127.0.0.1:{port}", LOCALRUN_NUM_PARALLEL="1",
@@ -159,7 +160,7 @@ def start_localrun(gguf: Path, home: Path, cfg: Config, say: Callable[[str], Non
     return s, ctx
 
 
-def start_llama_server(binary: Path, gguf: Path, ctx: int, info_limit: int, home: Path, cfg: Config) -> Served:
+def start_llama_server(binary: Path, gguf: Path, ctx: int, info_limit: int, home: Path, cfg: SuiteConfig) -> Served:
     port = _free_port()
     argv = [str(binary), "-m", str(gguf), "-c", str(ctx), "-np", "1", "-n", str(info_limit), "--jinja", "--metrics",
             "-t", str(cfg.threads), "-tb", str(cfg.threads), "--host", "127.0.0.1", "--port", str(port)]
@@ -229,7 +230,7 @@ def run_task(server: Served, cli: str, lean: bool, task: Task, ctx: int, work: P
             "answer_tail": answer.strip()[-300:], "stderr_tail": (err or "").strip()[-300:]}
 
 
-def run_side(kind: str, server: Served, model: str, ctx: int, cfg: Config, scratch: Path,
+def run_side(kind: str, server: Served, model: str, ctx: int, cfg: SuiteConfig, scratch: Path,
              say: Callable[[str], None]) -> list[dict]:
     rows = []
     own = None
@@ -245,11 +246,11 @@ def run_side(kind: str, server: Served, model: str, ctx: int, cfg: Config, scrat
                 rows.append(row)
                 say(f"{kind:12} {model:22} {cli:6} {profile:4} {task.name:12} {'PASS' if row['passed'] else 'fail'} "
                     f"{row['wall_s']:7.1f}s req {row['requests']} prompt {row['prompt_tokens']} cached "
-                    f"{row['cached_tokens']}  ({row['why']})")
+                    f"{row['cached_tokens']}  ({row['why']}; answer {row['answer_tail'][-120:]!r})")
     return rows
 
 
-def run_suite(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
+def run_suite(cfg: SuiteConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
     rows: list[dict] = []
     scratch = Path(tempfile.mkdtemp(prefix="localrun-bench-agents-"))
     try:
@@ -288,4 +289,4 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["Config", "run_suite", "summarize", "resolve_models", "agent_args", "MODELS"]
+__all__ = ["SuiteConfig", "run_suite", "summarize", "resolve_models", "agent_args", "MODELS"]

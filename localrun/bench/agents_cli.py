@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def cmd(a: argparse.Namespace) -> int:
-    from localrun.bench.agents import Config, resolve_models, run_suite
+    from localrun.bench.agents import SuiteConfig, resolve_models, run_suite
     from localrun.bench.agents_tasks import select
 
     clis = [c.strip() for c in a.cli.split(",") if c.strip()]
@@ -53,7 +53,7 @@ def cmd(a: argparse.Namespace) -> int:
             binary = Path(a.llama_server)
     if a.only_llama_server and binary is None:
         raise ValueError("--only-llama-server needs --llama-server")
-    cfg = Config(resolve_models(a.model, a.gguf), clis, profs, select(a.tasks), timeout=a.timeout, llama_server=binary,
+    cfg = SuiteConfig(resolve_models(a.model, a.gguf), clis, profs, select(a.tasks), timeout=a.timeout, llama_server=binary,
                  localrun=not a.only_llama_server, max_ctx=a.max_ctx, env=env)
     res = run_suite(cfg, say=lambda s: print(s, flush=True))
     print(f"\n{'server':12} {'model':22} {'cli':6} {'profile':7} {'pass':>6} {'wall s':>8} {'requests':>8} "
