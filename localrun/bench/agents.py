@@ -219,6 +219,9 @@ def run_task(server: Served, cli: str, lean: bool, task: Task, ctx: int, work: P
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+    except BaseException:  # interrupted: the agent (its own session) goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     wall = time.monotonic() - t0
     after = server.counters()
     answer = "\n".join(line for line in (out or "").splitlines() if not line.startswith("localrun: "))
@@ -227,11 +230,14 @@ def run_task(server: Served, cli: str, lean: bool, task: Task, ctx: int, work: P
              for k in after}
     return {"task": task.name, "passed": passed, "why": why, "wall_s": round(wall, 1), "rc": proc.returncode,
             "timed_out": timed_out, **{k: (int(v) if v is not None else None) for k, v in delta.items()},
-            "answer_tail": answer.strip()[-300:], "stderr_tail": (err or "").strip()[-300:]}
+            "answer_head": answer.strip()[:300], "answer_tail": answer.strip()[-300:],
+            "stderr_tail": (err or "").strip()[-300:]}
 
 
-def run_side(kind: str, server: Served, model: str, ctx: int, cfg: SuiteConfig, scratch: Path,
-             say: Callable[[str], None]) -> list[dict]:
+def run_model(servers: list[Served], model: str, ctx: int, cfg: SuiteConfig, scratch: Path,
+              say: Callable[[str], None], sink: Callable[[dict], None]) -> list[dict]:
+    """Every (profile, cli, task) on each server in turn, back to back: the two sides of a task run
+    under the same load of the machine."""
     rows = []
     own = None
     if "full" in cfg.profiles_ and "codex" in cfg.clis:
@@ -239,36 +245,49 @@ def run_side(kind: str, server: Served, model: str, ctx: int, cfg: SuiteConfig, 
     for profile in cfg.profiles_:
         for cli in cfg.clis:
             for task in cfg.tasks:
-                work = Path(tempfile.mkdtemp(prefix=f"{cli}-{task.name}-", dir=scratch))
-                row = {"model": model, "server": kind, "cli": cli, "profile": profile, "ctx": ctx,
-                       **run_task(server, cli, profile == "lean", task, ctx, work, cfg.timeout, own)}
-                shutil.rmtree(work, ignore_errors=True)
-                rows.append(row)
-                say(f"{kind:12} {model:22} {cli:6} {profile:4} {task.name:12} {'PASS' if row['passed'] else 'fail'} "
-                    f"{row['wall_s']:7.1f}s req {row['requests']} prompt {row['prompt_tokens']} cached "
-                    f"{row['cached_tokens']}  ({row['why']}; answer {row['answer_tail'][-120:]!r})")
+                for server in servers:
+                    work = Path(tempfile.mkdtemp(prefix=f"{cli}-{task.name}-", dir=scratch))
+                    row = {"model": model, "server": server.kind, "cli": cli, "profile": profile, "ctx": ctx,
+                           **run_task(server, cli, profile == "lean", task, ctx, work, cfg.timeout, own)}
+                    shutil.rmtree(work, ignore_errors=True)
+                    rows.append(row)
+                    sink(row)
+                    say(f"{server.kind:12} {model:22} {cli:6} {profile:4} {task.name:12} "
+                        f"{'PASS' if row['passed'] else 'fail'} {row['wall_s']:7.1f}s req {row['requests']} prompt "
+                        f"{row['prompt_tokens']} cached {row['cached_tokens']}  ({row['why']}; answer "
+                        f"{row['answer_tail'][-120:]!r})")
     return rows
 
 
-def run_suite(cfg: SuiteConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
+def run_suite(cfg: SuiteConfig, say: Callable[[str], None] = print,
+              sink: Callable[[dict], None] = lambda row: None) -> dict[str, Any]:
+    """``sink`` gets each row as it is measured (a long run keeps what it measured when cut short)."""
     rows: list[dict] = []
+
+    def stop(signum, frame):  # SIGTERM ends the run like Ctrl+C: the servers are stopped on the way out
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     scratch = Path(tempfile.mkdtemp(prefix="localrun-bench-agents-"))
     try:
         for model, gguf in cfg.models:
-            lr, ctx = start_localrun(gguf, scratch / model, cfg, say)
+            servers: list[Served] = []
             try:
-                if cfg.localrun:
-                    rows += run_side("localrun", lr, model, ctx, cfg, scratch, say)
+                lr, ctx = start_localrun(gguf, scratch / model, cfg, say)
+                servers.append(lr)
+                if cfg.llama_server:
+                    servers.append(start_llama_server(cfg.llama_server, gguf, ctx, profiles.output_limit(ctx, {}),
+                                                      scratch / model, cfg))
+                    if not cfg.localrun:
+                        lr.stop()
+                        servers.remove(lr)
+                rows += run_model(servers, model, ctx, cfg, scratch, say, sink)
             finally:
-                lr.stop()
-            if cfg.llama_server:
-                ls = start_llama_server(cfg.llama_server, gguf, ctx, profiles.output_limit(ctx, {}), scratch / model, cfg)
-                try:
-                    rows += run_side("llama-server", ls, model, ctx, cfg, scratch, say)
-                finally:
-                    ls.stop()
+                for s in servers:
+                    s.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
     return {"bench": "agents", "timeout_s": cfg.timeout, "daemon_env": cfg.env, "rows": rows,
             "summary": summarize(rows)}
 

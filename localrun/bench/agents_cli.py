@@ -55,7 +55,17 @@ def cmd(a: argparse.Namespace) -> int:
         raise ValueError("--only-llama-server needs --llama-server")
     cfg = SuiteConfig(resolve_models(a.model, a.gguf), clis, profs, select(a.tasks), timeout=a.timeout, llama_server=binary,
                  localrun=not a.only_llama_server, max_ctx=a.max_ctx, env=env)
-    res = run_suite(cfg, say=lambda s: print(s, flush=True))
+    partial = a.result.with_suffix(".partial.jsonl") if a.result else None
+    if partial:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+
+    def sink(row: dict) -> None:
+        if partial:
+            with open(partial, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    res = run_suite(cfg, say=lambda s: print(s, flush=True), sink=sink)
     print(f"\n{'server':12} {'model':22} {'cli':6} {'profile':7} {'pass':>6} {'wall s':>8} {'requests':>8} "
           f"{'prompt tok':>10} {'cached':>8}")
     for s in res["summary"]:
