@@ -28,7 +28,8 @@ LEAN_INSTRUCTIONS = ("You are a coding agent working in the current directory. U
 CLAUDE_LEAN_TOOLS = "Bash,Read,Edit,Write"
 # Codex's documented feature flags and settings for the tools and prompt parts a small task needs none of
 CODEX_LEAN_FLAGS = ["--disable", "goals", "--disable", "multi_agent", "--disable", "apps", "--disable", "plugins",
-                    "--disable", "image_generation", "-c", 'web_search="disabled"', "-c", "skills.bundled.enabled=false",
+                    "--disable", "image_generation", "-c", 'web_search="disabled"',
+                    "-c", "skills.bundled.enabled=false",
                     "-c", "include_apps_instructions=false", "-c", "include_environment_context=false",
                     "--disable", "view_image"]
 SMALL_MODEL = 7_000_000_000  # below this many parameters `launch` suggests --lean

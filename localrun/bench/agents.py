@@ -125,13 +125,14 @@ class Served:
         """requests, prompt tokens and cached prompt tokens so far (None where the server counts none)."""
         text = httpx.get(self.url + "/metrics", timeout=60).text
         def total(name: str) -> float:
-            return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+            pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$"
+            return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
         if self.kind == "localrun":
             return {"requests": total("localrun_generations_finished_total"),
                     "prompt_tokens": total("localrun_prompt_tokens_total"),
                     "cached_tokens": total("localrun_cached_prompt_tokens_total")}
         log = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return {"requests": float(len(re.findall(r"POST /v1/(?:messages|responses)\b", log))) or None,
+        return {"requests": float(len(re.findall(r"launch_slot_: .*processing task", log))),
                 "prompt_tokens": total("llamacpp:prompt_tokens_total"), "cached_tokens": None}
 
 
@@ -150,8 +151,8 @@ def start_localrun(gguf: Path, home: Path, cfg: SuiteConfig, say: Callable[[str]
         fit = info.get("fit_context") if isinstance(info.get("fit_context"), dict) else {}
         ctx = min(fit.get("num_ctx") or agent_command.trained_context(info) or 8192, cfg.max_ctx)
         # the agent model as `launch` makes it (same Modelfile, same digest), loaded before the clock starts
-        r = h.post("/api/create", json={"model": AGENT_MODEL, "modelfile": profiles.agent_modelfile(BENCH_MODEL, ctx, info),
-                                        "stream": False})
+        modelfile = profiles.agent_modelfile(BENCH_MODEL, ctx, info)
+        r = h.post("/api/create", json={"model": AGENT_MODEL, "modelfile": modelfile, "stream": False})
         if r.status_code != 200:
             raise RuntimeError(f"create failed: {r.text[:300]}")
         t0 = time.monotonic()
@@ -173,7 +174,8 @@ def start_llama_server(binary: Path, gguf: Path, ctx: int, info_limit: int, home
 def agent_args(cli: str, prompt: str, timeout: float) -> list[str]:
     if cli == "codex":
         return ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                "-c", "model_providers.localrun.request_max_retries=0", "-c", "model_providers.localrun.stream_max_retries=0",
+                "-c", "model_providers.localrun.request_max_retries=0",
+                "-c", "model_providers.localrun.stream_max_retries=0",
                 "-c", f"model_providers.localrun.stream_idle_timeout_ms={int(timeout * 1000)}", prompt]
     return ["-p", prompt, "--allowedTools", CLAUDE_TOOLS]
 

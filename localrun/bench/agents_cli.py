@@ -17,9 +17,11 @@ def add_parser(sub) -> None:
     p.add_argument("--lean", dest="profile", action="store_const", const="lean", help="only the lean profile")
     p.add_argument("--full", dest="profile", action="store_const", const="full", help="only the full profile")
     p.add_argument("--tasks", help="comma-separated task names (default: all; see bench/agents_tasks.py)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a task may take; a timeout fails (default 600)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a task may take; a timeout fails (default 600)")
     p.add_argument("--llama-server", nargs="?", const="build", default=None, metavar="PATH",
-                   help="also run the suite against llama.cpp's llama-server on the same GGUF (PATH, or the cached build)")
+                   help="also run the suite against llama.cpp's llama-server on the same GGUF "
+                        "(PATH, or the cached build)")
     p.add_argument("--only-llama-server", action="store_true", help="with --llama-server: skip localrun's side")
     p.add_argument("--max-ctx", type=int, default=32768, help="the largest context given to the agent model")
     p.add_argument("--daemon-env", action="append", default=[], metavar="K=V",
@@ -53,7 +55,8 @@ def cmd(a: argparse.Namespace) -> int:
             binary = Path(a.llama_server)
     if a.only_llama_server and binary is None:
         raise ValueError("--only-llama-server needs --llama-server")
-    cfg = SuiteConfig(resolve_models(a.model, a.gguf), clis, profs, select(a.tasks), timeout=a.timeout, llama_server=binary,
+    cfg = SuiteConfig(resolve_models(a.model, a.gguf), clis, profs, select(a.tasks), timeout=a.timeout,
+                      llama_server=binary,
                  localrun=not a.only_llama_server, max_ctx=a.max_ctx, env=env)
     partial = a.result.with_suffix(".partial.jsonl") if a.result else None
     if partial:

@@ -53,7 +53,8 @@ def _tests_pass(repo: Path, answer: str) -> tuple[bool, str]:
 
 
 def _renamed(repo: Path, answer: str) -> tuple[bool, str]:
-    texts = {n: (repo / n).read_text(errors="replace") if (repo / n).is_file() else "" for n in ("prices.py", "report.py")}
+    texts = {n: (repo / n).read_text(errors="replace") if (repo / n).is_file() else ""
+             for n in ("prices.py", "report.py")}
     if any("compute_total" in t for t in texts.values()):
         return False, "compute_total is still there"
     if "def sum_prices" not in texts["prices.py"] or "sum_prices(" not in texts["report.py"]:
