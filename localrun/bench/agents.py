@@ -11,7 +11,7 @@ daemon's requests, prompt tokens and how many of them came from its prefix cache
 before and after). ``--llama-server`` runs the same suite with both CLIs pointed at llama.cpp's own
 llama-server on the same GGUF (same context, same output limit, the same agent settings that
 ``launch`` gives: agents/command.py and agents/profiles.py); its /metrics counts prompt tokens it
-evaluated (cache hits are not counted there) and its log the requests.
+evaluated (cache hits are not counted there) and its log the requests (the slot's "processing task" lines).
 
 The agents run with a throw-away HOME (nothing of the user's configuration is read or written) and
 their own documented permission settings for unattended runs: Codex with its sandbox bypassed
