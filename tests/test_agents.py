@@ -335,6 +335,7 @@ def test_launch_says_how_tools_reach_the_model(real, tmp_path):
     r = launch(real.port)
     assert r.returncode == 0, r
     assert "renders no tools" in r.stdout and "generic JSON format" in r.stdout, r.stdout
+    assert "is small (0.1B parameters)" in r.stdout and "launch codex --lean" in r.stdout, r.stdout  # suggested
     assert "agent ran: " in r.stdout and r.stdout.rstrip().endswith("exec hi"), r.stdout
     off = Daemon(tmp_path / "off", LOCALRUN_GENERIC_TOOLS="off", LOCALRUN_CONTEXT_LENGTH=CTX)
     try:

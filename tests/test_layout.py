@@ -245,8 +245,9 @@ ARROWS: dict[str, set[str]] = {
     "client": BASE | {"library"},  # HTTP client of the daemon; reads local files for uploads
     "tui": BASE | {"client", "attachments"},  # a client of the HTTP API only
     # `serve` runs the daemon; `create` parses a Modelfile and hashes files for upload (library), as Ollama's CLI does
-    "cli": BASE | {"client", "tui", "server", "bench", "cluster", "attachments", "library"},
-    "bench": BASE | {"engine", "kernels", "backends", "structured", "library", "templates", "cluster", "server"},
+    "cli": BASE | {"agents", "client", "tui", "server", "bench", "cluster", "attachments", "library"},
+    "agents": BASE,  # the coding agents' argv, environment and settings: launch and bench agents share them
+    "bench": BASE | {"agents", "engine", "kernels", "backends", "structured", "library", "templates", "cluster", "server"},
     "healthcheck": BASE,
     "__main__": BASE | {"cli"},
 }

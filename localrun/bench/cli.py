@@ -18,6 +18,7 @@
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
     localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
+    localrun bench agents [--model 0.5b,1.5b] [--cli codex,claude] [--lean|--full] [--tasks ...] [--llama-server [PATH]]
     localrun bench ab --measure itl|ttft|decode|throughput [--a-rev REV] [--b-env K=V] ... (see bench/ab.py)
     localrun bench profile --random-weights --shape NAME [--batch 8] [--steps 32] (see bench/step_profile.py)
 
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     vs_llama_server.add_parser(sub)
 
+    from localrun.bench import agents_cli  # stdlib-only at import
+
+    agents_cli.add_parser(sub)
+
     from localrun.bench import overhead  # stdlib-only at import
 
     overhead.add_parser(sub, positive_int)
@@ -303,6 +308,15 @@ COMMANDS = {"throughput": cli_commands.cmd_throughput, "serve": cli_commands.cmd
             "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "overhead": _cmd_overhead,
             "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
             "build-llama-server": _cmd_build_llama_server, "ab": _cmd_ab, "profile": _cmd_profile}
+
+
+def _cmd_agents(a: argparse.Namespace) -> int:
+    from localrun.bench import agents_cli
+
+    return agents_cli.cmd(a)
+
+
+COMMANDS["agents"] = _cmd_agents
 
 
 def main(argv: list[str] | None = None) -> int:

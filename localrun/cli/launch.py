@@ -16,65 +16,12 @@ format (its template renders none), and refuses when they cannot reach it at all
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-from pathlib import Path
 
+from localrun.agents import profiles as lp
+from localrun.agents.command import LaunchError, agent_binary, agent_model_name, command, trained_context
 from localrun.cli.common import CLIError
 from localrun.client import DaemonClient
-
-AGENTS = {"claude": ("claude", "@anthropic-ai/claude-code"), "codex": ("codex", "@openai/codex")}
-CACHE = Path.home() / ".cache" / "localrun-agents" / "node_modules" / ".bin"
-
-
-class LaunchError(Exception):
-    pass
-
-
-def agent_binary(agent: str) -> str:
-    exe, package = AGENTS[agent]
-    found = shutil.which(exe) or (str(CACHE / exe) if (CACHE / exe).exists() else None)
-    if found is None:
-        raise LaunchError(f"{exe} is not installed: install it from the npm registry with "
-                          f"`npm install -g {package}` (or `npm install --prefix ~/.cache/localrun-agents {package}`)")
-    return found
-
-
-def trained_context(info: dict) -> int | None:
-    """The context length the model was trained for, from `show`'s model_info."""
-    for key, value in (info.get("model_info") or {}).items():
-        if key.endswith(".context_length") and isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def agent_model_name(model: str) -> str:
-    name, _, tag = model.partition(":")
-    return f"{name}:{tag or 'latest'}-agent"
-
-
-def command(agent: str, exe: str, base_url: str, model: str, api_key: str | None,
-            extra: list[str]) -> tuple[list[str], dict]:
-    """The agent's argv and environment, pointed at the daemon only."""
-    env = dict(os.environ)
-    if agent == "claude":
-        env.update(ANTHROPIC_BASE_URL=base_url, ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model,
-                   ANTHROPIC_DEFAULT_HAIKU_MODEL=model, ANTHROPIC_API_KEY=api_key or "localrun",
-                   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1", DISABLE_AUTOUPDATER="1",
-                   DISABLE_ERROR_REPORTING="1")
-        env.pop("ANTHROPIC_AUTH_TOKEN", None)
-        return [exe, *extra], env
-    overrides = ['model_provider="localrun"', 'model_providers.localrun.name="localrun"',
-                 f'model_providers.localrun.base_url="{base_url}/v1"', 'model_providers.localrun.wire_api="responses"',
-                 "analytics.enabled=false"]
-    if api_key:
-        env["LOCALRUN_API_KEY"] = api_key
-        overrides.append('model_providers.localrun.env_key="LOCALRUN_API_KEY"')
-    argv = [exe]
-    # `codex exec ...` / `codex resume ...`: the overrides go before the subcommand, which is global
-    for o in overrides:
-        argv += ["-c", o]
-    return argv + ["-m", model, *extra], env
 
 
 def run(args, client) -> int:
@@ -103,13 +50,28 @@ def run(args, client) -> int:
     name = model
     if ctx:
         name = agent_model_name(model)
-        events = list(client.create(name, f"FROM {model}\nPARAMETER num_ctx {ctx}\n"))
+        modelfile = lp.agent_modelfile(model, ctx, info)
+        events = list(client.create(name, modelfile))
         last = events[-1] if events else {}
         if last.get("status") != "success":
             raise LaunchError(f"could not make {name}: {last.get('error') or last}")
-    argv, env = command(args.agent, exe, client.base_url, name, getattr(client, "api_key", None), args.agent_args)
+    lean = bool(getattr(args, "lean", False))
+    max_output = lp.output_limit(ctx, info)
+    catalog = None
+    if args.agent == "codex":
+        own = None if lean else lp.codex_own_entry(exe, dict(os.environ))
+        entries = lp.codex_catalog(name, ctx, lean, own)
+        catalog = str(lp.write_catalog(entries)) if entries else None
+    argv, env = command(args.agent, exe, client.base_url, name, getattr(client, "api_key", None), args.agent_args,
+                        lean=lean, catalog=catalog, max_output=max_output)
     print(f"localrun: {args.agent} on {name} (context {ctx or 'the default'} tokens"
-          + (f": {fit['reason']}" if fit.get("reason") else "") + f") via {client.base_url}", flush=True)
+          + (f": {fit['reason']}" if fit.get("reason") else "") + f"; answers up to {max_output} tokens"
+          + ("; lean profile" if lean else "") + f") via {client.base_url}", flush=True)
+    params = lp.parameter_count(info)
+    if not lean and params and params < lp.SMALL_MODEL:
+        print(f"localrun: note: {model} is small ({params / 1e9:.1f}B parameters): the agent's full prompt and "
+              f"tool set can overwhelm it; `localrun launch {args.agent} --lean` starts it with its own minimal "
+              "settings (short instructions, the few tools a task needs)", flush=True)
     try:
         return subprocess.call(argv, env=env)
     except KeyboardInterrupt:

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
             "full trained context")
     s.add_argument("agent", choices=["claude", "codex"])
     s.add_argument("--model", help="the model the agent uses (default: the library's only model)")
+    s.add_argument("--lean", action="store_true", help="the agent's own minimal settings: short instructions and "
+                   "the few tools a task needs (for small models)")
     # the agent's own arguments come after `--` (main() splits them off before parsing: an argparse
     # REMAINDER positional would swallow `--model M` too)
     s.set_defaults(agent_args=[])
