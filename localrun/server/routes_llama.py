@@ -38,27 +38,6 @@ from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
 
-MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
-
-
-def _extra(value: Any) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidRequest('"input_extra" must be an array of {"filename": string, "text": string}')
-    if len(value) > MAX_EXTRA_CHUNKS:
-        raise InvalidRequest(f'"input_extra" has {len(value)} chunks; at most {MAX_EXTRA_CHUNKS}')
-    out = []
-    for chunk in value:
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
-            raise InvalidRequest('extra_context chunk must contain a "text" field with a string value')
-        name = chunk.get("filename")
-        if name is not None and not isinstance(name, str):
-            raise InvalidRequest('extra_context chunk\'s "filename" field must be a string')
-        out.append({"filename": name if name is not None else "tmp", "text": chunk["text"]})
-    return out
-
-
 async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens",
                  able: str | None = None):
     """The model named in the body. Without one (llama-server serves a single model, so its clients send
@@ -267,7 +246,7 @@ async def infill(request: Request):
             raise InvalidRequest(f'"{key}" is required')
         if not isinstance(body[key], str):
             raise InvalidRequest(f'"{key}" must be a string')
-    extra = _extra(body.get("input_extra"))
+    extra = p.infill_extra(body.get("input_extra"))
     stream = p.get_bool(body, "stream")
     resolved = await _model(st, body, able="insert")
     opts, num_ctx = _options(body, resolved)
