@@ -8,6 +8,7 @@ Bad input_extra on the Ollama and OpenAI routes is a clear 400."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from daemon import KEY, Daemon
@@ -106,3 +107,44 @@ def test_input_extra_on_ollama_and_openai(coder):
     assert o.status_code == 200 and c.status_code == 200, (o.text, c.text)
     assert o.json()["response"] == c.json()["choices"][0]["text"] == r1.json()["content"]
     assert o.json()["prompt_eval_count"] == c.json()["usage"]["prompt_tokens"] == r1.json()["tokens_evaluated"]
+
+
+def test_indent_limit_cuts_as_llama_server():
+    """n_indent (llama.vscode sends it): a later line indented less than n ends the completion at its indentation."""
+    from localrun.server.llama_limits import IndentLimit
+
+    def run(n: int, pieces: list[str]) -> tuple[str, bool]:
+        il, out = IndentLimit(n), ""
+        for piece in pieces:
+            text, stop = il.feed(piece)
+            out += text
+            if stop:
+                return out, True
+        return out + il.flush(), False
+
+    assert run(4, ["x = 1\n", "    y", " = 2\n", "z = 3\n"]) == ("x = 1\n    y = 2\n", True)
+    assert run(4, ["x = 1\n    ", "y = 2\n\n", "    w"]) == ("x = 1\n    y = 2\n", True)  # an empty line ends it
+    assert run(4, ["    x = 1\n  ", "  y\n\t\t", "\t\tz"]) == ("    x = 1\n    y\n\t\t\t\tz", False)
+    assert run(2, ["a\n b"]) == ("a\n ", True)  # the first line is never checked; the cut keeps the indentation
+
+
+def test_n_indent_on_infill_equals_llama_server(coder, qwen_coder_05b, llama_server_bin):
+    from llama_server import llama_server_client
+
+    body = {"input_prefix": "def area(shapes):\n    total = 0\n    for s in shapes:\n", "input_suffix": "\n",
+            "n_predict": 48, "temperature": 0, "n_indent": 8}
+    with llama_server_client(llama_server_bin, qwen_coder_05b, 4096) as h:
+        want = h.post("/infill", json=body).json()
+    r = coder.http.post("/infill", json={**body, "model": "coder"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["content"] == want["content"], (got["content"], want["content"])
+    assert got["stop_type"] == want["stop_type"]
+    lines = got["content"].split("\n")
+    assert all(x.startswith(" " * 8) for x in lines[1:-1]), lines
+    with coder.http.stream("POST", "/infill", json={**body, "model": "coder", "stream": True}) as s:
+        streamed = "".join(json.loads(x[6:])["content"] for x in s.iter_lines() if x.startswith("data: "))
+    assert streamed == want["content"]
+    for bad in (-1, "4", 1.5):
+        r = coder.http.post("/infill", json={**body, "model": "coder", "n_indent": bad})
+        assert r.status_code == 400 and "n_indent" in r.text, r.text
