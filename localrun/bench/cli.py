@@ -15,6 +15,7 @@
     localrun bench grammar [--gguf PATH] [--libs llguidance,xgrammar,outlines-core] (see bench/grammar.py)
     localrun bench typing [--route infill|ollama|openai] [--model NAME] [--edits 60] [--rate 10] (see bench/typing_edits.py)
     localrun bench typing --llama-server [PATH] --gguf FILE [--rounds 2] (localrun vs llama-server, interleaved)
+    localrun bench fim --gguf FILE [--holes 100] (FIM exact match, localrun's 3 routes vs llama-server /infill)
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
     localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
@@ -157,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     ty = sub.add_parser("typing", help="code completion while typing: fill-in-the-middle requests at 10/s, stale ones given up")
     typing_edits.add_arguments(ty)
     add_common(ty)
+
+    from localrun.bench import fim_match  # stdlib only at module level
+
+    fim_match.add_parser(sub)
 
     from localrun.bench.soak import add_parser as add_soak_parser  # stdlib-only at import
 
@@ -305,7 +310,7 @@ COMMANDS = {"throughput": cli_commands.cmd_throughput, "serve": cli_commands.cmd
             "prefix": cli_commands.cmd_prefix, "startup": cli_commands.cmd_startup, "sample": cli_commands.cmd_sample,
             "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check, "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server,
             "spec": cli_commands.cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "overhead": _cmd_overhead,
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "fim": cli_commands.cmd_fim, "overhead": _cmd_overhead,
             "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
             "build-llama-server": _cmd_build_llama_server, "ab": _cmd_ab, "profile": _cmd_profile}
 

@@ -1,4 +1,4 @@
-"""The `localrun bench` commands whose tables are printed here: throughput, serve, prefix, spec, startup, typing.
+"""The `localrun bench` commands whose tables are printed here: throughput, serve, prefix, spec, startup, typing, fim.
 
 And `bench sample`, which writes a prompt file.
 """
@@ -223,6 +223,13 @@ def cmd_typing(a: argparse.Namespace) -> int:
                       res["last_token_ms_p95"], res["prompt_tokens_mean"], res["cached_tokens_mean"]]], con)
 
     return finish(res, a, rows)
+def cmd_fim(a: argparse.Namespace) -> int:
+    from localrun.bench import fim_match
+
+    res = fim_match.run(a)
+    return finish(res, a, lambda con: fim_match.print_rows(res, con))
+
+
 def _typing_vs_rows(res: dict[str, Any], con) -> None:
     from pathlib import Path
 

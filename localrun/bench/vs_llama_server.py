@@ -157,6 +157,9 @@ def localrun_server(cfg: Config, home: Path) -> Server:
                LOCALRUN_NUM_PARALLEL=str(cfg.parallel), LOCALRUN_CONTEXT_LENGTH=str(cfg.ctx),
                LOCALRUN_KEEP_ALIVE="-1", LOCALRUN_MAX_QUEUE="4096", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                LOCALRUN_LLAMACPP_EXTRA_BUFFERS="auto" if cfg.extra_buffers else "off")
+    # the daemon runs the code this benchmark imported (a relative or absent PYTHONPATH would find another copy
+    # from the daemon's working directory, `home`)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *filter(None, [env.get("PYTHONPATH")])])
     return Server("localrun", [sys.executable, "-m", "localrun.server"], env, port, "bench-model", home)
 
 

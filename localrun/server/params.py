@@ -27,6 +27,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
 
 
 # -- typed getters ---------------------------------------------------------------------------
@@ -82,6 +83,26 @@ def get_str(body: dict, key: str, required: bool = False, default: str | None = 
 
 
 MAX_CACHE_KEY = 1024
+
+
+def infill_extra(value: Any) -> list[dict]:
+    """llama-server's input_extra: other files of the project, [{"filename", "text"}] (filename "tmp" when
+    absent), laid out before the prefix with the model's repository tokens (<|repo_name|>, <|file_sep|>)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest('"input_extra" must be an array of {"filename": string, "text": string}')
+    if len(value) > MAX_EXTRA_CHUNKS:
+        raise InvalidRequest(f'"input_extra" has {len(value)} chunks; at most {MAX_EXTRA_CHUNKS}')
+    out = []
+    for chunk in value:
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise InvalidRequest('extra_context chunk must contain a "text" field with a string value')
+        name = chunk.get("filename")
+        if name is not None and not isinstance(name, str):
+            raise InvalidRequest('extra_context chunk\'s "filename" field must be a string')
+        out.append({"filename": name if name is not None else "tmp", "text": chunk["text"]})
+    return out
 
 
 def cache_key(body: dict) -> str | None:

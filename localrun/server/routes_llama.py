@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
@@ -32,32 +31,12 @@ from localrun.server.error_shapes import llama_server_error as error_shape
 from localrun.server.disconnect import until_disconnected
 from localrun.server.generation import Generation
 from localrun.server.job import Delta, Done, Job
+from localrun.server.llama_limits import bounded
 from localrun.server.images import take_images
 from localrun.server.routes_openai import BATCH_CONCURRENCY, gather_bounded
 from localrun.server.state import State, generation_response, json_body
 
 router = APIRouter()
-
-MAX_EXTRA_CHUNKS = 1024  # input_extra entries one request may carry (their text is bounded by the body's size)
-
-
-def _extra(value: Any) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidRequest('"input_extra" must be an array of {"filename": string, "text": string}')
-    if len(value) > MAX_EXTRA_CHUNKS:
-        raise InvalidRequest(f'"input_extra" has {len(value)} chunks; at most {MAX_EXTRA_CHUNKS}')
-    out = []
-    for chunk in value:
-        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
-            raise InvalidRequest('extra_context chunk must contain a "text" field with a string value')
-        name = chunk.get("filename")
-        if name is not None and not isinstance(name, str):
-            raise InvalidRequest('extra_context chunk\'s "filename" field must be a string')
-        out.append({"filename": name if name is not None else "tmp", "text": chunk["text"]})
-    return out
-
 
 async def _model(st: State, body: dict, hint: str = "e.g. a code model with fill-in-the-middle tokens",
                  able: str | None = None):
@@ -137,35 +116,6 @@ def _timings(u: Usage) -> dict:
             "predicted_per_second": 1e3 * u.completion_tokens / predicted_ms if predicted_ms > 0 else 0.0}
 
 
-async def _bounded(gen: Generation, t_max_predict_ms: int | None) -> AsyncIterator[Delta | Done]:
-    """The generation's events; with t_max_predict_ms, llama-server's time limit: once a new line has
-    been generated and more than that many ms went by since the first token, it ends there (the backend
-    request is aborted), finish reason "length" (llama-server's stop_type "limit")."""
-    events = gen.events()
-    first, new_line = None, False
-    try:
-        async for ev in events:
-            if isinstance(ev, Done) or not t_max_predict_ms:
-                yield ev
-                continue
-            if isinstance(ev, Delta) and ev.content:
-                now = time.perf_counter()
-                first = first or now
-                new_line = new_line or "\n" in ev.content
-                yield ev
-                if new_line and (now - first) * 1e3 > t_max_predict_ms:
-                    # the backend's own usage comes with its last chunk, which this cut never reads: the
-                    # timings as the daemon saw them (the prompt's up to the first token; the rest after)
-                    u = gen.usage
-                    u.completion_tokens = len(gen.output_ids.get(0, []))
-                    u.prompt_eval_seconds = u.prompt_eval_seconds or max(first - gen.t0, 0.0)
-                    u.eval_seconds = u.eval_seconds or (now - first)
-                    yield Done(0, "length", u)
-                    return
-    finally:
-        await events.aclose()
-
-
 def _stop_type(reason: str, stop_sequence: str | None) -> str:
     if reason == "length":
         return "limit"
@@ -221,13 +171,13 @@ def _data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _stream(gen: Generation, t_max: int | None, last: Any, n_probs: int = 0):
+def _stream(gen: Generation, t_max: int | None, last: Any, n_probs: int = 0, n_indent: int | None = None):
     """A completion streamed as llama-server streams it: a ``data:`` object a chunk (its text, token ids,
     counts, and with n_probs its tokens' probabilities), then ``last(finish_reason, stop_sequence)``'s object
     (``stop: true``), no ``[DONE]``."""
     async def produce() -> AsyncIterator[bytes]:
         n, new_line = 0, False
-        async for ev in _bounded(gen, t_max):
+        async for ev in bounded(gen, t_max, n_indent):
             if isinstance(ev, Delta) and (ev.content or ev.token_ids):
                 n += len(ev.token_ids)
                 # llama-server's stream never sends the bytes after the output's last whole character
@@ -267,12 +217,13 @@ async def infill(request: Request):
             raise InvalidRequest(f'"{key}" is required')
         if not isinstance(body[key], str):
             raise InvalidRequest(f'"{key}" must be a string')
-    extra = _extra(body.get("input_extra"))
+    extra = p.infill_extra(body.get("input_extra"))
     stream = p.get_bool(body, "stream")
     resolved = await _model(st, body, able="insert")
     opts, num_ctx = _options(body, resolved)
     fields = body.get("response_fields")
     t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
+    n_indent = p.get_int(body, "n_indent", 0, 1 << 20) or None  # llama-server's indentation limit
     job = Job(resolved, opts, prompt=prompt, raw=True, num_ctx=num_ctx, keep_alive=st.keep_alive(body),
               api="llama.infill", infill=Infill(prefix=body["input_prefix"], suffix=body["input_suffix"], extra=extra))
 
@@ -287,7 +238,7 @@ async def infill(request: Request):
             parts: list[str] = []
             done = None
             try:
-                async for ev in _bounded(gen, t_max):
+                async for ev in bounded(gen, t_max, n_indent):
                     if isinstance(ev, Delta):
                         parts.append(ev.content)
                     else:
@@ -300,7 +251,7 @@ async def infill(request: Request):
         return await until_disconnected(request, run())
 
     gen = await until_disconnected(request, st.generation.start(job))
-    return _stream(gen, t_max, lambda *a: _fields(fields, final(gen, "", *a)))
+    return _stream(gen, t_max, lambda *a: _fields(fields, final(gen, "", *a)), n_indent=n_indent)
 
 
 # -- llama-server's own completions ------------------------------------------------------------------
@@ -352,6 +303,7 @@ async def completion(request: Request):
         opts.logprobs, opts.top_logprobs = True, n_probs
     fields = body.get("response_fields")
     t_max = p.get_int(body, "t_max_predict_ms", 0, 1 << 40) or None
+    n_indent = p.get_int(body, "n_indent", 0, 1 << 20) or None  # llama-server's indentation limit
     want_tokens = p.get_bool(body, "return_tokens")
     settings = _settings(opts, stream, n_probs)
 
@@ -376,7 +328,7 @@ async def completion(request: Request):
             return Response(_data(empty(0)), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text = await until_disconnected(request, shown(prompts[0]))
         gen = await until_disconnected(request, st.generation.start(job_for(prompts[0])))
-        return _stream(gen, t_max, lambda *a: _fields(fields, _final(gen, text, "", *a, settings)), n_probs)
+        return _stream(gen, t_max, lambda *a: _fields(fields, _final(gen, text, "", *a, settings)), n_probs, n_indent)
 
     async def one(k: int, x: str | list[int]) -> dict:
         if x == "":
@@ -389,7 +341,7 @@ async def completion(request: Request):
         lps: list = []
         done = None
         try:
-            async for ev in _bounded(gen, t_max):
+            async for ev in bounded(gen, t_max, n_indent):
                 if isinstance(ev, Delta):
                     parts.append(ev.content)
                     ids += ev.token_ids

@@ -205,7 +205,7 @@ async def generate(request: Request):
         c.token_ids(context, "context", ": the 'context' of an earlier /api/generate answer")
         if suffix:
             raise InvalidRequest("'context' and 'suffix' cannot be combined: fill in the middle starts afresh")
-    if not prompt and not images and not suffix:
+    if not prompt and not images and not suffix and not body.get("input_extra"):
         return await _load_only(st, resolved, body, num_ctx, chat=False)
     _format(opts, body.get("format"))
     raw = c.get_bool(body, "raw")
@@ -220,7 +220,14 @@ async def generate(request: Request):
         prompt = MEDIA_MARKER * len(images) + prompt  # before the text, as Ollama places them
     # a suffix asks for the code between prompt and suffix (fill in the middle), laid out with the model's
     # FIM tokens as Ollama's insert templates do; the model's chat template is not used then
-    infill = Infill(prefix=prompt, suffix=suffix) if suffix else None
+    # input_extra (llama-server's, a localrun extension here): other files of the project, laid out before it
+    # with the model's repository tokens; it makes the request a fill in the middle, the suffix may be empty
+    extra = c.infill_extra(body.get("input_extra"))
+    if extra and images:
+        raise InvalidRequest("'images' and 'input_extra' cannot be combined: fill in the middle takes text only")
+    if extra and context:
+        raise InvalidRequest("'context' and 'input_extra' cannot be combined: fill in the middle starts afresh")
+    infill = Infill(prefix=prompt, suffix=suffix or "", extra=extra) if suffix or extra else None
     think, effort = _think(body)
     job = Job(resolved, opts, prompt=prompt if infill is None else "", raw=raw or infill is not None, images=images,
               system=c.get_str(body, "system"), template=c.get_str(body, "template"), think=think, effort=effort,

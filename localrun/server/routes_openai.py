@@ -322,10 +322,16 @@ async def completions(request: Request):
     if suffix is not None and not isinstance(suffix, str):
         raise InvalidRequest("'suffix' must be a string")
     echo = p.get_bool(body, "echo")
-    if suffix and (echo or len(prompts) > 1 or not isinstance(prompts[0], str)):
-        raise InvalidRequest("'suffix' takes one prompt, as text, and no 'echo'")
+    # input_extra (llama-server's, a localrun extension here): other files of the project, laid out before the
+    # prompt with the model's repository tokens; it makes the request a fill in the middle (the suffix may be empty)
+    extra = p.infill_extra(body.get("input_extra"))
+    if extra and not suffix:
+        suffix = ""
+    fim = bool(suffix) or bool(extra)
+    if fim and (echo or len(prompts) > 1 or not isinstance(prompts[0], str)):
+        raise InvalidRequest("'suffix' and 'input_extra' take one prompt, as text, and no 'echo'")
     for x in prompts:
-        if isinstance(x, str) and not x.strip() and not suffix:
+        if isinstance(x, str) and not x.strip() and not fim:
             raise InvalidRequest("'prompt' must not be empty")
     stream = p.get_bool(body, "stream")
     if stream and len(prompts) > 1:
@@ -350,7 +356,7 @@ async def completions(request: Request):
         if echo:  # each prompt token's logprob too (lm-eval's loglikelihood: echo, logprobs, max_tokens 1)
             opts.prompt_logprobs = lp
     # a suffix: fill in the middle between prompt and suffix (the model's FIM tokens; 400 without them)
-    infill = Infill(prefix=prompts[0], suffix=suffix) if suffix else None
+    infill = Infill(prefix=prompts[0], suffix=suffix or "", extra=extra) if fim else None
 
     def job_for(x: str | list[int]) -> Job:
         ids = x if isinstance(x, list) else None
