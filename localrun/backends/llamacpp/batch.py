@@ -155,7 +155,8 @@ class BatchedLlama:
             from localrun.backends.llamacpp.disk_prefix import DiskPrefixes
 
             self.disk = self.admission.disk = DiskPrefixes(lib, ctx, self.mem, disk, self.slots,
-                                                           n_cells=self.n_cells // parallel, name=name)
+                                                           n_cells=self.n_cells // parallel, step=self.step_tokens,
+                                                           name=name)
         # images (a vision projector is loaded): encode(span) -> embeddings runs on a thread of its own
         # (a running stream never waits for another request's image to encode);
         # decode_image(span, seq, pos) puts them in the KV cache on the loop's thread

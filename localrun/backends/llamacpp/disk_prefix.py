@@ -42,8 +42,10 @@ class DiskRead:
 
 
 class DiskPrefixes:
-    def __init__(self, lib, ctx, mem, disk: PromptDisk, slots: list[Slot], *, n_cells: int, name: str) -> None:
+    def __init__(self, lib, ctx, mem, disk: PromptDisk, slots: list[Slot], *, n_cells: int, step: int,
+                 name: str) -> None:
         self.lib, self.ctx, self.mem, self.disk, self.slots = lib, ctx, mem, disk, slots
+        self.step = step  # a prefill's chunk: a restored prefix ends on a multiple of it (see wait)
         self.n_cells, self.name = n_cells, name  # cells of one slot's stream
         self.counters = disk.counters
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prompt-disk-read-{name}")
@@ -60,6 +62,10 @@ class DiskPrefixes:
             if not self._eligible(r) or len(usable) - in_memory < RESTORE_MIN_TOKENS:
                 return False
             entry, k = self.disk.best(usable, len(usable), max_len=self.n_cells - 1)
+            # cut back to a whole number of prefill chunks: the tokens computed after it are then the batch a cold
+            # prefill computed last (llama.cpp's CPU kernels differ by batch size: a 2-token tail after a restore
+            # answered otherwise than the cold prefill's last chunk of 64 on SmolLM2), so greedy answers stay the same
+            k = k // self.step * self.step
             if entry is None or k - in_memory < RESTORE_MIN_TOKENS:
                 self.counters["disk_misses"] += 1
                 return False
