@@ -18,6 +18,7 @@
     localrun bench overhead [--prompts 6] [--max-tokens 128] (the daemon vs llama-cpp-python directly)
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
     localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
+    localrun bench prompt-disk [--gguf FILE] [--tokens 20000] (a long system prompt's TTFT cold vs after a restart)
     localrun bench ab --measure itl|ttft|decode|throughput [--a-rev REV] [--b-env K=V] ... (see bench/ab.py)
     localrun bench profile --random-weights --shape NAME [--batch 8] [--steps 32] (see bench/step_profile.py)
 
@@ -181,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tokenize.add_parser(sub)
 
+    from localrun.bench import prompt_disk  # stdlib-only at import
+
+    prompt_disk.add_parser(sub)
+
     from localrun.bench import ab  # stdlib-only at import
 
     ab.add_parser(sub, positive_int)
@@ -264,6 +269,12 @@ def _cmd_mixed(a: argparse.Namespace) -> int:
     return mixed.run(a)
 
 
+def _cmd_prompt_disk(a: argparse.Namespace) -> int:
+    from localrun.bench import prompt_disk
+
+    return prompt_disk.run(a)
+
+
 def _cmd_tokenize(a: argparse.Namespace) -> int:
     from localrun.bench import tokenize
 
@@ -301,7 +312,7 @@ COMMANDS = {"throughput": cli_commands.cmd_throughput, "serve": cli_commands.cmd
             "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check, "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server,
             "spec": cli_commands.cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
             "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "overhead": _cmd_overhead,
-            "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
+            "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize, "prompt-disk": _cmd_prompt_disk,
             "build-llama-server": _cmd_build_llama_server, "ab": _cmd_ab, "profile": _cmd_profile}
 
 
