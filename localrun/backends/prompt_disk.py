@@ -222,9 +222,10 @@ class PromptDisk:
         if self.limit <= 0 or len(tokens) < self.min_tokens:
             return False
         size = len(payload) if not isinstance(payload, np.ndarray) else payload.nbytes
-        if self._pending + size > MAX_PENDING_BYTES or size + 1024 > self.limit:
-            return False
-        self._pending += size
+        with self._lock:
+            if self._pending + size > MAX_PENDING_BYTES or size + 1024 > self.limit:
+                return False
+            self._pending += size
         self._queue.put((np.asarray(tokens, dtype=np.int32), payload))
         return True
 
@@ -239,7 +240,8 @@ class PromptDisk:
             except Exception:  # noqa: BLE001 - a full disk, a read-only home: the cache only misses
                 log.exception("%s: prompt cache: could not write a %d-token prompt's state", self.name, len(toks))
             finally:
-                self._pending -= len(memoryview(payload).cast("B"))
+                with self._lock:
+                    self._pending -= len(memoryview(payload).cast("B"))
 
     def _write(self, toks: np.ndarray, payload: memoryview) -> None:
         path = self.root / f"{self.kid}-{tokens_id(toks)}{SUFFIX}"

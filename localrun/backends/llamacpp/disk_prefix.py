@@ -99,8 +99,9 @@ class DiskPrefixes:
                         d.entry.path.name)
             self.counters["disk_misses"] += 1
             return
-        dst.tokens = [int(t) for t in d.entry.tokens]
-        # an idle cached prefix of the shared tokens: admission takes it over and cuts it back to them
+        # an idle cached prefix of exactly the shared tokens (whole prefill chunks: see wait), which admission takes over
+        lib.llama_memory_seq_rm(self.mem, dst.id, d.shared, -1)
+        dst.tokens = [int(t) for t in d.entry.tokens[:d.shared]]
         dst.prompt_len, dst.last_used = d.shared, time.monotonic()
         self.counters["disk_hits"] += 1
         self.counters["disk_restored_tokens"] += d.shared
