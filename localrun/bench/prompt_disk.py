@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -66,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="localrun-prompt-disk-") as folder:
         def spec():
             return LoadSpec(Path(gguf).stem, Path(gguf), "gguf", num_ctx=int(args.tokens * 1.6) + 1024, num_parallel=1,
-                            extra={"prompt_cache_dir": folder, "prompt_cache_disk": 64 << 30, "prompt_cache_min": 1024})
+                            extra={"prompt_cache_dir": folder, "prompt_cache_disk": 64 << 30, "prompt_cache_min": 1024,
+                                   # a fixed thread count: the automatic one follows other processes' load, and
+                                   # llama.cpp rounds differently at another count (greedy answers would differ)
+                                   "n_threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                   else (os.cpu_count() or 1)})
 
         cold, cold_text, st, n = asyncio.run(_ask(spec(), _prompt(system, q1), args.max_tokens))
         print(f"{Path(gguf).name}: {n} prompt tokens; cold TTFT {cold:.2f} s; state written: "
