@@ -8,8 +8,9 @@ holds less of it (after a daemon restart, an unload, or the slot's eviction).
   written by the store's own thread.
 - Restoring: a waiting request whose prompt shares at least ``RESTORE_MIN_TOKENS`` more tokens with a saved
   entry than with any slot waits while a thread reads and checks the file (the loop goes on with the others);
-  then the state is loaded into a free slot (``llama_state_seq_set_data``), which admission then finds as the
-  longest cached prefix and cuts back to the shared tokens. A file that fails its checks, or a state llama.cpp
+  then the state is loaded into a free slot (``llama_state_seq_set_data``), cut back to the shared tokens'
+  last whole prefill chunk (the rest is computed as a cold prefill computes it: the same greedy answer, given
+  the same thread count), and admission finds it as the longest cached prefix. A file that fails its checks, or a state llama.cpp
   refuses, is a miss: the prompt is prefilled as it would be without the cache.
 
 Everything but the file reads and writes runs on the loop's thread.
