@@ -40,6 +40,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "LOCALRUN_KV_CACHE_TYPE": ("auto", "the KV cache's element type, like OLLAMA_KV_CACHE_TYPE: auto | fp16 | bf16 | fp32 | int8 (q8_0) | q4_0 | fp8. llama.cpp: auto = f16; int8 = q8_0 blocks, about half of f16's memory; q4_0, about a quarter; fp8 = q8_0 there (llama.cpp has no fp8 cache); a model whose head size the blocks do not divide keeps f16 (ps says why). Native engine: auto = the model's dtype; fp8 / int8 with per-token scales, about half of bf16; q4_0 = int8 there (Modelfile: PARAMETER kv_cache_type)"),
     "LOCALRUN_WEIGHT_DTYPE": ("auto", "auto | int8 | fp8: how the native engine stores weight matrices (auto = model dtype; int8 = weight-only int8, half of bf16; fp8 = e4m3, CUDA compute capability >= 8.9 only)"),
     "LOCALRUN_HOST_CACHE": ("auto", "native engine: host RAM for prefix-cache pages evicted from the KV pool (size like '4GiB', a fraction of available RAM like '0.1' or '10%', 0 = off; auto = 10% of available RAM, at most 16 GiB and 4x the KV pool)"),
+    "LOCALRUN_PROMPT_CACHE_DISK": ("4GiB", "the prompt cache on disk (LOCALRUN_HOME/prompt-cache): the computed state of prompts of at least LOCALRUN_PROMPT_CACHE_MIN tokens is written there and read back when a later prompt starts with them (after a restart, an unload or an eviction); bounded to this size, least recently used first; 0 = off (llama.cpp)"),
+    "LOCALRUN_PROMPT_CACHE_MIN": ("1024", "prompt tokens a prompt needs for its state to be written to the prompt cache on disk"),
     "LOCALRUN_TENSOR_PARALLEL": ("1", "native engine: split each model over N ranks (processes; one GPU each on CUDA) by attention heads; N must divide its KV heads (Modelfile: PARAMETER tensor_parallel N)"),
     "LOCALRUN_SPECULATIVE": ("off", "speculative decoding: off | ngram (prompt lookup: drafts copied from the prompt and output, verified by the model; pays on summarise/quote/edit work) | draft:PATH (native engine: a small draft model with the same tokenizer, GGUF file or safetensors directory); greedy output is unchanged (Modelfile: PARAMETER speculative ngram)"),
     "LOCALRUN_SPECULATIVE_TOKENS": ("4", "tokens drafted per step when LOCALRUN_SPECULATIVE is on (Modelfile: PARAMETER num_speculative_tokens N)"),
@@ -254,6 +256,12 @@ class Settings:
     native_on_cpu: bool = False  # auto without a CUDA GPU: the native engine for GGUF models it runs
     models: Path | None = None  # LOCALRUN_MODELS: the model library (None: LOCALRUN_HOME/models)
     noprune: bool = False  # LOCALRUN_NOPRUNE: keep unused blobs at start
+    prompt_cache_disk: int = 4 << 30  # LOCALRUN_PROMPT_CACHE_DISK: bytes of the prompt cache on disk (0 = off)
+    prompt_cache_min: int = 1024  # LOCALRUN_PROMPT_CACHE_MIN: prompt tokens to be saved there
+
+    @property
+    def prompt_cache_dir(self) -> Path:
+        return self.home / "prompt-cache"
 
     @property
     def models_dir(self) -> Path:
@@ -301,6 +309,8 @@ class Settings:
             "LOCALRUN_KV_CACHE_TYPE": self.kv_cache_type,
             "LOCALRUN_WEIGHT_DTYPE": self.weight_dtype,
             "LOCALRUN_HOST_CACHE": describe_host_cache(self.host_cache),
+            "LOCALRUN_PROMPT_CACHE_DISK": describe_host_cache(self.prompt_cache_disk),
+            "LOCALRUN_PROMPT_CACHE_MIN": str(self.prompt_cache_min),
             "LOCALRUN_TENSOR_PARALLEL": str(self.tensor_parallel),
             "LOCALRUN_SPECULATIVE": self.speculative,
             "LOCALRUN_SPECULATIVE_TOKENS": str(self.speculative_tokens),
@@ -521,6 +531,8 @@ def settings(env: dict[str, str] | None = None) -> Settings:
         native_on_cpu=_flag("LOCALRUN_NATIVE_ON_CPU", e.get("LOCALRUN_NATIVE_ON_CPU")),
         models=models,
         noprune=_flag("LOCALRUN_NOPRUNE", e.get("LOCALRUN_NOPRUNE")),
+        prompt_cache_disk=parse_size("LOCALRUN_PROMPT_CACHE_DISK", e.get("LOCALRUN_PROMPT_CACHE_DISK"), 4 << 30, 0),
+        prompt_cache_min=_int("LOCALRUN_PROMPT_CACHE_MIN", e.get("LOCALRUN_PROMPT_CACHE_MIN"), 1024, 16),
     )
 
 

@@ -20,6 +20,7 @@
     localrun bench embed [--gguf FILE] [--texts 64] [--tokens 80] (embeddings / reranking vs llama-server)
     localrun bench tokenize [--gguf FILE] [--turns 40] (a resent chat: llama.cpp's tokenizer vs the piece cache)
     localrun bench agents [--model 0.5b,1.5b] [--cli codex,claude] [--lean|--full] [--tasks ...] [--llama-server [PATH]]
+    localrun bench prompt-disk [--gguf FILE] [--tokens 20000] (a long system prompt's TTFT cold vs after a restart)
     localrun bench ab --measure itl|ttft|decode|throughput [--a-rev REV] [--b-env K=V] ... (see bench/ab.py)
     localrun bench profile --random-weights --shape NAME [--batch 8] [--steps 32] (see bench/step_profile.py)
 
@@ -191,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     tokenize.add_parser(sub)
 
+    from localrun.bench import prompt_disk  # stdlib-only at import
+
+    prompt_disk.add_parser(sub)
+
     from localrun.bench import ab  # stdlib-only at import
 
     ab.add_parser(sub, positive_int)
@@ -274,6 +279,12 @@ def _cmd_mixed(a: argparse.Namespace) -> int:
     return mixed.run(a)
 
 
+def _cmd_prompt_disk(a: argparse.Namespace) -> int:
+    from localrun.bench import prompt_disk
+
+    return prompt_disk.run(a)
+
+
 def _cmd_tokenize(a: argparse.Namespace) -> int:
     from localrun.bench import tokenize
 
@@ -310,8 +321,9 @@ COMMANDS = {"throughput": cli_commands.cmd_throughput, "serve": cli_commands.cmd
             "prefix": cli_commands.cmd_prefix, "startup": cli_commands.cmd_startup, "sample": cli_commands.cmd_sample,
             "cpu": _cmd_cpu, "gpu-check": _cmd_gpu_check, "soak": _cmd_soak, "llama-server": _cmd_vs_llama_server,
             "spec": cli_commands.cmd_spec, "kv-quant": _cmd_kv_quant, "weight-quant": _cmd_weight_quant,
-            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "fim": cli_commands.cmd_fim, "overhead": _cmd_overhead,
-            "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
+            "fork": _cmd_fork, "grammar": _cmd_grammar, "typing": cli_commands.cmd_typing, "fim": cli_commands.cmd_fim,
+            "overhead": _cmd_overhead, "embed": _cmd_embed, "mixed": _cmd_mixed, "tokenize": _cmd_tokenize,
+            "prompt-disk": _cmd_prompt_disk,
             "build-llama-server": _cmd_build_llama_server, "ab": _cmd_ab, "profile": _cmd_profile}
 
 

@@ -42,8 +42,19 @@ def cmd_ps(args, client: DaemonClient) -> int:
             print(f"\n{m.get('name') or m.get('model', '?')}: context {m.get('context_length', '-')} tokens{kv}, "
                   f"{m.get('slots', '-')} slot(s), {m.get('active', 0)} active, {m.get('waiting', 0)} waiting"
                   + proc + (f"\n  {m['reason']}" if m.get("reason") else "")
-                  + "".join(f"\n  fallback: {f}" for f in m.get("fallbacks") or ()))
+                  + "".join(f"\n  fallback: {f}" for f in m.get("fallbacks") or ()) + prompt_cache_line(m))
     return 0
+
+
+def prompt_cache_line(m: dict) -> str:
+    """ps -v's line on the prompt cache on disk ("" when the model has none)."""
+    pc = m.get("prompt_cache")
+    if not isinstance(pc, dict):
+        return ""
+    return (f"\n  prompt cache on disk: {pc.get('hits', 0)} hit(s), {pc.get('misses', 0)} miss(es), "
+            f"{pc.get('restored_tokens', 0)} tokens restored, {human_size(pc.get('read_bytes'))} read, "
+            f"{human_size(pc.get('written_bytes'))} written, {pc.get('entries', 0)} saved prompt(s)"
+            + (f", {pc['bad_files']} bad file(s) removed" if pc.get("bad_files") else ""))
 
 
 def cmd_stop(args, client: DaemonClient) -> int:

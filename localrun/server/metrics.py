@@ -91,19 +91,34 @@ class Metrics:
     # -- the scrape -------------------------------------------------------------------------------
     async def render(self) -> bytes:
         """Ask each loaded model's runner for its KV stats (bounded), then format everything."""
-        runners = list(self.manager.runners.values())
-
-        async def one(r) -> tuple[str, dict]:
-            stats = getattr(r.backend, "stats", None)
-            if stats is None:
-                return r.name, {}
-            try:
-                return r.name, await asyncio.wait_for(stats(), STATS_TIMEOUT) or {}
-            except Exception:  # a busy or dying runner: no KV figures this scrape
-                return r.name, {}
-
-        self._runner_stats = dict(await asyncio.gather(*(one(r) for r in runners)))
+        self._runner_stats = await runner_stats(list(self.manager.runners.values()))
         return generate_latest(self.registry)
+
+
+async def runner_stats(runners: list) -> dict[str, dict]:
+    """Each loaded model's backend stats (name -> dict), each runner asked at most STATS_TIMEOUT seconds."""
+
+    async def one(r) -> tuple[str, dict]:
+        stats = getattr(r.backend, "stats", None)
+        if stats is None:
+            return r.name, {}
+        try:
+            return r.name, await asyncio.wait_for(stats(), STATS_TIMEOUT) or {}
+        except Exception:  # a busy or dying runner: no KV figures this time
+            return r.name, {}
+
+    return dict(await asyncio.gather(*(one(r) for r in runners)))
+
+
+PROMPT_DISK_FIELDS = ("disk_hits", "disk_misses", "disk_read_bytes", "disk_written_bytes", "disk_restored_tokens",
+                      "disk_saved", "disk_bad_files", "disk_entries")
+
+
+def prompt_cache_ps(st: dict) -> dict | None:
+    """The prompt cache on disk's figures for /api/ps (None when the model has none)."""
+    if "disk_hits" not in st:
+        return None
+    return {k.removeprefix("disk_"): st[k] for k in PROMPT_DISK_FIELDS if k in st}
 
 
 class _Live:
@@ -204,8 +219,36 @@ class _Live:
                 hit.add_metric([r.name], st["prefix_hit_tokens"] / st["prefix_query_tokens"])
             elif (t := self.metrics.token_totals.get(r.name)) and t[0]:  # what the backend reported per request
                 hit.add_metric([r.name], t[1] / t[0])
+        yield from self._prompt_disk(runners)
         yield from (waiting, running, used, free, hit, hit_tokens, host_used, host_total, prefill, forked, spec_tokens,
                     spec_rate, spec_tps, cells_used, cells, seqs, steps, decoded, threads, thread_changes, compute)
+
+
+    def _prompt_disk(self, runners):
+        """The prompt cache on disk (backends/prompt_disk.py), per model."""
+        lookups = CounterMetricFamily("localrun_prompt_disk_lookups", "prompt cache on disk: prompts that looked "
+                                      "for a saved state, by result (hit: read back instead of prefilled)",
+                                      labels=["model", "result"])
+        nbytes = CounterMetricFamily("localrun_prompt_disk_bytes", "prompt cache on disk: bytes read and written",
+                                     labels=["model", "direction"])
+        restored = CounterMetricFamily("localrun_prompt_disk_restored_tokens", "prompt cache on disk: prompt tokens "
+                                       "read back instead of computed", labels=["model"])
+        bad = CounterMetricFamily("localrun_prompt_disk_bad_files", "prompt cache on disk: truncated, corrupt or "
+                                  "foreign files ignored and removed", labels=["model"])
+        entries = GaugeMetricFamily("localrun_prompt_disk_entries", "prompt cache on disk: the model's saved prompts",
+                                    labels=["model"])
+        for r in runners:
+            st = self.metrics._runner_stats.get(r.name) or {}
+            if "disk_hits" not in st:
+                continue
+            lookups.add_metric([r.name, "hit"], st["disk_hits"])
+            lookups.add_metric([r.name, "miss"], st["disk_misses"])
+            nbytes.add_metric([r.name, "read"], st["disk_read_bytes"])
+            nbytes.add_metric([r.name, "written"], st["disk_written_bytes"])
+            restored.add_metric([r.name], st["disk_restored_tokens"])
+            bad.add_metric([r.name], st["disk_bad_files"])
+            entries.add_metric([r.name], st["disk_entries"])
+        return lookups, nbytes, restored, bad, entries
 
 
 class MetricsMiddleware:

@@ -143,6 +143,9 @@ class Placement:
         spec = LoadSpec(name=resolved.name, weights=resolved.weights, format=resolved.format, num_ctx=num_ctx,
                         num_parallel=self.settings.num_parallel or 1, extra={"gguf_info": resolved.info},
                         embedding=model_kind(resolved) != "completion")
+        s = self.settings  # the prompt cache on disk (backends/prompt_disk.py): its entries are keyed by the digest
+        spec.extra.update(digest=str(getattr(resolved, "digest", "") or ""), prompt_cache_dir=str(s.prompt_cache_dir),
+                          prompt_cache_disk=s.prompt_cache_disk, prompt_cache_min=s.prompt_cache_min)
         if getattr(resolved, "projector", None) is not None:
             spec.extra["projector"] = str(resolved.projector)
         if getattr(resolved, "adapter", None):

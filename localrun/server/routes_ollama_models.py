@@ -69,8 +69,17 @@ async def tags(request: Request):
 
 @router.get("/ps")
 async def ps(request: Request):
+    from localrun.server.metrics import prompt_cache_ps, runner_stats
+
     st: State = request.app.state.lr
-    return {"models": st.manager.ps()}
+    models = st.manager.ps()
+    if models:  # the prompt cache on disk's hits, from each runner (ps -v)
+        stats = await runner_stats(list(st.manager.runners.values()))
+        for m in models:
+            pc = prompt_cache_ps(stats.get(m["name"]) or {})
+            if pc is not None:
+                m["prompt_cache"] = pc
+    return {"models": models}
 
 
 @router.post("/show")

@@ -40,6 +40,7 @@ class Admission:
         self.counters, self.prompt_text = counters, prompt_text
         self.slots = slots  # the loop's
         self._keyed: dict[str, int] = {}  # cache key -> the slot its last request used (at most one key a slot)
+        self.disk = None  # disk_prefix.DiskPrefixes: the prompt cache on disk, when on
 
     def admit(self, waiting: list[Request], running: list[Request]) -> None:
         """Start waiting requests (in order, those that need not wait for a shared prefill) while fewer than
@@ -47,7 +48,7 @@ class Admission:
         i = 0
         while i < len(waiting) and len(running) < self.parallel:
             r = waiting[i]
-            if self._wait_for_shared_prefill(r, running):
+            if self._wait_for_shared_prefill(r, running) or (self.disk is not None and self._wait_for_disk(r)):
                 i += 1
                 continue
             del waiting[i]
@@ -150,17 +151,30 @@ class Admission:
                 return True
         return False
 
+    def _usable(self, r: Request) -> list[int]:
+        return r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
+
+    def _wait_for_disk(self, r: Request) -> bool:
+        """True while r waits for a saved state of its prompt to be read from disk (disk_prefix.DiskPrefixes)."""
+        if r.disk is False:
+            return False
+        usable = self._usable(r)
+        in_memory = max(self._reusable(sl, r, usable) for sl in self.slots) if r.disk is None else 0
+        return self.disk.wait(r, usable, in_memory)
+
     def start(self, r: Request, running: list[Request]) -> None:
         """Give r a slot holding the longest prefix of its prompt the cache has."""
         # At least MIN_RECOMPUTE prompt tokens are evaluated even when the cache holds all of them:
         # llama.cpp computes a batch of one token with other kernels than a longer batch, so a
         # prompt evaluated from its last token alone gets slightly different logits (and a greedy
         # answer that depends on what ran before); batches of two or more agree exactly.
-        usable = r.prompt[:max(0, len(r.prompt) - MIN_RECOMPUTE)] if self.share_prefixes else []
+        usable = self._usable(r)
         # a cache key (prompt_cache_key): on a tie the slot the key last used wins, and a new slot is
         # taken from those no other key last used while there are such (keyless: nothing changes)
         mine = self._keyed.get(r.cache_key) if r.cache_key else None
         owned = {sid for key, sid in self._keyed.items() if key != r.cache_key} if self._keyed else set()
+        if self.disk is not None and r.disk:  # a state read from disk goes into a free slot, found just below
+            self.disk.restore(r, max(self._reusable(sl, r, usable) for sl in self.slots), owned)
         n, src = 0, None
         for sl in self.slots:
             k = self._reusable(sl, r, usable)

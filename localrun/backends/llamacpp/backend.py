@@ -135,11 +135,13 @@ class LlamaCppBackend:
         # a thread count chosen here gives way to other processes' load (cpu_share); one the model's
         # Modelfile sets (num_thread) is kept as it is
         governor = None if spec.extra.get("n_threads") else ThreadGovernor(self.n_threads)
+        disk = self._prompt_disk(lib, model, share)
         self.engine = BatchedLlama(lib, model, ctx, parallel=parallel, step_tokens=step_tokens, share_prefixes=share,
                                    name=spec.name, governor=governor,
                                    # cells copied one sequence at a time: KV in host memory, no sliding window
                                    # (Gemma 3's windowed cache restored that way answered otherwise)
-                                   copy_cells=self.n_gpu_layers == 0 and lib.llama_model_n_swa(model) == 0, **images)
+                                   copy_cells=self.n_gpu_layers == 0 and lib.llama_model_n_swa(model) == 0,
+                                   disk=disk, **images)
         self._vocab = self.engine.vocab
         self._n_vocab = self.engine.n_vocab
         self._matchers = Matchers(lib, self._vocab, self._n_vocab)
@@ -184,6 +186,22 @@ class LlamaCppBackend:
     def fatal(self) -> str | None:
         """Set when llama.cpp cannot go on (a compute error): the runner exits and the daemon reloads."""
         return self.engine.fatal
+
+    def _prompt_disk(self, lib, model, share: bool):
+        """The prompt cache on disk (prompt_disk.PromptDisk), keyed by what makes a saved sequence state this
+        load's: llama.cpp's build and CPU features, the KV type, the layers offloaded, an adapter; None when off.
+        Not for a model whose state cannot be cut back (recurrent) or one with a sliding window (Gemma 3's
+        windowed cells, restored from a sequence state, answered otherwise: see Admission.copy_stream)."""
+        if not share or lib.llama_model_n_swa(model) != 0 or self.spec.extra.get("projector"):
+            return None
+        import hashlib
+
+        from localrun.backends.prompt_disk import open_for
+
+        system = hashlib.blake2b(lib.llama_print_system_info() or b"", digest_size=8).hexdigest()
+        return open_for(self.spec, {"backend": "llama.cpp", "build": f"{self._llama_cpp.__version__}/{system}",
+                                    "kv": self.kv_type, "gpu_layers": self.n_gpu_layers,
+                                    "extra_bufts": bool(self.extra_bufts), "adapter": self.spec.extra.get("adapter") or ""})
 
     def _speculative_tokens(self) -> int:
         """Draft tokens per step for LOCALRUN_SPECULATIVE / PARAMETER speculative ngram (prompt lookup;

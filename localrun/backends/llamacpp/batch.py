@@ -107,7 +107,8 @@ class BatchedLlama:
     are created by the caller and owned here from then on (:meth:`close` frees them)."""
 
     def __init__(self, lib, model, ctx, *, parallel: int, step_tokens: int, share_prefixes: bool = True,
-                 name: str = "", encode=None, decode_image=None, governor=None, copy_cells: bool = False) -> None:
+                 name: str = "", encode=None, decode_image=None, governor=None, copy_cells: bool = False,
+                 disk=None) -> None:
         self.lib, self.model, self.ctx = lib, model, ctx
         # a ThreadGovernor (localrun.backends.llamacpp.cpu_share): fewer compute threads while other processes
         # take the CPUs (polled once a step, here on the loop's thread, the one that calls llama_decode)
@@ -148,6 +149,14 @@ class BatchedLlama:
                                    share_prefixes=share_prefixes, copy_cells=copy_cells, name=name,
                                    counters=self.counters, prompt_text=self.chooser.prompt_text)
         self.output = Output(self.chooser)
+        # the prompt cache on disk (a prompt_disk.PromptDisk): long prompts' states saved, and read back into a slot
+        self.disk = None
+        if disk is not None and share_prefixes:
+            from localrun.backends.llamacpp.disk_prefix import DiskPrefixes
+
+            self.disk = self.admission.disk = DiskPrefixes(lib, ctx, self.mem, disk, self.slots,
+                                                           n_cells=self.n_cells // parallel, step=self.step_tokens,
+                                                           name=name)
         # images (a vision projector is loaded): encode(span) -> embeddings runs on a thread of its own
         # (a running stream never waits for another request's image to encode);
         # decode_image(span, seq, pos) puts them in the KV cache on the loop's thread
@@ -190,6 +199,8 @@ class BatchedLlama:
             self._cv.notify()
         self._thread.join()
         self.images.shutdown()
+        if self.disk is not None:
+            self.disk.close()
         gone = BackendError("the model was unloaded while this request ran")
         for r in [*self._running, *self._waiting, *self._inbox]:
             self._finish_error(r, gone)
@@ -206,7 +217,7 @@ class BatchedLlama:
     def stats(self) -> dict[str, Any]:
         c = self.counters
         spec = c["spec_steps"]
-        return {**c, "cells": self.n_cells, "cells_used": sum(len(sl.tokens) for sl in self.slots),
+        return {**c, **(self.disk.counters if self.disk is not None else {}), "cells": self.n_cells, "cells_used": sum(len(sl.tokens) for sl in self.slots),
                 "running": len(self._running), "waiting": len(self._waiting) + len(self._inbox),
                 "idle_sequences": sum(1 for sl in self.slots if sl.request is None and sl.tokens),
                 "parallel": self.parallel,
@@ -393,6 +404,7 @@ class BatchedLlama:
         lib, ctx = self.lib, self.ctx
         chooser, output = self.chooser, self.output
         firsts: list[Request] = []
+        prefilled: list[Request] = []  # prompts whose prefill ended this step (the prompt cache on disk)
         logits = None
         if n_out and any(r.argmax or (r.prompt_lps is not None and not decoding) for r, _, decoding in rows):
             logits = self._logits(n_out)  # the step's output rows, in batch order
@@ -410,6 +422,8 @@ class BatchedLlama:
                 self.counters["prefill_tokens"] += k
                 if r.computed < len(r.prompt):
                     continue
+                if self.disk is not None:
+                    prefilled.append(r)
                 if r.limit <= 0:  # max_tokens 0: the prompt scored, nothing generated
                     output.emit(r, [])
                     continue
@@ -462,6 +476,8 @@ class BatchedLlama:
             deadline = time.monotonic() + FIRST_CHUNK_WAIT
             for r in firsts:
                 r.delivered.wait(max(0.0, deadline - time.monotonic()))
+        for r in prefilled:  # after the first tokens went out: a copy of the cells, written by another thread
+            self.disk.prefilled(r)
 
     def _end(self, r: Request) -> None:
         """r leaves the loop; its slot keeps r's tokens for a later prompt that starts with them."""

@@ -81,6 +81,7 @@ class Request:
     # options.prompt_logprobs set: each prompt token's TokenLogprob, filled as its prefill runs (no
     # cached prefix: its logits are computed again), handed on with the first chunk; else None
     prompt_lps: list[TokenLogprob] | None = None
+    disk: Any = None  # the prompt cache on disk: None (not looked), False (nothing to read), a disk_prefix.DiskRead
 
     def __post_init__(self) -> None:
         o = self.options
