@@ -2,13 +2,15 @@
 machines without torch, to route other GGUFs to llama.cpp before anything is loaded).
 
 Names are Hugging Face ``model_type`` values, which are also llama.cpp's GGUF
-``general.architecture`` names for these families (gemma3_text: the HF name only).
+``general.architecture`` names for these families (gemma3_text: the HF name only; llama.cpp writes
+qwen3moe and gpt-oss for qwen3_moe and gpt_oss).
 """
 
 from __future__ import annotations
 
 NATIVE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma3_text",
-                "qwen3_moe", "qwen3moe", "mixtral", "gpt_oss")  # qwen3moe: llama.cpp's name of Qwen3-MoE (a Mixtral GGUF is llama)
+                "qwen3_moe", "qwen3moe", "mixtral", "gpt_oss", "gpt-oss")
+# qwen3moe / gpt-oss: llama.cpp's names of Qwen3-MoE / gpt-oss (a Mixtral GGUF is llama)
 
 # Families close to one we run that the engine still refuses, with the reason users see.
 _NOT_YET = {

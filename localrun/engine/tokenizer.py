@@ -5,6 +5,7 @@ GGUF metadata; Detokenizer turns tokens into text as they arrive."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from pathlib import Path
@@ -29,7 +30,11 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         p = Path(path)
-        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        except TypeError:  # transformers 5.23 cannot read a gpt-oss GGUF's rope.scaling keys (it reads each
+            with _without_rope_scaling():  # field's first part, its name's length): read the tokenizer without them
+                tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         return cls(tok, eos_token_ids, chat_template)
 
     @classmethod
@@ -110,3 +115,24 @@ class Detokenizer:
         self.ids = self.ids[self.read:]
         self.prefix, self.read = 0, len(self.ids)
         return text[len(before):]
+
+
+@contextlib.contextmanager
+def _without_rope_scaling():
+    """gguf.GGUFReader, while transformers reads a GGUF's tokenizer, with the rope.scaling.* keys left out (the
+    tokenizer needs none of them)."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    class _Reader(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for k in [k for k in self.fields if ".rope.scaling." in k]:
+                del self.fields[k]
+
+    gguf.GGUFReader = _Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real

@@ -161,6 +161,8 @@ class GptOssModel(LlamaModel):
                                  f"{tuple(dst.shape)}")
             dst.copy_(src)
         e = p + "experts."
+        if e + "gate_proj.weight" in names:  # a GGUF: stacked gate / up [E, I, H], down [E, H, I], biases [E, rows]
+            return self._load_stacked(mlp, e, get, mine)
         b = get(e + "gate_up_proj_bias")  # [E, 2I], gate / up interleaved
         mlp.w13_bias[:, :inter].copy_(b[:, 0::2][:, mine])
         mlp.w13_bias[:, inter:].copy_(b[:, 1::2][:, mine])
@@ -186,6 +188,24 @@ class GptOssModel(LlamaModel):
         down = get(e + "down_proj")  # [E, I, H]
         self._check(down.shape, (mlp.w2.shape[0], inter * world, mlp.w2.shape[1]), e + "down_proj")
         mlp.w2.copy_(down[:, mine].transpose(1, 2))
+        return 0
+
+    def _load_stacked(self, mlp: MoEMLP, e: str, get, mine: slice) -> int:
+        """llama.cpp's layout of the experts (its converter de-interleaves gate_up_proj): w13 = gate rows, then
+        up rows; MXFP4 tensors come dequantised by the GGUF getter. Returns 0 (nothing dequantised here)."""
+        inter, world = mlp.w2.shape[2], self.tp.world
+        E, H = mlp.w13.shape[0], mlp.w13.shape[2]
+        for half, n in ((slice(0, inter), "gate_proj"), (slice(inter, 2 * inter), "up_proj")):
+            w, b = get(e + n + ".weight"), get(e + n + ".bias")
+            self._check(w.shape, (E, inter * world, H), e + n + ".weight")
+            self._check(b.shape, (E, inter * world), e + n + ".bias")
+            mlp.w13[:, half].copy_(w[:, mine])
+            mlp.w13_bias[:, half].copy_(b[:, mine])
+        down, b = get(e + "down_proj.weight"), get(e + "down_proj.bias")
+        self._check(down.shape, (E, H, inter * world), e + "down_proj.weight")
+        self._check(b.shape, (E, H), e + "down_proj.bias")
+        mlp.w2.copy_(down[:, :, mine])
+        mlp.w2_bias.copy_(b)
         return 0
 
     @staticmethod

@@ -44,8 +44,13 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 _GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                            "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_GEMMA = ("gemma2", "gemma3")
-# Hugging Face names only (llama.cpp writes gemma3 / qwen3moe, and a Mixtral as llama)
-_GGUF_ARCHS = tuple(a for a in NATIVE_ARCHS if a not in ("gemma3_text", "qwen3_moe", "mixtral"))
+# gpt-oss (llama.cpp's "gpt-oss"): its post-attention norm, the sink logits (attn_sinks.weight, read as
+# self_attn.sinks), the router with its bias, the experts stacked [E, rows, cols] with their biases [E, rows]
+# (the converter splits transformers' interleaved gate_up_proj into ffn_gate_exps and ffn_up_exps)
+_GGUF_GPT_OSS_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                             "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router"}
+# Hugging Face names only (llama.cpp writes gemma3 / qwen3moe / gpt-oss, and a Mixtral as llama)
+_GGUF_ARCHS = tuple(a for a in NATIVE_ARCHS if a not in ("gemma3_text", "qwen3_moe", "mixtral", "gpt_oss"))
 
 
 def _hf_name(gguf_name: str, layer_names: dict[str, str] = _GGUF_LAYER_NAMES) -> str | None:
@@ -119,8 +124,12 @@ def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[Mode
         from localrun.archs import unsupported_message
 
         raise ValueError(unsupported_message(arch, "GGUF architecture"))
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch in _GGUF_GEMMA else _GGUF_LAYER_NAMES
+    layer_names = (_GGUF_GEMMA_LAYER_NAMES if arch in _GGUF_GEMMA else
+                   _GGUF_GPT_OSS_LAYER_NAMES if arch == "gpt-oss" else _GGUF_LAYER_NAMES)
     tensors = {_hf_name(t.name, layer_names): t for t in reader.tensors}
+    if arch == "gpt-oss":  # transformers names the sinks without .weight
+        tensors = {n.removesuffix(".weight") if n and n.endswith(".self_attn.sinks.weight") else n: t
+                   for n, t in tensors.items()}
     extra = {t.name: t for t in reader.tensors}
     tensors.pop(None, None)
     if arch == "phi3":  # llama.cpp stores Phi-3's fused gate|up as ffn_up (and no ffn_gate)
@@ -134,6 +143,8 @@ def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[Mode
         scaling = {"rope_type": "freq_factors",
                    "factors": gguf.quants.dequantize(extra["rope_freqs.weight"].data,
                                                      extra["rope_freqs.weight"].tensor_type).ravel().tolist()}
+    elif arch == "gpt-oss" and _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+        scaling = _gguf_yarn(a)
     elif _field(reader, f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     elif "rope_factors_long.weight" in extra:  # Phi-3 longrope: both factor lists, as tensors
@@ -167,11 +178,11 @@ def read_gguf(path: str | Path, adapter: str | Path | None = None) -> tuple[Mode
         qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
         rotary_dim=_partial_rotary(int(a("rope.dimension_count", 0) or 0),
                                    int(a("attention.key_length", 0) or 0) or hidden // heads),
-        **_gguf_attention_extras(reader, arch, a),
-        **_gguf_moe(a, tensors),
+        **(_gguf_gpt_oss(a, tensors) if arch == "gpt-oss" else
+           {**_gguf_attention_extras(reader, arch, a), **_gguf_moe(a, tensors)}),
     )
-    if arch == "qwen3moe":
-        cfg.arch = "qwen3_moe"
+    if arch in ("qwen3moe", "gpt-oss"):
+        cfg.arch = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}[arch]
     permuted = arch in ("llama", "mistral")
     updates = _lora_updates(adapter, arch, {t.name: hf for hf, t in tensors.items()}) if adapter else {}
     # llama.cpp's converter stores Gemma's norm weights as 1 + w: back to the Hugging Face form
@@ -251,6 +262,39 @@ def _gguf_moe(a, tensors: dict) -> dict:
     return {"num_experts": experts, "num_experts_per_tok": int(a("expert_used_count")), "norm_topk_prob": True,
             "moe_intermediate_size": int(a("expert_feed_forward_length", 0) or a("feed_forward_length")),
             "mlp_only_layers": [i for i in range(n) if i not in sparse]}
+
+
+def _gguf_yarn(a) -> dict:
+    """YaRN RoPE from a GGUF's rope.scaling keys, as llama.cpp applies it: the correction range rounded out
+    to whole dims (ggml_rope_yarn_corr_dims' floor / ceil: transformers' truncate), the attention factor
+    0.1 ln(factor) + 1 (llama.cpp's default without yarn_log_multiplier)."""
+    if a("rope.scaling.yarn_log_multiplier") or a("rope.scaling.yarn_attn_factor") is not None:
+        raise ValueError("this GGUF's YaRN sets yarn_log_multiplier / yarn_attn_factor, which the native engine "
+                         "does not read for gpt-oss; use the llama.cpp backend for it")
+    factor = float(a("rope.scaling.factor"))
+    orig = int(a("rope.scaling.original_context_length", 0) or int(a("context_length")) / factor)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig, "truncate": True,
+            "beta_fast": float(a("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(a("rope.scaling.yarn_beta_slow", 1.0))}
+
+
+def _gguf_gpt_oss(a, tensors: dict) -> dict:
+    """gpt-oss's fields from its GGUF (llama.cpp's llama_model_openai_moe): every layer a mixture of experts
+    (top-k of the router's logits, then a softmax over the k; the clamped SwiGLU), attention sinks, the
+    sliding window on alternate layers from the first (llama.cpp's swa pattern 2, as transformers' default
+    layer_types; an explicit sliding_window_pattern list wins)."""
+    n = int(a("block_count"))
+    if "model.layers.0.mlp.experts.gate_proj.weight" not in tensors:
+        raise ValueError("this gpt-oss GGUF lacks the stacked ffn_gate_exps tensors the native engine reads; "
+                         "use the llama.cpp backend for it")
+    pattern = a("attention.sliding_window_pattern")
+    period = 2 if isinstance(pattern, list) or not pattern else int(pattern)
+    sliding = [bool(x) for x in pattern] if isinstance(pattern, list) else [i % period < period - 1 for i in range(n)]
+    return {"sliding_window": int(a("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "num_experts": int(a("expert_count")), "num_experts_per_tok": int(a("expert_used_count")),
+            "moe_intermediate_size": int(a("expert_feed_forward_length", 0) or a("feed_forward_length")),
+            "moe_scoring": "topk_softmax", "moe_activation": "swiglu_oai", "attention_sinks": True}
 
 
 def _partial_rotary(rope_dims: int, head_dim: int) -> int:
