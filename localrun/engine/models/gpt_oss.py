@@ -192,7 +192,8 @@ class GptOssModel(LlamaModel):
 
     def _load_stacked(self, mlp: MoEMLP, e: str, get, mine: slice) -> int:
         """llama.cpp's layout of the experts (its converter de-interleaves gate_up_proj): w13 = gate rows, then
-        up rows; MXFP4 tensors come dequantised by the GGUF getter. Returns 0 (nothing dequantised here)."""
+        up rows; MXFP4 tensors (cfg.experts_mxfp4) come dequantised by the GGUF getter. Returns the number of
+        MXFP4 weights so dequantised (0: bf16 / f32 experts)."""
         inter, world = mlp.w2.shape[2], self.tp.world
         E, H = mlp.w13.shape[0], mlp.w13.shape[2]
         for half, n in ((slice(0, inter), "gate_proj"), (slice(inter, 2 * inter), "up_proj")):
@@ -206,7 +207,7 @@ class GptOssModel(LlamaModel):
         self._check(b.shape, (E, H), e + "down_proj.bias")
         mlp.w2.copy_(down[:, :, mine])
         mlp.w2_bias.copy_(b)
-        return 0
+        return mlp.w13.numel() + mlp.w2.numel() if self.cfg.experts_mxfp4 else 0
 
     @staticmethod
     def _check(shape, want, name: str) -> None:

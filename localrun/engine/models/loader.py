@@ -294,7 +294,9 @@ def _gguf_gpt_oss(a, tensors: dict) -> dict:
             "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
             "num_experts": int(a("expert_count")), "num_experts_per_tok": int(a("expert_used_count")),
             "moe_intermediate_size": int(a("expert_feed_forward_length", 0) or a("feed_forward_length")),
-            "moe_scoring": "topk_softmax", "moe_activation": "swiglu_oai", "attention_sinks": True}
+            "moe_scoring": "topk_softmax", "moe_activation": "swiglu_oai", "attention_sinks": True,
+            "experts_mxfp4": getattr(tensors["model.layers.0.mlp.experts.gate_proj.weight"].tensor_type, "name",
+                                     "") == "MXFP4"}
 
 
 def _partial_rotary(rope_dims: int, head_dim: int) -> int:
