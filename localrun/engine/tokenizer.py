@@ -6,6 +6,7 @@ GGUF metadata; Detokenizer turns tokens into text as they arrive."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import functools
 import json
 from pathlib import Path
@@ -117,10 +118,13 @@ class Detokenizer:
         return text[len(before):]
 
 
+_READER_SWAP = threading.Lock()  # one swap at a time (a runner loads its one model's tokenizer before its weights)
+
+
 @contextlib.contextmanager
 def _without_rope_scaling():
     """gguf.GGUFReader, while transformers reads a GGUF's tokenizer, with the rope.scaling.* keys left out (the
-    tokenizer needs none of them)."""
+    tokenizer needs none of them). The swap is process-wide for the call's length, so it is serialised."""
     import gguf
 
     real = gguf.GGUFReader
@@ -131,8 +135,9 @@ def _without_rope_scaling():
             for k in [k for k in self.fields if ".rope.scaling." in k]:
                 del self.fields[k]
 
-    gguf.GGUFReader = _Reader
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
+    with _READER_SWAP:
+        gguf.GGUFReader = _Reader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
