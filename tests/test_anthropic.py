@@ -116,6 +116,29 @@ def test_message_usage_and_prefix_cache(daemon, fake):
     assert client.messages.count_tokens(model=MODEL, system=kw["system"], messages=kw["messages"]).input_tokens == len(prompt)
 
 
+def test_claude_codes_billing_header_is_left_out_of_the_prompt(daemon, fake):
+    """Claude Code's first system block (recorded: tests/agents/claude_code_request.json) is an
+    attribution line that changes from prompt to prompt: left out, two sessions' prompts are the
+    same and the second reads the first's prefix from the cache."""
+    from pathlib import Path
+    recorded = json.loads((Path(__file__).parent / "agents" / "claude_code_request.json").read_text())["body"]["system"]
+    assert recorded[0]["text"].startswith("x-anthropic-billing-header: cc_version=")
+    client = _client(daemon)
+    usages, prompts = [], []
+    for suffix in ("1c0", "84c"):
+        system = [{**recorded[0], "text": recorded[0]["text"].replace("1c0", suffix)}, recorded[1]]  # the fake
+        # counts a token per character: the rest of the recorded system is too long for its window
+        usages.append(client.messages.create(model=MODEL, max_tokens=20, system=system, messages=HI).usage)
+        prompts.append(_prompt(fake))
+    assert prompts[0] == prompts[1] and "billing" not in prompts[0]
+    assert "<|im_start|>system\nYou are a Claude agent, built on Anthropic's Claude Agent SDK." in prompts[0]
+    assert usages[1].input_tokens < 10 < usages[1].cache_read_input_tokens
+    # only a line that is the header alone goes; as a string system prompt too; other text stays
+    client.messages.create(model=MODEL, max_tokens=20, messages=HI,
+                           system="x-anthropic-billing-header: cc_version=1; cch=0a;\nBe brief. x-anthropic-billing-header: kept")
+    assert "<|im_start|>system\nBe brief. x-anthropic-billing-header: kept<|im_end|>" in _prompt(fake)
+
+
 def test_stream_event_sequence_and_sdk_helpers(daemon):
     client = _client(daemon)
     with client.messages.stream(model=MODEL, max_tokens=100, messages=HI) as s:

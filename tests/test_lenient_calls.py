@@ -11,7 +11,7 @@ import random
 import pytest
 
 from localrun.config import settings
-from localrun.server.lenient_calls import HOLD_MAX, LenientCalls, calls_in, fits
+from localrun.server.lenient_calls import HOLD_MAX, LenientCalls, calls_in, coerce, fits
 from localrun.server.output import OutputParser, reasoning_for
 from localrun.server.tool_formats import learn
 
@@ -189,3 +189,56 @@ def test_schema_fit_and_call_shapes():
     deep = "[" * 5000 + "]" * 5000  # RecursionError-deep JSON is no call (and no crash)
     assert calls_in(deep, tools) is None
     assert LenientCalls.run(deep, tools) == (deep, [])
+
+
+# Claude Code's Read tool, as Claude Code 2.1 sends it (trimmed to the typed properties)
+READ = {"name": "Read", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["file_path"],
+    "properties": {"file_path": {"type": "string"}, "offset": {"type": "integer", "minimum": 0},
+                   "limit": {"type": "integer", "exclusiveMinimum": 0}, "pages": {"type": "string"}}}}
+TYPED = {"name": "typed", "parameters": {"type": "object", "properties": {
+    "n": {"type": "number"}, "flag": {"type": "boolean"}, "either": {"type": ["integer", "null"]},
+    "s": {"type": "string"}, "inner": {"type": "object", "properties": {"k": {"type": "integer"}}}}}}
+
+
+def test_numbers_and_booleans_written_as_strings_are_coerced_before_the_check():
+    tools = {"Read": READ, "typed": TYPED}
+    # recorded, 0.5B under Claude Code: offset and limit as strings
+    text = '```json\n{"name": "Read", "arguments": {"file_path": "notes.txt", "offset": "0", "limit": "200"}}\n```'
+    assert LenientCalls.run(text, tools) == ("", [("Read", {"file_path": "notes.txt", "offset": 0, "limit": 200})])
+    got = calls_in('{"name": "typed", "arguments": {"n": "-2.5", "flag": "true", "either": "7", "s": "12", '
+                   '"inner": {"k": "3"}}}', tools)
+    assert got == [("typed", {"n": -2.5, "flag": True, "either": 7, "s": "12", "inner": {"k": 3}})]
+    assert type(got[0][1]["either"]) is int and type(got[0][1]["n"]) is float
+    assert calls_in('{"name": "typed", "arguments": {"n": "4"}}', tools) == [("typed", {"n": 4})]
+    assert calls_in('{"name": "typed", "arguments": {"flag": "false"}}', tools) == [("typed", {"flag": False})]
+
+
+@pytest.mark.parametrize("args", [
+    '{"file_path": "a", "offset": "zero"}', '{"file_path": "a", "offset": " 0"}', '{"file_path": "a", "offset": "0.5"}',
+    '{"file_path": "a", "offset": "1e3"}', '{"file_path": "a", "offset": "007"}', '{"file_path": "a", "offset": "-1"}',
+    '{"file_path": "a", "offset": ""}', '{"file_path": 5}', '{"file_path": "a", "pages": 3}',
+    '{"file_path": "a", "offset": "0", "bogus": 1}',
+])
+def test_everything_else_stays_strict(args):
+    text = '{"name": "Read", "arguments": %s}' % args
+    assert calls_in(text, {"Read": READ}) is None
+    assert LenientCalls.run(text, {"Read": READ}) == (text, [])
+
+
+def test_coerce_leaves_what_it_does_not_type_alone():
+    schema = TYPED["parameters"]
+    args = {"flag": "True", "n": "1,5", "s": "3", "other": "4", "inner": "x"}
+    assert coerce(args, schema) == args and coerce(args, None) == args and coerce({"n": "2"}, {}) == {"n": "2"}
+    mine = {"n": "2"}
+    assert coerce(mine, schema) == {"n": 2} and mine == {"n": "2"}  # a new dict: the model's own is unchanged
+
+
+def test_the_templates_own_markers_get_the_same_coercion():
+    tools = [{"type": "function", "function": READ}]
+    p = OutputParser(reasoning_for(QWEN_TEMPLATE, ""), {"Read"}, tool_format=learn(QWEN_TEMPLATE), tools=tools,
+                     lenient=False)
+    _, content = p.feed('<tool_call>\n{"name": "Read", "arguments": {"file_path": "notes.txt", "offset": "0"}}\n</tool_call>')
+    _, rest, calls = p.finish()
+    assert content + rest == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("Read", {"file_path": "notes.txt", "offset": 0})]

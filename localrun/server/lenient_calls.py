@@ -14,6 +14,10 @@ as it streams and pulls such calls out of it:
   ``{"name": N, "arguments": {..}}``, ``"arguments"`` as a JSON string, ``"parameters"`` for
   ``"arguments"``, OpenAI's ``{"type": "function", "function": {"name": N, "arguments": ..}}``;
   an object with any other key (a tool's definition echoed back) is not a call.
+- Before the check, an argument the schema types as integer, number or boolean that the model
+  wrote as a string reading exactly as one (``"0"``, ``"-12"``, ``"2.5"``, ``"true"``) is taken as
+  that value (:func:`coerce`, as a tolerant client would); the call goes out with the typed
+  value. Nothing else is loosened.
 - Anything else (an unknown name, arguments that do not parse or do not fit, other JSON) is
   released as content, unchanged. A held piece over :data:`HOLD_MAX` characters is released as
   content without waiting for its end.
@@ -63,6 +67,45 @@ def _validator(schema: dict) -> Any:
     return v
 
 
+_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_NUM = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+
+
+def _scalar(value: str, kinds: list) -> Any:
+    """`value` as the first of the schema's types it reads exactly as; itself when none."""
+    if "string" in kinds:
+        return value
+    for kind in kinds:
+        if kind == "integer" and _INT.fullmatch(value):
+            return int(value)
+        if kind == "number" and _NUM.fullmatch(value):
+            f = float(value)
+            return int(value) if _INT.fullmatch(value) else f
+        if kind == "boolean" and value in ("true", "false"):
+            return value == "true"
+    return value
+
+
+def coerce(args: dict, schema: Any) -> dict:
+    """`args` with each string the schema types as integer, number or boolean (and reads exactly as
+    one) turned into that value; nested objects' properties too. A new dict; nothing else changes."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(args, dict) or not isinstance(props, dict):
+        return args
+    out = dict(args)
+    for key, value in args.items():
+        sub = props.get(key)
+        if not isinstance(sub, dict):
+            continue
+        kind = sub.get("type")
+        kinds = kind if isinstance(kind, list) else [kind]
+        if isinstance(value, str):
+            out[key] = _scalar(value, kinds)
+        elif isinstance(value, dict) and "object" in kinds:
+            out[key] = coerce(value, sub)
+    return out
+
+
 def fits(args: dict, schema: Any) -> bool:
     """`args` fit the tool's parameter schema (no schema: any object does)."""
     if not isinstance(schema, dict) or not schema:
@@ -91,7 +134,11 @@ def _one(obj: Any, tools: dict[str, dict]) -> tuple[str, dict] | None:
             args = json.loads(args, strict=False) if args.strip() else {}
         except (ValueError, RecursionError):
             return None
-    if not isinstance(args, dict) or not fits(args, (tools.get(name) or {}).get("parameters")):
+    schema = (tools.get(name) or {}).get("parameters")
+    if not isinstance(args, dict):
+        return None
+    args = coerce(args, schema)
+    if not fits(args, schema):
         return None
     return name, args
 
@@ -350,4 +397,4 @@ class LenientCalls:
         return "".join(out), self.calls
 
 
-__all__ = ["LenientCalls", "calls_in", "fits", "enabled", "HOLD_MAX", "SHAPES"]
+__all__ = ["LenientCalls", "calls_in", "coerce", "fits", "enabled", "HOLD_MAX", "SHAPES"]

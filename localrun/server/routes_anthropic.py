@@ -4,7 +4,9 @@ the generation service's events -> Anthropic's SSE events or one message object.
 
 - ``system`` (a string or text blocks) -> a system message; a ``system`` message inside
   ``messages`` (Claude Code sends them) joins the user turn before it as a system note (most
-  templates take one system message, first). Content blocks: text -> content,
+  templates take one system message, first). A system line that is only Claude Code's
+  ``x-anthropic-billing-header: ...`` (attribution for Anthropic's billing, different from prompt
+  to prompt) is left out, so every session's prompt shares its prefix and the caches hit. Content blocks: text -> content,
   ``tool_use`` (assistant) -> tool calls, ``tool_result`` (user) -> tool messages (``is_error``
   results are marked "Error: "), ``thinking`` blocks of earlier turns are the assistant message's
   reasoning (the template decides: most drop old reasoning, gpt-oss keeps it before a tool call);
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -93,6 +96,15 @@ def _texts(value: Any, where: str) -> str:
             raise _unsupported(b, f"{where}[{j}]")
         parts.append(_text(b, f"{where}[{j}]"))
     return "\n".join(parts)
+
+
+_BILLING = re.compile(r"^[ \t]*x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE | re.IGNORECASE)
+
+
+def _system_text(value: Any, where: str) -> str:
+    """System text without Claude Code's billing-header line (metadata, not an instruction)."""
+    text, n = _BILLING.subn("", _texts(value, where))
+    return text.strip("\n") if n else text
 
 
 def _image(b: dict, where: str) -> ImageInput:
@@ -173,7 +185,7 @@ def _messages(body: dict) -> list[dict]:
         raise InvalidRequest("'messages' must be a non-empty list")
     out: list[dict] = []
     if body.get("system") is not None:
-        system = _texts(body["system"], "system")
+        system = _system_text(body["system"], "system")
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
@@ -182,7 +194,7 @@ def _messages(body: dict) -> list[dict]:
             raise InvalidRequest(f"{where} must be an object with role 'user', 'assistant' or 'system'")
         role, content = m["role"], m.get("content")
         if role == "system":  # a system message inside the conversation (Claude Code sends them)
-            _system_in_conversation(out, _texts(content, f"{where}.content"))
+            _system_in_conversation(out, _system_text(content, f"{where}.content"))
             continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from localrun.server.lenient_calls import coerce
+
 PROBE_NAME = "lr_probe_fn"
 PROBE_ID = "a1b2c3d4e"  # Mistral's templates want 9 alphanumerics
 PROBE_ARGS = {"lr_key_a": "lr value a", "lr_key_b": 17}
@@ -171,7 +173,9 @@ class ToolFormat:
                     args = json.loads(args, strict=False)
                 except (ValueError, RecursionError):
                     return None
-            return (j, args) if isinstance(args, dict) else None
+            if not isinstance(args, dict):
+                return None
+            return j, coerce(args, (tools.get(name) or {}).get("parameters"))  # "0" for an integer -> 0
         props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
         args: dict[str, Any] = {}
         while True:
