@@ -37,7 +37,7 @@ a crash or a hang costs that item only: it is recorded with its error's last lin
 
 The results file, results/gpu-check-<GPU name>[-quick|-tiny].json, holds the commit, the device
 and, per item, its status (pass | fail | error | timed out | skipped), its numbers and the target
-it was compared with. The full run is bounded by 12 minutes, --quick (the same items at reduced
+it was compared with. The full run is bounded by 9 minutes (one 10-minute command on a lent GPU), --quick (the same items at reduced
 sizes) by 5; each item has its own budget within that. Budgets are upper bounds: an item that
 needs more is stopped, never the run.
 
