@@ -318,9 +318,9 @@ def test_quant_kernels_compile_for_h100():
     _compile_for_gpu(
         extend_attn._extend_kernel, h100,
         {"Q": bf, "K": i8, "V": i8, "KScale": "*fp32", "VScale": "*fp32", "O": bf, "PageTable": "*i32",
-         "CuSeqlensQ": "*i32", "SeqLens": "*i32", "scale_log2": "fp32"},
+         "CuSeqlensQ": "*i32", "SeqLens": "*i32", "Sinks": "*fp32", "scale_log2": "fp32"},
         dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=16, PRECISION="tf32",
-             QUANT=1), num_warps=warps, num_stages=stages)
+             QUANT=1, SINKS=False), num_warps=warps, num_stages=stages)
 
 
 # --------------------------------------------------------------------------- the native backend, real SmolLM2
