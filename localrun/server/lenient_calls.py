@@ -323,7 +323,12 @@ class LenientCalls:
                 self.mode = "spill_json"
                 return self._spill_json()
             return None
-        calls = calls_in(self.buf[:end], self.tools)
+        return self._decide(self.buf[:end], end)
+
+    def _decide(self, body: str, end: int) -> str | None:
+        """buf[:end] is whole (a balanced JSON value or a closed fence around `body`): the calls it holds, or
+        content released as it was."""
+        calls = calls_in(body, self.tools)
         if calls:
             self._took(end, calls)
             return ""
@@ -355,14 +360,7 @@ class LenientCalls:
                 self.mode = "spill_fence"
                 return self._spill_fence()
             return None
-        calls = calls_in(self.buf[self.body:close], self.tools)
-        end = close + 3
-        if calls:
-            self._took(end, calls)
-            return ""
-        piece, self.buf = self.buf[:end], self.buf[end:]
-        self.mode = "text"
-        return self._release(piece)
+        return self._decide(self.buf[self.body:close], close + 3)
 
     def _spill_fence(self) -> str | None:
         if not self.buf:
